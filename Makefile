@@ -1,0 +1,36 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+# Both create .venv on first use (torch pinned for development and CI; the package
+# itself only states a range, so users keep their own torch).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+
+.PHONY: venv demo test lint typecheck bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)" numpy
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/stepwatch demo
+
+# Lint and type checks run inside the test suite (tests/test_quality.py).
+test: venv
+	$(PY) -m pytest
+
+lint: venv
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+typecheck: venv
+	$(PY) tools/typecheck.py
+
+clean:
+	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,268 @@
+"""The per-process agent: the hot path and the window hand-off.
+
+``step()`` is called once per optimizer step on the training thread. It reads one
+clock, stores a few numbers into preallocated arrays and, once per window, copies them
+into a ``Window`` for the sender. It takes no lock, does no I/O, never synchronises a
+device and never raises: any internal error disables the agent with one warning.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import operator
+import time
+import warnings
+from array import array
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from . import __version__
+from ._device_clock import CudaEventClock
+from ._env import RankInfo
+from ._payload import build_payload, encode, new_batch_id
+from ._sender import Sender, SenderStats
+from ._window import TAG_CODES, Window
+from .config import AgentConfig
+
+log = logging.getLogger("stepwatch")
+T = TypeVar("T")
+_perf = time.perf_counter
+
+
+class Stepwatch:
+    """Handle returned by :func:`stepwatch.init`. See the README for the one-line hook."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        rank: RankInfo,
+        *,
+        convention: Mapping[str, Any] | None,
+        start_step: int = 0,
+        device_clock: CudaEventClock | None = None,
+        sender: Sender | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.convention = convention
+        cap = config.max_window_steps
+        self._cap = cap
+        self._interval = config.send_interval_s
+        # Preallocated columns: the hot path only overwrites slots.
+        self._time = array("d", bytes(8 * cap))
+        self._wait = array("d", bytes(8 * cap))
+        self._tokens = array("q", bytes(8 * cap))
+        self._padded = array("q", bytes(8 * cap))
+        self._tags = array("b", bytes(cap))
+        self._padded_seen = False
+        self._n = 0
+        self._tag = 0
+        self._wait_acc = 0.0
+        self._first_step = start_step + 1  # steps are numbered from 1 after start_step
+        self._warmup_end = start_step + config.warmup_steps  # last warm-up step, inclusive
+        now = _perf()
+        self._last = now
+        self._window_start = now
+        self._hot_s = 0.0
+        self._hot_n = 0
+        self._dev = device_clock
+        self._enabled = config.enabled
+        self._closed = False
+        self._rank_dict = rank.to_dict()
+        window_bytes = Window(0, self._time, self._wait, self._tokens, self._padded, self._tags, 0.0)
+        max_windows = max(4, config.max_buffer_bytes // window_bytes.approx_bytes())
+        self._sender = sender or Sender(
+            config.url,
+            self._encode,
+            token=config.token,
+            max_windows=max_windows,
+            timeout_s=config.http_timeout_s,
+        )
+        atexit.register(self._atexit)
+
+    # -- hot path ------------------------------------------------------------------
+    def step(self, tokens: int = 0, padded_tokens: int | None = None) -> None:
+        """Mark the end of one optimizer step that consumed ``tokens`` non-padding tokens.
+
+        Pass plain Python ints: converting a CUDA tensor to a number synchronises the GPU.
+        """
+        now = _perf()
+        if not self._enabled:
+            return
+        try:
+            i = self._n
+            self._time[i] = now - self._last
+            self._last = now
+            self._wait[i] = self._wait_acc
+            self._wait_acc = 0.0
+            try:
+                self._tokens[i] = tokens
+            except TypeError:
+                self._tokens[i] = _as_count(tokens, "tokens")
+            if padded_tokens is not None:
+                try:
+                    self._padded[i] = padded_tokens
+                except TypeError:
+                    self._padded[i] = _as_count(padded_tokens, "padded_tokens")
+                self._padded_seen = True
+            self._tags[i] = self._tag
+            self._tag = 0
+            if self._dev is not None:
+                self._dev.record(i)
+            i += 1
+            self._n = i
+            if i == self._cap or now - self._window_start >= self._interval:
+                self._close_window(now)
+            self._hot_s += _perf() - now
+            self._hot_n += 1
+        except Exception as exc:
+            self._disable(exc)
+
+    def _close_window(self, now: float) -> None:
+        n = self._n
+        first = self._first_step
+        tags = self._tags[:n]
+        for j in range(max(0, min(n, self._warmup_end - first + 1))):
+            if not tags[j]:
+                tags[j] = TAG_CODES["warmup"]
+        window = Window(
+            first_step=first,
+            step_time_s=self._time[:n],
+            data_wait_s=self._wait[:n],
+            tokens=self._tokens[:n],
+            padded_tokens=self._padded[:n] if self._padded_seen else None,
+            tags=tags,
+            wall_end=time.time(),
+            device_events=self._dev.take(n) if self._dev is not None else None,
+        )
+        self._first_step = first + n
+        self._n = 0
+        self._padded_seen = False
+        self._window_start = now
+        self._sender.submit(window)
+
+    # -- data loading --------------------------------------------------------------
+    def loader(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Yield from ``iterable``, charging the time spent waiting for each item to the
+        step that consumes it (the data-loader wait)."""
+        it = iter(iterable)
+        while True:
+            t0 = _perf()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            self._wait_acc += _perf() - t0
+            yield item
+
+    # -- tags ----------------------------------------------------------------------
+    def mark(self, tag: str) -> None:
+        """Tag the step in progress as ``warmup``, ``checkpoint`` or ``eval``: such steps
+        are kept out of baselines and regression detection."""
+        code = TAG_CODES.get(tag)
+        if code is None:
+            raise ValueError(f"unknown tag {tag!r}; use one of {sorted(TAG_CODES)}")
+        self._tag = code
+
+    @contextmanager
+    def phase(self, tag: str) -> Iterator[None]:
+        """``with sw.phase("checkpoint"): save(...)`` tags the step that contains it."""
+        self.mark(tag)
+        yield
+
+    # -- lifecycle -----------------------------------------------------------------
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Close the current window and wait until everything is sent. True if all was."""
+        try:
+            if self._n and self._enabled:
+                self._close_window(_perf())
+            return self._sender.flush(self.config.flush_timeout_s if timeout_s is None else timeout_s)
+        except Exception as exc:
+            self._disable(exc)
+            return False
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Send what is left within the deadline and stop the sender. Idempotent."""
+        if self._closed:
+            return True
+        self._closed = True
+        try:
+            if self._n and self._enabled:
+                self._close_window(_perf())
+            self._enabled = False
+            return self._sender.close(self.config.flush_timeout_s if timeout_s is None else timeout_s)
+        except Exception as exc:
+            self._disable(exc)
+            return False
+        finally:
+            atexit.unregister(self._atexit)
+
+    def _atexit(self) -> None:
+        self.close()
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The agent's view of itself: what it sent, dropped, and what it cost per step."""
+        s = self._sender.stats
+        return {
+            "steps": self._first_step - 1 + self._n,
+            "sent_batches": s.sent_batches,
+            "sent_steps": s.sent_steps,
+            "dropped_windows": s.dropped_windows,
+            "dropped_steps": s.dropped_steps,
+            "rejected_batches": s.rejected_batches,
+            "failed_attempts": s.failed_attempts,
+            "pending_windows": self._sender.pending(),
+            "last_error": s.last_error,
+            "hot_path_mean_s": self._hot_s / self._hot_n if self._hot_n else None,
+        }
+
+    # -- sender thread -------------------------------------------------------------
+    def _encode(self, window: Window, stats: SenderStats) -> bytes:
+        if not window.batch_id:
+            window.batch_id = new_batch_id()
+        step_times = None
+        if window.device_events is not None:
+            prev, events = window.device_events
+            step_times = CudaEventClock.resolve(prev, events, window.step_time_s)
+            window.device_events = None
+            window.step_time_s = array("d", step_times)
+        agent = {
+            "version": __version__,
+            "clock": "cuda_events" if self._dev is not None else "host",
+            "dropped_windows": stats.dropped_windows,
+            "dropped_steps": stats.dropped_steps,
+            "hot_path_mean_s": self._hot_s / self._hot_n if self._hot_n else None,
+        }
+        payload = build_payload(
+            window,
+            run=self.config.run,
+            rank=self._rank_dict,
+            convention=self.convention,
+            agent=agent,
+            sent_at=time.time(),
+        )
+        return encode(payload)
+
+    def _disable(self, exc: BaseException) -> None:
+        if self._enabled:
+            self._enabled = False
+            warnings.warn(
+                f"stepwatch disabled itself after an internal error ({exc!r}); training is unaffected",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            log.exception("stepwatch: internal error", exc_info=exc)
+
+
+def _as_count(value: Any, name: str) -> int:
+    """Slow path for non-int counts (numpy ints, 0-d tensors)."""
+    if getattr(value, "is_cuda", False):
+        warnings.warn(
+            f"stepwatch: {name} was a CUDA tensor; converting it synchronises the GPU. Pass a Python int.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return operator.index(value) if not isinstance(value, float) else int(value)

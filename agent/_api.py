@@ -1,0 +1,113 @@
+"""``stepwatch.init``: the one call that sets the agent up."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from . import _env, config
+from ._agent import Stepwatch
+from ._device_clock import cuda_clock
+
+log = logging.getLogger("stepwatch")
+_current: Stepwatch | None = None
+
+
+def current() -> Stepwatch | None:
+    """The agent made by the last ``init`` in this process, if any."""
+    return _current
+
+
+def _model_on_cuda(model: Any) -> bool:
+    try:
+        param = next(iter(model.parameters()))
+    except (AttributeError, StopIteration, TypeError):
+        return False
+    return bool(getattr(param, "is_cuda", False))
+
+
+def init(
+    run: str | None = None,
+    *,
+    model: Any = None,
+    seq_len: int | None = None,
+    url: str | None = None,
+    token: str | None = None,
+    flops_per_token: float | None = None,
+    formula: str = "auto",
+    attention: str = "causal",
+    n_layers: int | None = None,
+    d_model: int | None = None,
+    active_params: int | None = None,
+    exclude_embeddings: bool = True,
+    dtype: str = "bf16",
+    device_name: str | None = None,
+    peak_flops: float | None = None,
+    recompute: str | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    rank: int | None = None,
+    local_rank: int | None = None,
+    world_size: int | None = None,
+    host: str | None = None,
+    start_step: int = 0,
+    send_interval_s: float | None = None,
+    warmup_steps: int | None = None,
+    flush_timeout_s: float | None = None,
+) -> Stepwatch:
+    """Set up the agent for this process and return its handle.
+
+    Configuration mistakes (a layout that does not divide the world, a bad run name)
+    raise ``ValueError`` here, at start-up, where they are cheap to fix. Anything that
+    fails later stays inside the agent. Calling ``init`` again closes the previous
+    agent (flushing it) and starts a new one.
+    """
+    global _current
+    cfg = config.load(
+        run,
+        url=url,
+        token=token,
+        send_interval_s=send_interval_s,
+        warmup_steps=warmup_steps,
+        flush_timeout_s=flush_timeout_s,
+    )
+    info = _env.detect(
+        rank=rank, local_rank=local_rank, world_size=world_size, host=host, tp=tp, pp=pp, cp=cp, ep=ep
+    )
+    if start_step < 0:
+        raise ValueError(f"start_step must be >= 0, got {start_step}")
+    convention: dict[str, Any] | None = None
+    try:
+        from .mfu import resolve_convention
+
+        convention = resolve_convention(
+            model=model,
+            seq_len=seq_len,
+            flops_per_token=flops_per_token,
+            formula=formula,
+            attention=attention,
+            n_layers=n_layers,
+            d_model=d_model,
+            exclude_embeddings=exclude_embeddings,
+            active_params=active_params,
+            dtype=dtype,
+            device_name=device_name,
+            peak_flops=peak_flops,
+            recompute=recompute,
+        ).to_dict()
+    except ValueError:
+        raise
+    except Exception as exc:  # MFU is optional; the rest of the agent still works
+        warnings.warn(
+            f"stepwatch: no FLOPs convention, MFU will be null ({exc!r})", RuntimeWarning, stacklevel=2
+        )
+    clock = None
+    if model is not None and _model_on_cuda(model):
+        clock = cuda_clock(cfg.max_window_steps)
+    if _current is not None:
+        _current.close()
+    _current = Stepwatch(cfg, info, convention=convention, start_step=start_step, device_clock=clock)
+    return _current

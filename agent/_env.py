@@ -1,0 +1,139 @@
+"""Where this process sits in the job: rank, host and parallel layout.
+
+Read once at ``init`` from the launcher's environment (torchrun sets ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``; Slurm sets ``SLURM_PROCID``, ``SLURM_LOCALID``,
+``SLURM_NTASKS``), so that the agent never needs ``torch.distributed`` to be
+initialised, and never issues a collective of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+#: Parallel dimensions, fastest-varying first. This is Megatron-LM's default rank
+#: order (tp-cp-ep-dp-pp without ep, which shares ranks with dp): consecutive ranks
+#: form a tensor-parallel group, and pipeline stages are the outermost blocks.
+LAYOUT_ORDER: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of the parallel dimensions. The default is pure data parallelism."""
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def to_dict(self) -> dict[str, int]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Identity of one training process, shipped with every payload."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    layout: Layout
+    coords: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def counts_tokens(self) -> bool:
+        """True for one rank per data-parallel replica.
+
+        Job throughput sums tokens over replicas, once per replica: ranks that share a
+        replica (tensor, context or pipeline peers) see the same tokens.
+        """
+        return all(self.coords.get(dim, 0) == 0 for dim in ("tp", "cp", "pp"))
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "world_size": self.world_size,
+            "host": self.host,
+            "layout": self.layout.to_dict(),
+            "coords": dict(self.coords),
+            "counts_tokens": self.counts_tokens,
+        }
+
+
+def _int_env(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                continue
+    return None
+
+
+def coords_for(rank: int, layout: Layout) -> dict[str, int]:
+    """Coordinates of ``rank`` in the layout, tensor-parallel fastest (see LAYOUT_ORDER)."""
+    coords: dict[str, int] = {}
+    rest = rank
+    for dim in LAYOUT_ORDER:
+        size = getattr(layout, dim)
+        coords[dim] = rest % size
+        rest //= size
+    return coords
+
+
+def detect(
+    env: Mapping[str, str] | None = None,
+    *,
+    rank: int | None = None,
+    local_rank: int | None = None,
+    world_size: int | None = None,
+    host: str | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+) -> RankInfo:
+    """Build the RankInfo from explicit arguments, then torchrun, then Slurm variables.
+
+    Raises ValueError when the layout does not divide the world size: that is a
+    configuration mistake the user must hear about at init, not silently absorb.
+    """
+    env = os.environ if env is None else env
+    r = rank if rank is not None else _int_env(env, "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+    lr = (
+        local_rank
+        if local_rank is not None
+        else _int_env(env, "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+    )
+    ws = (
+        world_size
+        if world_size is not None
+        else _int_env(env, "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+    )
+    r = 0 if r is None else r
+    ws = 1 if ws is None else ws
+    lr = r if lr is None else lr
+    if ws < 1 or not 0 <= r < ws:
+        raise ValueError(f"rank {r} is outside world size {ws}")
+    for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+        if size < 1:
+            raise ValueError(f"{name} must be >= 1, got {size}")
+    model_parallel = tp * pp * cp
+    if ws % model_parallel:
+        raise ValueError(f"world size {ws} is not divisible by tp*pp*cp = {model_parallel}")
+    layout = Layout(dp=ws // model_parallel, tp=tp, pp=pp, cp=cp, ep=ep)
+    hostname = host or env.get("STEPWATCH_HOST") or env.get("SLURMD_NODENAME") or socket.gethostname()
+    return RankInfo(
+        rank=r,
+        local_rank=lr,
+        world_size=ws,
+        host=hostname,
+        layout=layout,
+        coords=coords_for(r, layout),
+    )

@@ -1,0 +1,72 @@
+"""The wire format: one versioned JSON document per window of one rank.
+
+Columns, not rows: a window of N steps is a handful of arrays of length N, which is
+both the cheapest thing to build and the cheapest thing for the collector to validate.
+Everything that identifies the sender (run, rank, host, layout) and what makes MFU
+comparable (the FLOPs convention) travels with every batch, so the collector needs no
+session state and any replica can accept any batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._window import TAGS, Window
+
+SCHEMA_VERSION = 1
+
+
+def new_batch_id() -> str:
+    """A random 128-bit id: retries of the same batch carry it, so it is stored once."""
+    return uuid.uuid4().hex
+
+
+def _floats(values: Sequence[float]) -> list[float]:
+    # JSON has no NaN/inf; a clock that misbehaves must not make the whole batch invalid.
+    return [v if math.isfinite(v) and v >= 0.0 else 0.0 for v in values]
+
+
+def _counts(values: Sequence[int]) -> list[int]:
+    return [v if v > 0 else 0 for v in values]
+
+
+def build_payload(
+    window: Window,
+    *,
+    run: str,
+    rank: Mapping[str, Any],
+    convention: Mapping[str, Any] | None,
+    agent: Mapping[str, Any],
+    step_time_s: Sequence[float] | None = None,
+    sent_at: float,
+) -> dict[str, Any]:
+    """Assemble the payload dict for one window (sender thread only)."""
+    times = step_time_s if step_time_s is not None else window.step_time_s
+    tags = window.tags
+    steps: dict[str, Any] = {
+        "first": window.first_step,
+        "time_s": _floats(times),
+        "data_wait_s": _floats(window.data_wait_s),
+        "tokens": _counts(window.tokens),
+        "padded_tokens": _counts(window.padded_tokens) if window.padded_tokens is not None else None,
+        "tags": [TAGS[t] or None for t in tags] if tags is not None and any(tags) else None,
+        "wall_end": window.wall_end,
+    }
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "batch_id": window.batch_id,
+        "run": run,
+        "sent_at": sent_at,
+        "agent": dict(agent),
+        "rank": dict(rank),
+        "convention": dict(convention) if convention is not None else None,
+        "steps": steps,
+    }
+
+
+def encode(payload: Mapping[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()

@@ -1,0 +1,40 @@
+"""A closed window of steps: the unit the hot path hands to the sender.
+
+The hot path copies its preallocated arrays into one of these (a few memcpy-sized
+slices every window, never per step) and appends it to the sender's queue. Turning it
+into a payload (device-time resolution, JSON) happens on the sender's thread.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Step tags. The collector excludes tagged steps from baselines and regressions.
+TAGS: tuple[str, ...] = ("", "warmup", "checkpoint", "eval")
+TAG_CODES: dict[str, int] = {name: code for code, name in enumerate(TAGS) if name}
+
+
+@dataclass
+class Window:
+    """Per-step columns of one window, plus what is needed to finish them off-thread."""
+
+    first_step: int
+    step_time_s: array[float]
+    data_wait_s: array[float]
+    tokens: array[int]
+    padded_tokens: array[int] | None
+    tags: array[int] | None
+    wall_end: float
+    device_events: tuple[Any, list[Any]] | None = None
+    batch_id: str = field(default="")
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.step_time_s)
+
+    def approx_bytes(self) -> int:
+        """Memory held by this window, for the agent's memory bound."""
+        n = self.n_steps
+        return 200 + n * (8 + 8 + 8 + (8 if self.padded_tokens is not None else 0) + 1)

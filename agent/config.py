@@ -1,0 +1,89 @@
+"""Agent settings: explicit arguments first, then ``STEPWATCH_*`` environment variables.
+
+A plain dataclass on purpose: the agent lives in the training process and imports
+nothing heavier than it needs (no pydantic).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+DEFAULT_URL = "http://127.0.0.1:8321"
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    run: str
+    url: str = DEFAULT_URL
+    token: str | None = None
+    enabled: bool = True
+    #: A window closes (and is queued for sending) after this many seconds of steps...
+    send_interval_s: float = 10.0
+    #: ...or after this many steps, whichever comes first. Bounds the per-window arrays.
+    max_window_steps: int = 1024
+    #: The first steps after (re)start are tagged warm-up and kept out of baselines.
+    warmup_steps: int = 10
+    #: Memory bound of the outbound queue while the collector is away.
+    max_buffer_bytes: int = 32 * 1024 * 1024
+    #: How long ``close()`` (and the exit hook) may take to send what is queued.
+    flush_timeout_s: float = 5.0
+    http_timeout_s: float = 5.0
+
+
+def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number") from exc
+
+
+def _truthy(raw: str | None) -> bool:
+    return raw is not None and raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def load(
+    run: str | None = None,
+    *,
+    url: str | None = None,
+    token: str | None = None,
+    send_interval_s: float | None = None,
+    warmup_steps: int | None = None,
+    flush_timeout_s: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> AgentConfig:
+    """Resolve the configuration; a bad value raises ValueError naming the setting."""
+    env = os.environ if env is None else env
+    name = run or env.get("STEPWATCH_RUN") or "default"
+    if not _RUN_NAME.match(name):
+        raise ValueError(
+            f"run name {name!r} must be 1-128 characters of letters, digits and ._:- "
+            "(starting with a letter or digit)"
+        )
+    interval = (
+        send_interval_s if send_interval_s is not None else _env_float(env, "STEPWATCH_SEND_INTERVAL_S", 10.0)
+    )
+    if not interval > 0:
+        raise ValueError(f"send_interval_s must be > 0, got {interval}")
+    warmup = warmup_steps if warmup_steps is not None else int(_env_float(env, "STEPWATCH_WARMUP_STEPS", 10))
+    if warmup < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup}")
+    return AgentConfig(
+        run=name,
+        url=url or env.get("STEPWATCH_URL") or DEFAULT_URL,
+        token=token or env.get("STEPWATCH_TOKEN") or None,
+        enabled=not _truthy(env.get("STEPWATCH_DISABLED")),
+        send_interval_s=interval,
+        warmup_steps=warmup,
+        flush_timeout_s=(
+            flush_timeout_s
+            if flush_timeout_s is not None
+            else _env_float(env, "STEPWATCH_FLUSH_TIMEOUT_S", 5.0)
+        ),
+    )

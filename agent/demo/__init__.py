@@ -1,0 +1,5 @@
+"""The demo: a tiny GPT-like model trained by real gloo processes with the hook.
+
+Used by ``stepwatch demo`` and by the end-to-end tests, so the tests exercise exactly
+what a new user runs.
+"""

@@ -1,0 +1,127 @@
+"""One rank of the demo training: ``python -m stepwatch.demo.train`` under a launcher
+that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (torchrun, or
+``stepwatch.demo.launch``).
+
+Faults can be injected for tests and the demo: a slow rank (sleeps inside its forward,
+a compute straggler) and a stalled loader on one rank (a data straggler). Each rank also
+times its own loop, independently of stepwatch, and writes that to ``--out`` so tests
+can compare what the collector reports against what the rank itself measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+import stepwatch
+
+from .model import GPTConfig, TinyGPT, loss_fn
+
+PAD_ID = 0
+
+
+class SyntheticText(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """Random byte sequences of random length, right-padded: real and padding tokens."""
+
+    def __init__(self, cfg: GPTConfig, size: int, seed: int, stall_s: float = 0.0) -> None:
+        self.cfg, self.size, self.seed, self.stall_s = cfg, size, seed, stall_s
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if self.stall_s:
+            time.sleep(self.stall_s)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        n = int(torch.randint(self.cfg.seq_len // 2, self.cfg.seq_len + 1, (1,), generator=g))
+        seq = torch.full((self.cfg.seq_len + 1,), PAD_ID, dtype=torch.long)
+        seq[: n + 1] = torch.randint(1, self.cfg.vocab, (n + 1,), generator=g)
+        return seq[:-1], seq[1:], n
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--run", required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--peak-flops", type=float, default=None, help="declared peak FLOP/s of one rank")
+    p.add_argument("--send-interval", type=float, default=2.0)
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-ms", type=float, default=0.0)
+    p.add_argument("--slow-from", type=int, default=0, help="first step (1-based) of the slowdown")
+    p.add_argument("--slow-to", type=int, default=1 << 30, help="last step of the slowdown")
+    p.add_argument("--stall-rank", type=int, default=-1, help="rank whose loader stalls")
+    p.add_argument("--stall-ms", type=float, default=0.0, help="extra loader time per sample")
+    p.add_argument("--out", default=None, help="write this rank's own timings as JSON ({rank} is replaced)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4)
+    sw = stepwatch.init(
+        run=args.run,
+        model=model,
+        seq_len=cfg.seq_len,
+        dtype="fp32",
+        peak_flops=args.peak_flops,
+        send_interval_s=args.send_interval,
+        warmup_steps=args.warmup_steps,
+    )
+    stall_s = args.stall_ms / 1000.0 / args.batch if rank == args.stall_rank else 0.0
+    data = SyntheticText(cfg, size=args.steps * args.batch, seed=rank, stall_s=stall_s)
+    loader = DataLoader(data, batch_size=args.batch, num_workers=0)
+    ends: list[float] = []
+    tokens: list[int] = []
+    t_start = time.perf_counter()
+    for step, (x, y, n_real) in enumerate(sw.loader(loader), start=1):
+        logits = ddp(x)
+        loss = loss_fn(logits, y, PAD_ID)
+        if rank == args.slow_rank and args.slow_from <= step <= args.slow_to:
+            time.sleep(args.slow_ms / 1000.0)  # a compute straggler: busy before its all-reduce
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        n_tokens = int(n_real.sum())
+        sw.step(tokens=n_tokens, padded_tokens=x.numel())
+        ends.append(time.perf_counter())
+        tokens.append(n_tokens)
+    flushed = sw.close(timeout_s=10.0)
+    if args.out:
+        result: dict[str, Any] = {
+            "rank": rank,
+            "world_size": world,
+            "start": t_start,
+            "step_ends": ends,
+            "tokens": tokens,
+            "flushed": flushed,
+            "stats": sw.stats,
+            "convention": sw.convention,
+        }
+        with open(args.out.format(rank=rank), "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Alembic migration environment of the collector (packaged as stepwatch_server.migrations)."""

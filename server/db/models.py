@@ -1,0 +1,135 @@
+"""Tables of the collector.
+
+Storage shape (DESIGN §7: at most 200 bytes per rank-window): a job-level per-step
+series (one row per run and step, aggregated over ranks on ingest) plus per-rank window
+summaries (one row per run, rank and window of ``runs.window_steps`` steps). There is no
+row per rank per step: at 4,096 ranks that would be the whole database.
+
+Constraint names follow one convention so that migrations are reproducible on every
+backend (alembic's recommended naming convention).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    SmallInteger,
+    String,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# BIGINT on PostgreSQL, INTEGER on SQLite (where only INTEGER PRIMARY KEY autoincrements).
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Run(Base):
+    """One training run, keyed by the name the agent reports."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    world_size: Mapped[int] = mapped_column(Integer)
+    #: Data-parallel replicas: how many ranks contribute tokens to a step.
+    dp_size: Mapped[int] = mapped_column(Integer)
+    layout: Mapped[dict[str, Any]] = mapped_column(JSON)
+    #: The FLOPs convention (formula, attention, dtype, peak and its source); MFU is only
+    #: comparable between runs with the same convention.
+    convention: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    #: Steps per stored rank window, fixed at the run's first batch.
+    window_steps: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Rank(Base):
+    """Latest state of one rank of a run (updated by that rank's batches only)."""
+
+    __tablename__ = "ranks"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    local_rank: Mapped[int] = mapped_column(Integer)
+    coords: Mapped[dict[str, Any]] = mapped_column(JSON)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    agent_version: Mapped[str] = mapped_column(String(32))
+    clock: Mapped[str] = mapped_column(String(16))
+    dropped_windows: Mapped[int] = mapped_column(BigInteger, default=0)
+    dropped_steps: Mapped[int] = mapped_column(BigInteger, default=0)
+    hot_path_mean_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class RankWindow(Base):
+    """Summary of ``window_steps`` consecutive steps of one rank. Mergeable columns only
+    (counts, sums, minima, maxima) so that a window split over two batches adds up."""
+
+    __tablename__ = "rank_windows"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    window: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    n_steps: Mapped[int] = mapped_column(Integer)
+    step_time_sum: Mapped[float] = mapped_column(Float)
+    step_time_min: Mapped[float] = mapped_column(Float)
+    step_time_max: Mapped[float] = mapped_column(Float)
+    data_wait_sum: Mapped[float] = mapped_column(Float)
+    tokens_sum: Mapped[int] = mapped_column(BigInteger)
+    padded_tokens_sum: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    wall_end: Mapped[float] = mapped_column(Float)
+
+
+class JobStep(Base):
+    """One optimizer step of the whole job, aggregated over the ranks that reported it."""
+
+    __tablename__ = "job_steps"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    ranks: Mapped[int] = mapped_column(Integer)
+    token_ranks: Mapped[int] = mapped_column(Integer)
+    step_time_sum: Mapped[float] = mapped_column(Float)
+    step_time_max: Mapped[float] = mapped_column(Float)
+    data_wait_max: Mapped[float] = mapped_column(Float)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    padded_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: 0 = none, else an index into stepwatch's TAGS (warmup, checkpoint, eval).
+    tag: Mapped[int] = mapped_column(SmallInteger)
+    wall_end: Mapped[float] = mapped_column(Float)
+
+
+class IngestedBatch(Base):
+    """Batch ids already stored: a retried batch is acknowledged but not stored twice."""
+
+    __tablename__ = "ingested_batches"
+
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index(None, "run_id", "received_at"),)

@@ -1,0 +1,293 @@
+"""Read side: runs, overview, downsampled series and per-rank summaries.
+
+Per-step job values are derived in SQL from the additive columns that ingest keeps:
+step time is the mean over the ranks that reported the step, and global tokens are the
+tokens of the reporting data-parallel replicas scaled to all replicas, so a step that
+only some ranks have reported yet is still an unbiased estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, Float, Select, and_, cast, func, select
+from sqlalchemy.sql.elements import ColumnElement
+
+from .db.models import JobStep, Rank, RankWindow, Run
+from .schemas import RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
+
+LATEST_STEPS = 10
+JS = JobStep.__table__
+RUNS = Run.__table__
+RANKS = Rank.__table__
+RW = RankWindow.__table__
+
+
+class NotFoundError(LookupError):
+    """The named run (or metric) does not exist."""
+
+
+@dataclass(frozen=True)
+class RunRow:
+    id: int
+    name: str
+    world_size: int
+    dp_size: int
+    layout: dict[str, int]
+    convention: dict[str, Any] | None
+    window_steps: int
+
+    @property
+    def mfu_scale(self) -> float | None:
+        """MFU per token/s: flops_per_token / (devices x peak). None if peak unknown."""
+        conv = self.convention or {}
+        fpt, peak = conv.get("flops_per_token"), conv.get("peak_flops")
+        if not fpt or not peak:
+            return None
+        return float(fpt) / (self.world_size * float(peak))
+
+
+def get_run(conn: Connection, name: str) -> RunRow:
+    row = conn.execute(select(RUNS).where(RUNS.c.name == name)).first()
+    if row is None:
+        raise NotFoundError(f"run {name!r} not found")
+    return RunRow(
+        id=row.id,
+        name=row.name,
+        world_size=row.world_size,
+        dp_size=row.dp_size,
+        layout=row.layout,
+        convention=row.convention,
+        window_steps=row.window_steps,
+    )
+
+
+def _step_time() -> ColumnElement[Any]:
+    return JS.c.step_time_sum / JS.c.ranks
+
+
+def _tokens_est(run: RunRow) -> ColumnElement[Any]:
+    return cast(JS.c.tokens, Float) * run.dp_size / JS.c.token_ranks
+
+
+def _valid() -> ColumnElement[bool]:
+    return and_(JS.c.token_ranks > 0, JS.c.step_time_sum > 0)
+
+
+def list_runs(conn: Connection) -> list[RunSummary]:
+    agg = (
+        select(
+            RANKS.c.run_id,
+            func.count().label("ranks"),
+            func.max(RANKS.c.last_step).label("last_step"),
+            func.max(RANKS.c.last_seen).label("last_seen"),
+        )
+        .group_by(RANKS.c.run_id)
+        .subquery()
+    )
+    rows = conn.execute(
+        select(RUNS.c.name, RUNS.c.world_size, agg.c.ranks, agg.c.last_step, agg.c.last_seen)
+        .select_from(RUNS.outerjoin(agg, agg.c.run_id == RUNS.c.id))
+        .order_by(agg.c.last_seen.desc(), RUNS.c.name)
+    ).all()
+    return [
+        RunSummary(
+            name=r.name,
+            world_size=r.world_size,
+            ranks_reporting=r.ranks or 0,
+            last_step=r.last_step,
+            last_seen=_unix(r.last_seen),
+        )
+        for r in rows
+    ]
+
+
+def _unix(value: Any) -> float | None:
+    if value is None:
+        return None
+    if value.tzinfo is None:  # SQLite returns naive datetimes for timezone-aware columns
+        from datetime import timezone
+
+        value = value.replace(tzinfo=timezone.utc)
+    return float(value.timestamp())
+
+
+def overview(conn: Connection, name: str) -> RunOverview:
+    run = get_run(conn, name)
+    where_run = JS.c.run_id == run.id
+    st, tok = _step_time(), _tokens_est(run)
+    totals = conn.execute(
+        select(
+            func.count(),
+            func.min(JS.c.step),
+            func.max(JS.c.step),
+            func.coalesce(func.sum(tok), 0.0),
+            func.sum(JS.c.tokens),
+            func.sum(JS.c.padded_tokens),
+        ).where(where_run, _valid())
+    ).one()
+    steady = conn.execute(
+        select(func.sum(st), func.count(), func.sum(tok), func.avg(JS.c.data_wait_max)).where(
+            where_run, _valid(), JS.c.tag == 0
+        )
+    ).one()
+    recent_q = (
+        select(st.label("st"), tok.label("tok"), JS.c.data_wait_max.label("dw"))
+        .where(where_run, _valid())
+        .order_by(JS.c.step.desc())
+        .limit(LATEST_STEPS)
+        .subquery()
+    )
+    recent = conn.execute(
+        select(func.sum(recent_q.c.st), func.count(), func.sum(recent_q.c.tok), func.avg(recent_q.c.dw))
+    ).one()
+    ranks_reporting = conn.execute(select(func.count()).where(RANKS.c.run_id == run.id)).scalar_one()
+
+    def rate(tokens: float | None, seconds: float | None) -> float | None:
+        return float(tokens) / float(seconds) if tokens is not None and seconds else None
+
+    tps = Stat(latest=rate(recent[2], recent[0]), mean=rate(steady[2], steady[0]))
+    scale = run.mfu_scale
+    mfu = Stat(
+        latest=tps.latest * scale if scale and tps.latest is not None else None,
+        mean=tps.mean * scale if scale and tps.mean is not None else None,
+    )
+    padded_sum = totals[5]
+    return RunOverview(
+        name=run.name,
+        world_size=run.world_size,
+        layout=run.layout,
+        window_steps=run.window_steps,
+        convention=run.convention,
+        ranks_reporting=ranks_reporting,
+        first_step=totals[1],
+        last_step=totals[2],
+        steps_stored=totals[0],
+        tokens_total=round(totals[3]),
+        step_time_s=Stat(
+            latest=recent[0] / recent[1] if recent[1] else None,
+            mean=steady[0] / steady[1] if steady[1] else None,
+        ),
+        tokens_per_s=tps,
+        mfu=mfu,
+        data_wait_s=Stat(latest=_f(recent[3]), mean=_f(steady[3])),
+        padding_ratio=1.0 - float(totals[4]) / float(padded_sum) if padded_sum else None,
+    )
+
+
+def _f(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+#: Series metrics: name -> (unit, builder of the per-step SQL expression).
+def _metric_expr(run: RunRow, metric: str) -> tuple[str, ColumnElement[Any]]:
+    st = _step_time()
+    if metric == "step_time_s":
+        return "s", st
+    if metric == "step_time_max_s":
+        return "s", JS.c.step_time_max
+    if metric == "data_wait_s":
+        return "s", JS.c.data_wait_max
+    if metric == "tokens_per_s":
+        return "tokens/s", _tokens_est(run) / st
+    if metric == "mfu":
+        scale = run.mfu_scale
+        if scale is None:
+            raise NotFoundError(f"run {run.name!r} has no peak FLOP/s in its convention, so no MFU")
+        return "ratio", _tokens_est(run) / st * scale
+    if metric == "ranks_reporting":
+        return "ranks", cast(JS.c.ranks, Float)
+    raise NotFoundError(f"unknown metric {metric!r}; one of {', '.join(SERIES_METRICS)}")
+
+
+SERIES_METRICS = ("step_time_s", "step_time_max_s", "tokens_per_s", "mfu", "data_wait_s", "ranks_reporting")
+
+
+def series(
+    conn: Connection, name: str, metric: str, *, from_step: int | None, to_step: int | None, max_points: int
+) -> Series:
+    """Per-step metric downsampled into at most ``max_points`` buckets of equal step
+    width, each with min, mean and max of the steps inside it (not of a sample)."""
+    run = get_run(conn, name)
+    unit, value = _metric_expr(run, metric)
+    cond = [JS.c.run_id == run.id, _valid()]
+    if from_step is None or to_step is None:
+        lo, hi = conn.execute(select(func.min(JS.c.step), func.max(JS.c.step)).where(*cond)).one()
+        if lo is None:
+            return Series(run=name, metric=metric, unit=unit, points=[])
+        from_step = lo if from_step is None else from_step
+        to_step = hi if to_step is None else to_step
+    if to_step < from_step:
+        return Series(run=name, metric=metric, unit=unit, points=[])
+    width = max(1, math.ceil((to_step - from_step + 1) / max_points))
+    bucket = ((JS.c.step - from_step) // width).label("bucket")
+    q: Select[Any] = (
+        select(
+            bucket,
+            func.min(JS.c.step),
+            func.max(JS.c.step),
+            func.count(),
+            func.min(value),
+            func.avg(value),
+            func.max(value),
+        )
+        .where(*cond, JS.c.step >= from_step, JS.c.step <= to_step)
+        .group_by(bucket)
+        .order_by(bucket)
+    )
+    points = [
+        SeriesPoint(step_from=r[1], step_to=r[2], count=r[3], min=_f(r[4]), mean=_f(r[5]), max=_f(r[6]))
+        for r in conn.execute(q)
+    ]
+    return Series(run=name, metric=metric, unit=unit, points=points)
+
+
+def ranks(conn: Connection, name: str) -> list[RankSummary]:
+    """Each rank's identity and its latest stored window."""
+    run = get_run(conn, name)
+    latest = (
+        select(RW.c.rank, func.max(RW.c.window).label("window"))
+        .where(RW.c.run_id == run.id)
+        .group_by(RW.c.rank)
+        .subquery()
+    )
+    win = (
+        select(RW)
+        .join(latest, and_(RW.c.rank == latest.c.rank, RW.c.window == latest.c.window))
+        .where(RW.c.run_id == run.id)
+        .subquery()
+    )
+    rows = conn.execute(
+        select(RANKS, win)
+        .select_from(RANKS.outerjoin(win, win.c.rank == RANKS.c.rank))
+        .where(RANKS.c.run_id == run.id)
+        .order_by(RANKS.c.rank)
+    ).mappings()
+    out = []
+    for r in rows:
+        n = r[win.c.n_steps]
+        st_sum = r[win.c.step_time_sum]
+        out.append(
+            RankSummary(
+                rank=r[RANKS.c.rank],
+                host=r[RANKS.c.host],
+                local_rank=r[RANKS.c.local_rank],
+                coords=r[RANKS.c.coords],
+                last_step=r[RANKS.c.last_step],
+                last_seen=_unix(r[RANKS.c.last_seen]) or 0.0,
+                clock=r[RANKS.c.clock],
+                dropped_windows=r[RANKS.c.dropped_windows],
+                dropped_steps=r[RANKS.c.dropped_steps],
+                hot_path_mean_s=r[RANKS.c.hot_path_mean_s],
+                window=r[win.c.window],
+                window_first_step=r[win.c.first_step],
+                window_last_step=r[win.c.last_step],
+                step_time_s=st_sum / n if n else None,
+                step_time_max_s=r[win.c.step_time_max],
+                data_wait_s=r[win.c.data_wait_sum] / n if n else None,
+                tokens_per_s=r[win.c.tokens_sum] / st_sum if n and st_sum else None,
+            )
+        )
+    return out

@@ -1,0 +1,30 @@
+"""Collector settings from ``STEPWATCH_*`` environment variables (pydantic-settings).
+
+Created by the app factory or the CLI, never at import time, so tests and replicas can
+run several collectors with different settings in one process.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="STEPWATCH_", extra="ignore")
+
+    database_url: str = Field(
+        default="sqlite:///stepwatch.db",
+        description="SQLAlchemy URL. Default: a SQLite file in the working directory; "
+        "production: postgresql+psycopg://user@host/db",
+    )
+    host: str = "127.0.0.1"
+    port: int = 8321
+    #: Largest accepted request body; a window of 1,024 steps is about 40 KB of JSON.
+    max_body_bytes: int = 2 * 1024 * 1024
+    #: Longest per-step array in one payload (the agent sends at most 1,024 by default).
+    max_steps_per_batch: int = 10_000
+    #: Target wall time of one stored per-rank window; the step count is fixed per run.
+    window_seconds: float = 10.0
+    #: Apply migrations when ``serve`` starts.
+    migrate_on_start: bool = True

@@ -1,0 +1,184 @@
+"""The collector's API over a real database (SQLite and PostgreSQL), in process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine, func, select
+
+from stepwatch_server.app import create_app
+from stepwatch_server.db.models import IngestedBatch, JobStep, RankWindow
+from stepwatch_server.settings import Settings
+
+from ..payloads import CONVENTION, payload
+
+
+@pytest.fixture
+def client(db_url: str, engine: Engine) -> Iterator[TestClient]:
+    app = create_app(
+        Settings(database_url=db_url, window_seconds=2.0, max_body_bytes=64 * 1024), engine=engine
+    )
+    with TestClient(app) as c:
+        yield c
+
+
+def _count(engine: Engine, table: type) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
+
+
+def test_ingest_then_read_back(client: TestClient) -> None:
+    for rank in range(4):
+        r = client.post(
+            "/api/v1/ingest", json=payload(rank=rank, world=4, times=[0.5] * 8, tokens=[1000] * 8)
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["stored"] is True
+    runs = client.get("/api/v1/runs").json()
+    assert [(x["name"], x["world_size"], x["ranks_reporting"], x["last_step"]) for x in runs] == [
+        ("test-run", 4, 4, 8)
+    ]
+    ov = client.get("/api/v1/runs/test-run").json()
+    assert ov["steps_stored"] == 8
+    assert ov["tokens_total"] == 4 * 8 * 1000
+    assert ov["step_time_s"]["mean"] == pytest.approx(0.5)
+    assert ov["tokens_per_s"]["mean"] == pytest.approx(4000 / 0.5)
+    # MFU = tokens/s * flops/token / (devices * peak)
+    assert ov["mfu"]["mean"] == pytest.approx(8000 * 1e9 / (4 * 1e14))
+    assert ov["convention"]["id"] == CONVENTION["id"]
+    ranks = client.get("/api/v1/runs/test-run/ranks").json()
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert all(
+        r["step_time_s"] == pytest.approx(0.5) and r["tokens_per_s"] == pytest.approx(2000) for r in ranks
+    )
+
+
+def test_retried_batch_is_stored_once(client: TestClient, engine: Engine) -> None:
+    p = payload(times=[0.2] * 5)
+    first = client.post("/api/v1/ingest", json=p)
+    again = client.post("/api/v1/ingest", json=p)
+    assert (first.status_code, again.status_code) == (200, 200)
+    assert (first.json()["stored"], again.json()["stored"]) == (True, False)
+    assert _count(engine, IngestedBatch) == 1
+    assert _count(engine, JobStep) == 5
+    with engine.connect() as conn:
+        assert conn.execute(select(func.sum(JobStep.ranks))).scalar_one() == 5
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda p: p["steps"]["tokens"].__setitem__(2, -5), "steps.tokens.2"),
+        (lambda p: p["steps"]["data_wait_s"].pop(), "steps.data_wait_s"),
+        (lambda p: p.__setitem__("run", "bad name!"), "run"),
+        (lambda p: p["rank"].__setitem__("rank", 9), "rank"),
+        (lambda p: p.__setitem__("schema_version", 99), "schema_version"),
+        (lambda p: p["steps"].__setitem__("time_s", []), "steps.time_s"),
+        (lambda p: p.pop("batch_id"), "batch_id"),
+    ],
+)
+def test_bad_payload_rejected_whole_naming_the_field(
+    client: TestClient, engine: Engine, mutate, field: str
+) -> None:  # type: ignore[no-untyped-def]
+    p = payload(world=4)
+    mutate(p)
+    r = client.post("/api/v1/ingest", json=p)
+    assert r.status_code == 422, r.text
+    assert field in r.json()["detail"]
+    assert _count(engine, JobStep) == 0 and _count(engine, IngestedBatch) == 0
+
+
+def test_body_too_large_is_413(client: TestClient) -> None:
+    p = payload(times=[0.1] * 9000)
+    r = client.post("/api/v1/ingest", json=p)
+    assert r.status_code == 413
+    assert "larger than" in r.json()["detail"]
+
+
+def test_unknown_run_and_metric_are_404(client: TestClient) -> None:
+    assert client.get("/api/v1/runs/nope").status_code == 404
+    client.post("/api/v1/ingest", json=payload())
+    r = client.get("/api/v1/runs/test-run/series", params={"metric": "bogus"})
+    assert r.status_code == 404 and "bogus" in r.json()["detail"]
+
+
+def test_series_downsampling_keeps_true_min_mean_max(client: TestClient) -> None:
+    times = [0.1 * (1 + (i % 10)) for i in range(100)]  # 0.1 .. 1.0 repeating
+    client.post("/api/v1/ingest", json=payload(times=times, tokens=[100] * 100))
+    s = client.get("/api/v1/runs/test-run/series", params={"metric": "step_time_s", "max_points": 10}).json()
+    assert s["unit"] == "s"
+    assert len(s["points"]) == 10
+    for pt in s["points"]:
+        assert pt["count"] == 10
+        assert pt["min"] == pytest.approx(0.1)
+        assert pt["max"] == pytest.approx(1.0)
+        assert pt["mean"] == pytest.approx(0.55)
+    sub = client.get(
+        "/api/v1/runs/test-run/series",
+        params={"metric": "tokens_per_s", "from_step": 11, "to_step": 20, "max_points": 1},
+    ).json()
+    assert sub["points"][0]["step_from"] == 11 and sub["points"][0]["step_to"] == 20
+    assert sub["points"][0]["max"] == pytest.approx(1000.0)
+    assert sub["points"][0]["min"] == pytest.approx(100.0)
+    mfu = client.get("/api/v1/runs/test-run/series", params={"metric": "mfu", "max_points": 1}).json()
+    assert mfu["points"][0]["max"] == pytest.approx(1000.0 * 1e9 / 1e14)
+
+
+def test_window_split_across_batches_adds_up(client: TestClient, engine: Engine) -> None:
+    # window_seconds=2 and 0.5 s steps -> 4 steps per stored window.
+    client.post("/api/v1/ingest", json=payload(first=1, times=[0.5] * 6, tokens=[10] * 6))
+    client.post("/api/v1/ingest", json=payload(first=7, times=[0.5] * 6, tokens=[10] * 6))
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(
+                RankWindow.window,
+                RankWindow.first_step,
+                RankWindow.last_step,
+                RankWindow.n_steps,
+                RankWindow.tokens_sum,
+            ).order_by(RankWindow.window)
+        ).all()
+    assert [tuple(r) for r in rows] == [(0, 1, 4, 4, 40), (1, 5, 8, 4, 40), (2, 9, 12, 4, 40)]
+
+
+def test_tagged_steps_are_kept_out_of_the_mean(client: TestClient) -> None:
+    times = [5.0, 5.0, 0.5, 0.5, 0.5, 0.5]
+    client.post(
+        "/api/v1/ingest", json=payload(times=times, tags=["warmup", "warmup", None, None, None, None])
+    )
+    ov = client.get("/api/v1/runs/test-run").json()
+    assert ov["step_time_s"]["mean"] == pytest.approx(0.5)
+    assert ov["steps_stored"] == 6
+
+
+def test_padding_ratio(client: TestClient) -> None:
+    client.post("/api/v1/ingest", json=payload(times=[0.5] * 4, tokens=[750] * 4, padded=[1000] * 4))
+    assert client.get("/api/v1/runs/test-run").json()["padding_ratio"] == pytest.approx(0.25)
+
+
+def test_partial_step_is_scaled_to_all_replicas(client: TestClient) -> None:
+    # Only 2 of 4 data-parallel ranks have reported: tokens/s is still the job's estimate.
+    for rank in range(2):
+        client.post("/api/v1/ingest", json=payload(rank=rank, world=4, times=[1.0] * 4, tokens=[500] * 4))
+    ov = client.get("/api/v1/runs/test-run").json()
+    assert ov["tokens_per_s"]["latest"] == pytest.approx(2000.0)
+
+
+def test_health_ready_metrics_openapi(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+    client.post("/api/v1/ingest", json=payload(times=[0.1] * 3))
+    text = client.get("/metrics").text
+    assert 'stepwatch_ingest_batches_total{outcome="stored"} 1.0' in text
+    assert "stepwatch_ingest_rank_steps_total 3.0" in text
+    spec = client.get("/openapi.json").json()
+    assert {
+        "/api/v1/ingest",
+        "/api/v1/runs",
+        "/api/v1/runs/{run}",
+        "/api/v1/runs/{run}/series",
+        "/api/v1/runs/{run}/ranks",
+    } <= set(spec["paths"])

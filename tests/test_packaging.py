@@ -1,0 +1,87 @@
+"""Both install modes import the mapped folders correctly (agent/ -> stepwatch,
+server/ -> stepwatch_server, migrations/ -> stepwatch_server.migrations)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_editable_install_maps_folders_to_import_names() -> None:
+    import stepwatch
+    import stepwatch_server
+    import stepwatch_server.migrations
+
+    assert Path(stepwatch.__file__).parent == ROOT / "agent"
+    assert Path(stepwatch_server.__file__).parent == ROOT / "server"
+    assert Path(stepwatch_server.migrations.__file__).parent == ROOT / "migrations"
+
+
+def test_built_wheel_carries_everything_and_works(tmp_path: Path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("stepwatch-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for required in (
+        "stepwatch/__init__.py",
+        "stepwatch/py.typed",
+        "stepwatch/demo/train.py",
+        "stepwatch_server/app.py",
+        "stepwatch_server/py.typed",
+        "stepwatch_server/migrations/env.py",
+        "stepwatch_server/migrations/script.py.mako",
+        "stepwatch_server/migrations/versions/0001_initial_schema.py",
+    ):
+        assert required in names, f"{required} missing from {wheel.name}"
+    metadata = next(n for n in names if n.endswith("METADATA"))
+    meta = zipfile.ZipFile(wheel).read(metadata).decode()
+    torch_reqs = [line for line in meta.splitlines() if line.startswith("Requires-Dist: torch")]
+    assert torch_reqs and all(
+        "==" not in (spec := r.split(";")[0]) and "<" in spec and ">=" in spec for r in torch_reqs
+    ), torch_reqs
+    assert not any(
+        line.startswith("Requires-Dist: torch") and "extra" not in line for line in meta.splitlines()
+    )
+
+    # Install the wheel alone into a target folder and run its migrations from there,
+    # in a process where the editable install is not on the path.
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    code = (
+        "import sys, stepwatch, stepwatch_server.migrations as m;"
+        f"assert stepwatch.__file__.startswith({str(target)!r}), stepwatch.__file__;"
+        f"assert m.__file__.startswith({str(target)!r}), m.__file__;"
+        "from stepwatch.cli import main;"
+        f"sys.exit(main(['db', 'upgrade', '--database-url', 'sqlite:///{tmp_path}/w.db']))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "database at 0001" in r.stdout

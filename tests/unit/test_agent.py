@@ -1,0 +1,199 @@
+"""The agent's hot path and window hand-off, with a recording sender in place of HTTP
+(the sender itself is tested against a real collector in tests/integration)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+import stepwatch
+from stepwatch import _agent
+from stepwatch._env import detect
+from stepwatch._payload import build_payload, encode
+from stepwatch._window import Window
+from stepwatch.config import AgentConfig, load
+
+
+class RecordingSender:
+    def __init__(self) -> None:
+        from stepwatch._sender import SenderStats
+
+        self.windows: list[Window] = []
+        self.stats = SenderStats()
+        self.closed = False
+
+    def submit(self, window: Window) -> None:
+        self.windows.append(window)
+
+    def pending(self) -> int:
+        return 0
+
+    def flush(self, timeout_s: float) -> bool:
+        return True
+
+    def close(self, timeout_s: float) -> bool:
+        self.closed = True
+        return True
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    c = FakeClock()
+    monkeypatch.setattr(_agent, "_perf", c)
+    return c
+
+
+def make(cfg: AgentConfig, sender: RecordingSender) -> stepwatch.Stepwatch:
+    return stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=sender)  # type: ignore[arg-type]
+
+
+def test_windows_close_on_capacity_and_keep_every_step(clock: FakeClock) -> None:
+    rec = RecordingSender()
+    sw = make(AgentConfig(run="r", max_window_steps=4, send_interval_s=1e9, warmup_steps=0), rec)
+    for i in range(10):
+        clock.t += 0.25
+        sw.step(tokens=100 + i)
+    sw.close()
+    assert [w.first_step for w in rec.windows] == [1, 5, 9]
+    assert [w.n_steps for w in rec.windows] == [4, 4, 2]
+    assert [t for w in rec.windows for t in w.tokens] == list(range(100, 110))
+    assert all(dt == pytest.approx(0.25) for w in rec.windows for dt in w.step_time_s)
+    assert rec.closed
+
+
+def test_windows_close_on_time(clock: FakeClock) -> None:
+    rec = RecordingSender()
+    sw = make(AgentConfig(run="r", send_interval_s=1.0, warmup_steps=0), rec)
+    for _ in range(7):
+        clock.t += 0.3
+        sw.step(tokens=1)
+    # 0.3 s steps and a 1 s interval: windows close after steps 4 (1.2 s) ...
+    assert [w.n_steps for w in rec.windows] == [4]
+    for _ in range(2):
+        clock.t += 0.3
+        sw.step(tokens=1)
+    assert [w.n_steps for w in rec.windows] == [4, 4]
+
+
+def test_loader_wait_is_charged_to_the_step_that_uses_the_batch(clock: FakeClock) -> None:
+    rec = RecordingSender()
+    sw = make(AgentConfig(run="r", max_window_steps=8, warmup_steps=0), rec)
+
+    def slow_batches():  # type: ignore[no-untyped-def]
+        for i in range(3):
+            clock.t += 0.1 * (i + 1)  # the loader takes 0.1, 0.2, 0.3 s
+            yield i
+
+    for _ in sw.loader(slow_batches()):
+        clock.t += 1.0  # compute
+        sw.step(tokens=1)
+    sw.flush()
+    (w,) = rec.windows
+    assert list(w.data_wait_s) == pytest.approx([0.1, 0.2, 0.3])
+    assert list(w.step_time_s) == pytest.approx([1.1, 1.2, 1.3])
+
+
+def test_warmup_and_marked_steps_are_tagged(clock: FakeClock) -> None:
+    rec = RecordingSender()
+    sw = make(AgentConfig(run="r", max_window_steps=3, warmup_steps=4), rec)
+    for i in range(6):
+        if i == 5:
+            with sw.phase("checkpoint"):
+                pass
+        clock.t += 0.1
+        sw.step(tokens=1)
+    sw.flush()
+    tags = [t for w in rec.windows for t in w.tags]  # type: ignore[union-attr]
+    assert tags == [1, 1, 1, 1, 0, 2]
+    with pytest.raises(ValueError, match="unknown tag"):
+        sw.mark("lunch")
+
+
+def test_padded_tokens_only_when_given(clock: FakeClock) -> None:
+    rec = RecordingSender()
+    sw = make(AgentConfig(run="r", max_window_steps=2, warmup_steps=0), rec)
+    sw.step(tokens=3)
+    sw.step(tokens=3)
+    sw.step(tokens=3, padded_tokens=4)
+    sw.step(tokens=3, padded_tokens=4)
+    assert rec.windows[0].padded_tokens is None
+    assert list(rec.windows[1].padded_tokens or []) == [4, 4]
+
+
+def test_non_int_counts_take_the_slow_path(clock: FakeClock) -> None:
+    import numpy as np
+    import torch
+
+    rec = RecordingSender()
+    sw = make(AgentConfig(run="r", max_window_steps=3, warmup_steps=0), rec)
+    sw.step(tokens=np.int64(7))
+    sw.step(tokens=torch.tensor(8))
+    sw.step(tokens=9.0)  # type: ignore[arg-type]
+    assert list(rec.windows[0].tokens) == [7, 8, 9]
+
+
+def test_internal_error_disables_the_agent_and_never_raises(clock: FakeClock) -> None:
+    rec = RecordingSender()
+    sw = make(AgentConfig(run="r", max_window_steps=4, warmup_steps=0), rec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sw.step(tokens="not a number")  # type: ignore[arg-type]
+        sw.step(tokens=1)
+    assert any("stepwatch disabled itself" in str(w.message) for w in caught)
+    assert sw.stats["steps"] == 0
+
+
+def test_disabled_by_environment(clock: FakeClock) -> None:
+    rec = RecordingSender()
+    cfg = load("r", env={"STEPWATCH_DISABLED": "1"})
+    sw = make(cfg, rec)
+    sw.step(tokens=1)
+    sw.close()
+    assert rec.windows == []
+
+
+def test_config_validation_names_the_setting() -> None:
+    with pytest.raises(ValueError, match="run name"):
+        load("has space", env={})
+    with pytest.raises(ValueError, match="STEPWATCH_SEND_INTERVAL_S"):
+        load("r", env={"STEPWATCH_SEND_INTERVAL_S": "soon"})
+    cfg = load(None, env={"STEPWATCH_RUN": "from-env", "STEPWATCH_URL": "http://c:1", "STEPWATCH_TOKEN": "t"})
+    assert (cfg.run, cfg.url, cfg.token) == ("from-env", "http://c:1", "t")
+
+
+def test_payload_is_compact_json_with_identity_and_convention(clock: FakeClock) -> None:
+    rec = RecordingSender()
+    sw = make(AgentConfig(run="r", max_window_steps=100, send_interval_s=1e9, warmup_steps=0), rec)
+    for _ in range(100):
+        clock.t += 1.0
+        sw.step(tokens=4096)
+    w = rec.windows[0]
+    w.batch_id = "a" * 32
+    body = encode(
+        build_payload(w, run="r", rank=sw.rank.to_dict(), convention={"formula": "6N"}, agent={}, sent_at=1.0)
+    )
+    doc = json.loads(body)
+    assert doc["schema_version"] == 1 and doc["rank"]["rank"] == 0 and doc["convention"]["formula"] == "6N"
+    assert doc["steps"]["first"] == 1 and len(doc["steps"]["time_s"]) == 100
+    assert len(body) < 2500, "a 100-step window should stay a couple of KB"
+
+
+def test_init_returns_a_working_agent_and_repeated_init_replaces_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEPWATCH_URL", "http://127.0.0.1:9")  # discard port: nothing listens
+    a = stepwatch.init(run="first", peak_flops=1e12, flops_per_token=1e6, flush_timeout_s=0.1)
+    b = stepwatch.init(run="second", peak_flops=1e12, flops_per_token=1e6, flush_timeout_s=0.1)
+    assert stepwatch.current() is b and a is not b
+    assert a._closed and not b._closed
+    assert b.convention is not None and b.convention["flops_per_token"] == 1e6
+    b.step(tokens=1)
+    assert b.close(timeout_s=0.1) in (True, False)
