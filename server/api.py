@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from sqlalchemy import Engine
@@ -12,6 +12,7 @@ from . import queries
 from .ingest import Ingestor
 from .metrics import CollectorMetrics
 from .schemas import (
+    EventOut,
     IngestPayload,
     IngestResult,
     Problem,
@@ -85,3 +86,14 @@ def run_series(
 def run_ranks(run: str, request: Request) -> list[RankSummary]:
     with _engine(request).connect() as conn:
         return queries.ranks(conn, run)
+
+
+@router.get("/runs/{run}/events", response_model=list[EventOut], responses=_ERRORS)
+def run_events(
+    run: str,
+    request: Request,
+    status: Annotated[Literal["open", "closed"] | None, Query()] = None,
+    kind: Annotated[Literal["straggler", "regression", "hang"] | None, Query()] = None,
+) -> list[EventOut]:
+    with _engine(request).connect() as conn:
+        return queries.events(conn, run, status=status, kind=kind)

@@ -15,14 +15,15 @@ from typing import Any
 from sqlalchemy import Connection, Float, Select, and_, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from .db.models import JobStep, Rank, RankWindow, Run
-from .schemas import RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
+from .db.models import Event, JobStep, Rank, RankWindow, Run
+from .schemas import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
 
 LATEST_STEPS = 10
 JS = JobStep.__table__
 RUNS = Run.__table__
 RANKS = Rank.__table__
 RW = RankWindow.__table__
+EV = Event.__table__
 
 
 class NotFoundError(LookupError):
@@ -291,3 +292,36 @@ def ranks(conn: Connection, name: str) -> list[RankSummary]:
             )
         )
     return out
+
+
+def events(
+    conn: Connection, name: str, *, status: str | None = None, kind: str | None = None
+) -> list[EventOut]:
+    """Flags of a run, newest first."""
+    run = get_run(conn, name)
+    q = select(EV).where(EV.c.run_id == run.id)
+    if status is not None:
+        q = q.where(EV.c.status == status)
+    if kind is not None:
+        q = q.where(EV.c.kind == kind)
+    rows = conn.execute(q.order_by(EV.c.first_step.desc(), EV.c.id.desc())).mappings()
+    return [
+        EventOut(
+            id=r["id"],
+            key=r["key"],
+            kind=r["kind"],
+            cause=r["cause"],
+            ranks=r["ranks"],
+            hosts=r["hosts"],
+            first_step=r["first_step"],
+            last_step=r["last_step"],
+            status=r["status"],
+            evidence=r["evidence"],
+            cost_seconds=r["cost_seconds"],
+            cost_ratio=r["cost_ratio"],
+            message=r["message"],
+            opened_at=_unix(r["opened_at"]) or 0.0,
+            updated_at=_unix(r["updated_at"]) or 0.0,
+        )
+        for r in rows
+    ]

@@ -193,3 +193,25 @@ class Problem(BaseModel):
 
     detail: str
     errors: list[dict[str, Any]] | None = None
+
+
+class EventOut(BaseModel):
+    """A straggler, regression or hang flag, with its evidence and its cost."""
+
+    id: int
+    key: str
+    kind: Literal["straggler", "regression", "hang"]
+    cause: Literal["compute", "link", "data", "host"] | None
+    ranks: list[int]
+    hosts: list[str]
+    first_step: int
+    last_step: int
+    status: Literal["open", "closed"]
+    evidence: dict[str, Any]
+    cost_seconds: float = Field(
+        description="Seconds per step the flag costs (what-if the rank ran at its peers' median)"
+    )
+    cost_ratio: float = Field(description="cost_seconds as a share of step time (0-1)")
+    message: str
+    opened_at: float
+    updated_at: float

@@ -48,7 +48,7 @@ def upgrade() -> None:
     )
     with op.batch_alter_table("ingested_batches", schema=None) as batch_op:
         batch_op.create_index(
-            batch_op.f("ix_ingested_batches_run_id"), ["run_id", "received_at"], unique=False
+            batch_op.f("ix_ingested_batches_run_id_received_at"), ["run_id", "received_at"], unique=False
         )
 
     op.create_table(
@@ -117,7 +117,7 @@ def downgrade() -> None:
     op.drop_table("rank_windows")
     op.drop_table("job_steps")
     with op.batch_alter_table("ingested_batches", schema=None) as batch_op:
-        batch_op.drop_index(batch_op.f("ix_ingested_batches_run_id"))
+        batch_op.drop_index(batch_op.f("ix_ingested_batches_run_id_received_at"))
 
     op.drop_table("ingested_batches")
     op.drop_table("runs")

@@ -25,12 +25,13 @@ from sqlalchemy import (
     MetaData,
     SmallInteger,
     String,
+    UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
-    "ix": "ix_%(column_0_label)s",
-    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
     "ck": "ck_%(table_name)s_%(constraint_name)s",
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
@@ -133,3 +134,36 @@ class IngestedBatch(Base):
     received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (Index(None, "run_id", "received_at"),)
+
+
+class Event(Base):
+    """A straggler, regression or hang flag: opened, updated as it persists, closed.
+
+    ``key`` names what is flagged (``straggler:compute:rank=2``, ``regression:mfu``,
+    ``hang:run``); ``(run_id, key, first_step)`` identifies one occurrence, so detectors
+    upsert a flag as it moves from open to closed and a replayed window changes nothing.
+    """
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(16))
+    cause: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    ranks: Mapped[list[int]] = mapped_column(JSON)
+    hosts: Mapped[list[str]] = mapped_column(JSON)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(8))
+    evidence: Mapped[dict[str, Any]] = mapped_column(JSON)
+    cost_seconds: Mapped[float] = mapped_column(Float)
+    cost_ratio: Mapped[float] = mapped_column(Float)
+    message: Mapped[str] = mapped_column(String(1024))
+    opened_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        UniqueConstraint("run_id", "key", "first_step"),
+        Index(None, "run_id", "status"),
+    )

@@ -182,3 +182,40 @@ def test_health_ready_metrics_openapi(client: TestClient) -> None:
         "/api/v1/runs/{run}/series",
         "/api/v1/runs/{run}/ranks",
     } <= set(spec["paths"])
+
+
+def test_events_are_served_newest_first_and_filtered(client: TestClient, engine: Engine) -> None:
+    from datetime import datetime, timezone
+
+    from stepwatch_server.db.models import Event, Run
+
+    client.post("/api/v1/ingest", json=payload(world=4, rank=2))
+    now = datetime.now(timezone.utc)
+    with engine.begin() as conn:
+        run_id = conn.execute(select(Run.id)).scalar_one()
+        for first, status in ((100, "closed"), (300, "open")):
+            conn.execute(
+                Event.__table__.insert().values(
+                    run_id=run_id,
+                    key="straggler:compute:rank=2",
+                    kind="straggler",
+                    cause="compute",
+                    ranks=[2],
+                    hosts=["node0"],
+                    first_step=first,
+                    last_step=first + 50,
+                    status=status,
+                    evidence={"compute_s": 0.31, "peer_median_s": 0.22},
+                    cost_seconds=0.09,
+                    cost_ratio=0.081,
+                    message="Rank 2 is a compute straggler.",
+                    opened_at=now,
+                    updated_at=now,
+                )
+            )
+    events = client.get("/api/v1/runs/test-run/events").json()
+    assert [e["first_step"] for e in events] == [300, 100]
+    assert events[0]["evidence"] == {"compute_s": 0.31, "peer_median_s": 0.22}
+    open_only = client.get("/api/v1/runs/test-run/events", params={"status": "open"}).json()
+    assert [e["status"] for e in open_only] == ["open"]
+    assert client.get("/api/v1/runs/test-run/events", params={"status": "maybe"}).status_code == 422
