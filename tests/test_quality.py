@@ -10,7 +10,6 @@ from types import ModuleType
 import stepwatch
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
@@ -18,12 +17,12 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_ruff_lint() -> None:
-    r = _run(str(BIN / "ruff"), "check", ".")
+    r = _run(sys.executable, "-m", "ruff", "check", ".")
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_ruff_format() -> None:
-    r = _run(str(BIN / "ruff"), "format", "--check", ".")
+    r = _run(sys.executable, "-m", "ruff", "format", "--check", ".")
     assert r.returncode == 0, r.stdout + r.stderr
 
 
