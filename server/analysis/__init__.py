@@ -1,0 +1,77 @@
+"""The collector's analysis: pure functions and small online detectors over plain data.
+
+Nothing here imports the database, the web framework or the agent, so every detector can
+be fed from the ingest path, the simulator or a test, and property-tested.
+
+- :mod:`.types`: the input and output dataclasses (``RankWindow``, ``JobStep``, ``Finding``).
+- :mod:`.robust`: median, MAD and the floored robust z-score.
+- :mod:`.peers` / :mod:`.stragglers`: per-window straggler evidence, then persistence and
+  hysteresis (``StragglerDetector``).
+- :mod:`.regressions`: CUSUM regressions of MFU and step time with attribution, and
+  comparison with a named baseline run.
+- :mod:`.hangs`: ``check_hang``.
+- :mod:`.progress`: tokens done, calendar efficiency, projected finish, required step time.
+- :mod:`.efficiency`: static pipeline-stage imbalance.
+- :mod:`.synthetic`: seeded synthetic data with injected faults, for tests and tuning.
+"""
+
+from __future__ import annotations
+
+from .efficiency import StageImbalance, stage_imbalance
+from .hangs import check_hang, hang_threshold_s
+from .peers import Hit, StragglerConfig, WindowVerdict, evaluate_window
+from .progress import (
+    Projection,
+    ThroughputWindow,
+    calendar_efficiency,
+    duration_s,
+    project,
+    required_step_time_s,
+)
+from .regressions import (
+    Baseline,
+    FingerprintMismatchError,
+    RegressionConfig,
+    RegressionDetector,
+    RunComparison,
+    build_baseline,
+    compare_runs,
+)
+from .robust import RobustStats, robust_stats
+from .stragglers import StragglerDetector
+from .types import EXCLUDED_TAGS, Cause, Finding, JobStep, Kind, RankWindow, Status, StepTag
+
+__all__ = [
+    "EXCLUDED_TAGS",
+    "Baseline",
+    "Cause",
+    "Finding",
+    "FingerprintMismatchError",
+    "Hit",
+    "JobStep",
+    "Kind",
+    "Projection",
+    "RankWindow",
+    "RegressionConfig",
+    "RegressionDetector",
+    "RobustStats",
+    "RunComparison",
+    "StageImbalance",
+    "Status",
+    "StepTag",
+    "StragglerConfig",
+    "StragglerDetector",
+    "ThroughputWindow",
+    "WindowVerdict",
+    "build_baseline",
+    "calendar_efficiency",
+    "check_hang",
+    "compare_runs",
+    "duration_s",
+    "evaluate_window",
+    "hang_threshold_s",
+    "project",
+    "required_step_time_s",
+    "robust_stats",
+    "stage_imbalance",
+]

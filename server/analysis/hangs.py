@@ -1,0 +1,141 @@
+"""Hangs: no step from a rank, or from the whole run, for longer than a threshold.
+
+The threshold is ``max(k * median step time, floor_s)`` (defaults k = 10, floor 60 s): ten
+ordinary steps is long enough that a checkpoint or an evaluation pass rarely trips it on
+jobs with long steps, and the floor keeps a 2 s-step job from paging after 20 s of a
+routine checkpoint. Checking is stateless: call :func:`check_hang` on a timer with the
+time each rank last reported a step; a hang is open while the check returns it, closed
+when it stops returning it.
+
+In synchronous training one stuck rank stops every rank at the next collective, so a
+whole-run hang is reported once, naming the ranks that stopped first (those behind the
+others by step number when known, else by time): they are the likely cause, the rest are
+waiting for them. Per-rank flags are returned only while the run as a whole still makes
+progress (a rank, or its agent, went silent while the others step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from . import _format as fmt
+from .types import Finding
+
+
+def hang_threshold_s(median_step_s: float | None, k: float = 10.0, floor_s: float = 60.0) -> float:
+    """``max(k * median_step_s, floor_s)``; the floor alone while no step time is known."""
+    if median_step_s is None or median_step_s <= 0:
+        return floor_s
+    return max(k * median_step_s, floor_s)
+
+
+def check_hang(
+    now: float,
+    last_step_time_by_rank: Mapping[int, float],
+    median_step_s: float | None,
+    k: float = 10.0,
+    floor_s: float = 60.0,
+    *,
+    run: str = "",
+    host_by_rank: Mapping[int, str] | None = None,
+    last_step_by_rank: Mapping[int, int] | None = None,
+) -> list[Finding]:
+    """Flags for a hung run (one) or for silent ranks of a run still stepping.
+
+    ``now`` and the last-step times are in the same clock (epoch seconds). A rank hangs
+    when ``now - last > threshold`` (strictly longer).
+    """
+    if not last_step_time_by_rank:
+        return []
+    threshold = hang_threshold_s(median_step_s, k, floor_s)
+    hosts = host_by_rank or {}
+    steps = last_step_by_rank or {}
+    silent = {r: now - t for r, t in last_step_time_by_rank.items()}
+    run_silent = min(silent.values())
+    evidence_base = {
+        "threshold_s": threshold,
+        "median_step_s": median_step_s or 0.0,
+        "k": k,
+        "floor_s": floor_s,
+    }
+    if run_silent > threshold:
+        return [_run_hang(run, silent, run_silent, threshold, evidence_base, hosts, steps)]
+    out = []
+    for rank in sorted(r for r, s in silent.items() if s > threshold):
+        host = hosts.get(rank)
+        last_step = steps.get(rank, 0)
+        where = f" (host {host})" if host else ""
+        out.append(
+            Finding(
+                kind="hang",
+                run=run,
+                key=f"hang:rank={rank}",
+                cause=None,
+                ranks=(rank,),
+                hosts=(host,) if host else (),
+                first_step=last_step,
+                last_step=last_step,
+                status="open",
+                evidence={**evidence_base, "silent_s": silent[rank]},
+                cost_seconds=silent[rank],
+                cost_ratio=1.0,
+                message=(
+                    f"Rank {rank}{where} has not reported a step for {fmt.duration(silent[rank])} "
+                    f"(threshold {fmt.duration(threshold)}) while the run still steps; "
+                    f"last step {fmt.step(last_step)}."
+                ),
+            )
+        )
+    return out
+
+
+def _run_hang(
+    run: str,
+    silent: Mapping[int, float],
+    run_silent: float,
+    threshold: float,
+    evidence_base: Mapping[str, float],
+    hosts: Mapping[int, str],
+    steps: Mapping[int, int],
+) -> Finding:
+    """One flag for the whole run, naming the ranks that stopped first."""
+    known = {r: steps[r] for r in silent if r in steps}
+    if len(known) == len(silent):
+        lowest = min(known.values())
+        first = sorted(r for r, s in known.items() if s == lowest)
+    else:
+        # Without step numbers, the ranks that went silent more than one step time earlier.
+        oldest = max(silent.values())
+        slack = max(evidence_base["median_step_s"], 1e-9)
+        first = sorted(r for r, s in silent.items() if s >= oldest - slack)
+    if len(first) == len(silent):
+        first = []  # all stopped together: no rank stands out
+    last_step = max(steps.values()) if steps else 0
+    first_step = min(steps.values()) if steps else 0
+    culprit_hosts = tuple(sorted({hosts[r] for r in first if r in hosts}))
+    if first:
+        shown = ", ".join(str(r) for r in first[:8]) + (" ..." if len(first) > 8 else "")
+        who = f"rank{'s' if len(first) > 1 else ''} {shown} stopped first"
+        if steps and len(known) == len(silent):
+            who += f" (at step {fmt.step(first_step)})"
+    else:
+        who = "all ranks stopped together"
+    name = f"Run {run}" if run else "The run"
+    return Finding(
+        kind="hang",
+        run=run,
+        key="hang:run",
+        cause=None,
+        ranks=tuple(first),
+        hosts=culprit_hosts,
+        first_step=first_step,
+        last_step=last_step,
+        status="open",
+        evidence={**evidence_base, "silent_s": run_silent, "ranks_silent": float(len(silent))},
+        cost_seconds=run_silent,
+        cost_ratio=1.0,
+        message=(
+            f"{name} has made no step for {fmt.duration(run_silent)} "
+            f"(threshold {fmt.duration(threshold)}); {who}."
+        ),
+    )
