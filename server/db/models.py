@@ -102,6 +102,16 @@ class RankWindow(Base):
     tokens_sum: Mapped[int] = mapped_column(BigInteger)
     padded_tokens_sum: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     wall_end: Mapped[float] = mapped_column(Float)
+    # Time breakdown from the profiler window, when one fell inside this window: means
+    # per profiled step, in seconds (null otherwise). Filled by the profiler-window work.
+    profiled_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    compute_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    comm_overlapped_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    comm_exposed_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    idle_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: Per step, summed over collectives: waiting for the last peer / moving data after it.
+    comm_wait_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    comm_transfer_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class JobStep(Base):
