@@ -14,7 +14,13 @@ from collections.abc import Sequence
 def _serve(args: argparse.Namespace) -> int:
     from stepwatch_server.cli import serve
 
-    return serve(host=args.host, port=args.port, database_url=args.database_url, log_level=args.log_level)
+    return serve(
+        host=args.host,
+        port=args.port,
+        database_url=args.database_url,
+        log_level=args.log_level,
+        workers=args.workers,
+    )
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
@@ -37,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1, or STEPWATCH_HOST)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8321, or STEPWATCH_PORT)")
     serve.add_argument("--database-url", default=None, help="SQLAlchemy URL (or STEPWATCH_DATABASE_URL)")
+    serve.add_argument(
+        "--workers", type=int, default=None, help="worker processes (default 1, or STEPWATCH_WORKERS)"
+    )
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )

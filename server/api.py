@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request
 from sqlalchemy import Engine
 
 from . import queries
-from .ingest import Ingestor
+from .group_commit import GroupCommitter
 from .metrics import CollectorMetrics
 from .schemas import (
     EventOut,
@@ -44,11 +44,11 @@ def _engine(request: Request) -> Engine:
     },
     summary="Store one window of one rank (idempotent by batch_id)",
 )
-def ingest(payload: IngestPayload, request: Request) -> IngestResult:
-    ingestor: Ingestor = request.app.state.ingestor
+async def ingest(payload: IngestPayload, request: Request) -> IngestResult:
+    committer: GroupCommitter = request.app.state.group_commit
     metrics: CollectorMetrics = request.app.state.metrics
     t0 = time.perf_counter()
-    stored = ingestor.store(payload)
+    stored = await committer.submit(payload)
     metrics.ingest_seconds.observe(time.perf_counter() - t0)
     metrics.batches.labels("stored" if stored else "duplicate").inc()
     n = len(payload.steps.time_s)

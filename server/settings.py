@@ -28,3 +28,5 @@ class Settings(BaseSettings):
     window_seconds: float = 10.0
     #: Apply migrations when ``serve`` starts.
     migrate_on_start: bool = True
+    #: uvicorn worker processes (each one group-commits on its own; 2 suit 2 cores).
+    workers: int = Field(default=1, ge=1, le=64)
