@@ -14,8 +14,9 @@ import asyncio
 import random
 import time
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from stepwatch._env import Layout, RankInfo, coords_for
@@ -123,44 +124,60 @@ class LoadResult:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+class _Conn:
+    """One keep-alive HTTP/1.1 connection that POSTs JSON to the ingest endpoint."""
+
+    def __init__(self, url: str, token: str | None) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        auth = f"Authorization: Bearer {token}\r\n" if token else ""
+        self.head = (
+            f"POST /api/v1/ingest HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{auth}"
+            "Content-Type: application/json\r\nContent-Length: "
+        ).encode()
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def post(self, body: bytes) -> int:
+        self.writer.write(self.head + str(len(body)).encode() + b"\r\n\r\n" + body)
+        status = int((await self.reader.readline()).split(b" ", 2)[1])
+        length = 0
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        await self.reader.readexactly(length)
+        return status
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 async def _post_all(
     url: str, bodies: Sequence[bytes], steps_per_body: int, concurrency: int, token: str | None
 ) -> LoadResult:
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    auth = f"Authorization: Bearer {token}\r\n".encode() if token else b""
-    head = (
-        f"POST /api/v1/ingest HTTP/1.1\r\nHost: {host}:{port}\r\n"
-        "Content-Type: application/json\r\nContent-Length: "
-    ).encode()
     statuses: dict[int, int] = {}
     latencies: list[float] = []
     next_index = 0
 
     async def worker() -> None:
         nonlocal next_index
-        reader, writer = await asyncio.open_connection(host, port)
+        conn = _Conn(url, token)
+        await conn.open()
         try:
             while next_index < len(bodies):
                 body = bodies[next_index]
                 next_index += 1
                 t0 = time.perf_counter()
-                writer.write(head + str(len(body)).encode() + b"\r\n" + auth + b"\r\n" + body)
-                status_line = await reader.readline()
-                status = int(status_line.split(b" ", 2)[1])
-                length = 0
-                while True:
-                    line = await reader.readline()
-                    if line in (b"\r\n", b""):
-                        break
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                await reader.readexactly(length)
+                status = await conn.post(body)
                 latencies.append(time.perf_counter() - t0)
                 statuses[status] = statuses.get(status, 0) + 1
         finally:
-            writer.close()
+            conn.close()
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -169,13 +186,60 @@ async def _post_all(
     return LoadResult(seconds, statuses, latencies, ok * steps_per_body)
 
 
-def post_all(
-    url: str, bodies: Sequence[bytes], steps_per_body: int, *, concurrency: int = 32, token: str | None = None
+async def _post_at_rate(
+    url: str, bodies: Sequence[bytes], steps_per_body: int, rate: float, connections: int, token: str | None
 ) -> LoadResult:
-    """POST every body once over ``concurrency`` keep-alive connections (closed loop)."""
+    statuses: dict[int, int] = {}
+    latencies: list[float] = []
+    conns = [_Conn(url, token) for _ in range(connections)]
+    await asyncio.gather(*(c.open() for c in conns))
+    start = time.perf_counter() + 0.05
+
+    async def worker(w: int) -> None:
+        for i in range(w, len(bodies), connections):
+            due = start + i / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            status = await conns[w].post(bodies[i])
+            # From when it was due, not when it was sent: a slow server cannot hide
+            # its queueing by slowing the client down (coordinated omission).
+            latencies.append(time.perf_counter() - due)
+            statuses[status] = statuses.get(status, 0) + 1
+
+    await asyncio.gather(*(worker(w) for w in range(connections)))
+    seconds = time.perf_counter() - start
+    for c in conns:
+        c.close()
+    ok = sum(n for s, n in statuses.items() if 200 <= s < 300)
+    return LoadResult(seconds, statuses, latencies, ok * steps_per_body)
+
+
+def _run(coro: Coroutine[Any, Any, LoadResult]) -> LoadResult:
     try:
         import uvloop
-
-        return uvloop.run(_post_all(url, bodies, steps_per_body, concurrency, token))
     except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
-        return asyncio.run(_post_all(url, bodies, steps_per_body, concurrency, token))
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def post_all(
+    url: str, bodies: Sequence[bytes], steps_per_body: int, *, concurrency: int = 64, token: str | None = None
+) -> LoadResult:
+    """POST every body once over ``concurrency`` keep-alive connections, each sending its
+    next body as soon as the previous one is answered (closed loop: the peak rate)."""
+    return _run(_post_all(url, bodies, steps_per_body, concurrency, token))
+
+
+def post_at_rate(
+    url: str,
+    bodies: Sequence[bytes],
+    steps_per_body: int,
+    *,
+    rate: float,
+    connections: int = 256,
+    token: str | None = None,
+) -> LoadResult:
+    """POST the bodies at a fixed offered rate (open loop), spread over ``connections``;
+    latency is measured from each request's due time."""
+    return _run(_post_at_rate(url, bodies, steps_per_body, rate, connections, token))

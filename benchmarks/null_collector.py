@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI
 
-from stepwatch_server.app import create_app
+from stepwatch_server.app import create_app, tune_gc
 from stepwatch_server.cli import run_uvicorn
 from stepwatch_server.schemas import IngestPayload
 from stepwatch_server.settings import Settings
@@ -24,6 +24,7 @@ class NullCommitter:
 def app_factory() -> FastAPI:
     app = create_app(Settings())
     app.state.group_commit = NullCommitter()
+    tune_gc()  # as app_from_env does for the real collector
     return app
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -15,7 +16,7 @@ from sqlalchemy import Engine, text
 import stepwatch
 
 from . import errors
-from .api import router
+from .api import INGEST_SCHEMAS, router
 from .db.engine import make_engine
 from .db.migrate import current_revision, head_revision
 from .group_commit import GroupCommitter
@@ -49,6 +50,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.group_commit = GroupCommitter(ingestor.store_many, on_group=metrics.group_batches.observe)
     errors.install(app)
     app.include_router(router)
+    _publish_schemas(app, INGEST_SCHEMAS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     @app.get("/healthz", tags=["ops"], summary="The process is up")
@@ -80,6 +82,20 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _publish_schemas(app: FastAPI, schemas: dict[str, Any]) -> None:
+    """Add schemas that routes reference by hand (a body parsed by the route itself)
+    to the generated OpenAPI document's components."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = generate()
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def app_from_env() -> FastAPI:

@@ -1,6 +1,8 @@
 """PostgreSQL statements of ingest: a group's rows in one statement per table.
 
-Each column travels as one array literal and ``unnest`` turns the arrays back into rows,
+The statements are fixed driver SQL (``exec_driver_sql``: no compilation, but
+SQLAlchemy still translates errors and invalidates a dead connection). Each column
+travels as one array literal and ``unnest`` turns the arrays back into rows,
 so a table costs one round trip whatever the group's size. Literals, not Python lists:
 psycopg adapts a list element by element in Python. Rows arrive folded (one per key,
 ``aggregate.py``) and sorted by key, and the tables are written in a fixed order (claims,
@@ -12,35 +14,35 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import datetime, timezone
-from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
 from .aggregate import Columns, Rows
 from .schemas import IngestPayload
 
-_CLAIM = text(
-    """
+_CLAIM = """
     INSERT INTO ingested_batches (batch_id, run_id, rank, received_at)
-    SELECT * FROM unnest(CAST(:batch_id AS text[]), CAST(:run_id AS bigint[]),
-                         CAST(:rank AS int[]), CAST(:received_at AS timestamptz[]))
+    SELECT b, r, k, now()
+    FROM unnest(CAST(%(batch_id)s AS text[]), CAST(%(run_id)s AS bigint[]),
+                CAST(%(rank)s AS int[])) AS u(b, r, k)
     ORDER BY 1
     ON CONFLICT (batch_id) DO NOTHING
     RETURNING batch_id
     """
-)
 
-_RANKS = text(
-    """
+_RANKS = """
     INSERT INTO ranks AS t (run_id, rank, host, local_rank, coords, last_step, last_seen,
                             agent_version, clock, dropped_windows, dropped_steps, hot_path_mean_s)
-    SELECT * FROM unnest(CAST(:run_id AS bigint[]), CAST(:rank AS int[]), CAST(:host AS text[]),
-                         CAST(:local_rank AS int[]), CAST(:coords AS json[]),
-                         CAST(:last_step AS bigint[]), CAST(:last_seen AS timestamptz[]),
-                         CAST(:agent_version AS text[]), CAST(:clock AS text[]),
-                         CAST(:dropped_windows AS bigint[]), CAST(:dropped_steps AS bigint[]),
-                         CAST(:hot_path_mean_s AS float8[]))
+    SELECT run_id, rank, host, local_rank, coords, last_step, to_timestamp(last_seen), agent_version,
+           clock, dropped_windows, dropped_steps, hot_path_mean_s
+    FROM unnest(CAST(%(run_id)s AS bigint[]), CAST(%(rank)s AS int[]), CAST(%(host)s AS text[]),
+                         CAST(%(local_rank)s AS int[]), CAST(%(coords)s AS json[]),
+                         CAST(%(last_step)s AS bigint[]), CAST(%(last_seen)s AS float8[]),
+                         CAST(%(agent_version)s AS text[]), CAST(%(clock)s AS text[]),
+                         CAST(%(dropped_windows)s AS bigint[]), CAST(%(dropped_steps)s AS bigint[]),
+                         CAST(%(hot_path_mean_s)s AS float8[]))
+         AS u(run_id, rank, host, local_rank, coords, last_step, last_seen, agent_version, clock,
+              dropped_windows, dropped_steps, hot_path_mean_s)
     ON CONFLICT (run_id, rank) DO UPDATE SET
         host = excluded.host,
         local_rank = excluded.local_rank,
@@ -53,19 +55,17 @@ _RANKS = text(
         dropped_steps = greatest(t.dropped_steps, excluded.dropped_steps),
         hot_path_mean_s = coalesce(excluded.hot_path_mean_s, t.hot_path_mean_s)
     """
-)
 
-_WINDOWS = text(
-    """
+_WINDOWS = """
     INSERT INTO rank_windows AS t (run_id, rank, "window", first_step, last_step, n_steps,
                                    step_time_sum, step_time_min, step_time_max, data_wait_sum,
                                    tokens_sum, padded_tokens_sum, wall_end)
-    SELECT * FROM unnest(CAST(:run_id AS bigint[]), CAST(:rank AS int[]), CAST(:window AS bigint[]),
-                         CAST(:first_step AS bigint[]), CAST(:last_step AS bigint[]),
-                         CAST(:n_steps AS int[]), CAST(:step_time_sum AS float8[]),
-                         CAST(:step_time_min AS float8[]), CAST(:step_time_max AS float8[]),
-                         CAST(:data_wait_sum AS float8[]), CAST(:tokens_sum AS bigint[]),
-                         CAST(:padded_tokens_sum AS bigint[]), CAST(:wall_end AS float8[]))
+    SELECT * FROM unnest(CAST(%(run_id)s AS bigint[]), CAST(%(rank)s AS int[]), CAST(%(window)s AS bigint[]),
+                         CAST(%(first_step)s AS bigint[]), CAST(%(last_step)s AS bigint[]),
+                         CAST(%(n_steps)s AS int[]), CAST(%(step_time_sum)s AS float8[]),
+                         CAST(%(step_time_min)s AS float8[]), CAST(%(step_time_max)s AS float8[]),
+                         CAST(%(data_wait_sum)s AS float8[]), CAST(%(tokens_sum)s AS bigint[]),
+                         CAST(%(padded_tokens_sum)s AS bigint[]), CAST(%(wall_end)s AS float8[]))
     ON CONFLICT (run_id, rank, "window") DO UPDATE SET
         first_step = least(t.first_step, excluded.first_step),
         last_step = greatest(t.last_step, excluded.last_step),
@@ -79,17 +79,15 @@ _WINDOWS = text(
                                      t.padded_tokens_sum, excluded.padded_tokens_sum),
         wall_end = greatest(t.wall_end, excluded.wall_end)
     """
-)
 
-_JOB_STEPS = text(
-    """
+_JOB_STEPS = """
     INSERT INTO job_steps AS t (run_id, step, ranks, token_ranks, step_time_sum, step_time_max,
                                 data_wait_max, tokens, padded_tokens, tag, wall_end)
-    SELECT * FROM unnest(CAST(:run_id AS bigint[]), CAST(:step AS bigint[]), CAST(:ranks AS int[]),
-                         CAST(:token_ranks AS int[]), CAST(:step_time_sum AS float8[]),
-                         CAST(:step_time_max AS float8[]), CAST(:data_wait_max AS float8[]),
-                         CAST(:tokens AS bigint[]), CAST(:padded_tokens AS bigint[]),
-                         CAST(:tag AS smallint[]), CAST(:wall_end AS float8[]))
+    SELECT * FROM unnest(CAST(%(run_id)s AS bigint[]), CAST(%(step)s AS bigint[]), CAST(%(ranks)s AS int[]),
+                         CAST(%(token_ranks)s AS int[]), CAST(%(step_time_sum)s AS float8[]),
+                         CAST(%(step_time_max)s AS float8[]), CAST(%(data_wait_max)s AS float8[]),
+                         CAST(%(tokens)s AS bigint[]), CAST(%(padded_tokens)s AS bigint[]),
+                         CAST(%(tag)s AS smallint[]), CAST(%(wall_end)s AS float8[]))
     ON CONFLICT (run_id, step) DO UPDATE SET
         ranks = t.ranks + excluded.ranks,
         token_ranks = t.token_ranks + excluded.token_ranks,
@@ -102,23 +100,20 @@ _JOB_STEPS = text(
         tag = greatest(t.tag, excluded.tag),
         wall_end = greatest(t.wall_end, excluded.wall_end)
     """
-)
 
-#: Columns that hold text: passed as lists (psycopg quotes them); the rest as literals.
-_TEXT = frozenset({"host", "coords", "agent_version", "clock", "last_seen"})
+#: Columns that hold text (quoted in their literal); the rest are numbers.
+_TEXT = frozenset({"host", "coords", "agent_version", "clock"})
 
 
 def claim(conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> set[str]:
     """Insert the batch ids; return those that were new (a retry's id is already there).
     ``payloads`` must not repeat a batch id."""
-    now = datetime.now(timezone.utc)
-    rows = conn.execute(
+    rows = conn.exec_driver_sql(
         _CLAIM,
         {
-            "batch_id": [p.batch_id for p in payloads],
+            "batch_id": _text_literal([p.batch_id for p in payloads]),
             "run_id": _literal(run_ids),
             "rank": _literal([p.rank.rank for p in payloads]),
-            "received_at": [now] * len(payloads),
         },
     )
     return {r[0] for r in rows}
@@ -128,16 +123,27 @@ def write(conn: Connection, rows: Rows) -> None:
     """Merge folded rows into ranks, rank windows and job steps, in that order."""
     for stmt, cols in ((_RANKS, rows.ranks), (_WINDOWS, rows.windows), (_JOB_STEPS, rows.job_steps)):
         if cols:
-            conn.execute(stmt, _params(cols))
+            conn.exec_driver_sql(stmt, _params(cols))
 
 
-def _params(cols: Columns) -> dict[str, Any]:
-    params = {k: v if k in _TEXT else _literal(v) for k, v in cols.items()}
+def _params(cols: Columns) -> dict[str, str]:
+    params = dict(cols)
     if "coords" in params:
-        params["coords"] = [json.dumps(c) for c in params["coords"]]
-    return params
+        params["coords"] = [json.dumps(c, separators=(",", ":")) for c in params["coords"]]
+    if "last_seen" in params:
+        params["last_seen"] = [d.timestamp() for d in params["last_seen"]]
+    return {k: _text_literal(v) if k in _TEXT else _literal(v) for k, v in params.items()}
 
 
 def _literal(values: Sequence[int | float | None]) -> str:
     """A PostgreSQL array literal of numbers (``repr`` keeps every bit of a float)."""
     return "{" + ",".join("NULL" if v is None else repr(v) for v in values) + "}"
+
+
+def _text_literal(values: Sequence[str | None]) -> str:
+    """A PostgreSQL array literal of strings, each quoted (backslash and quote escaped)."""
+    return "{" + ",".join("NULL" if v is None else '"' + _escape(v) + '"' for v in values) + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
