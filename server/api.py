@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
 from . import queries
+from .auth import Credentials, authenticator
 from .group_commit import GroupCommitter
+from .ingest import Ingestor
 from .metrics import CollectorMetrics
 from .schemas import (
     EventOut,
@@ -23,9 +26,21 @@ from .schemas import (
     RunSummary,
     Series,
 )
+from .settings import Settings
 
-router = APIRouter(prefix="/api/v1")
+
+async def _authorize(request: Request, credentials: Credentials) -> None:
+    """Every route of the API: POST needs a write token, the rest a read token (when
+    configured, ``auth.py``). The token's name is kept for quotas."""
+    request.state.token = authenticator(request).check(
+        credentials, "write" if request.method == "POST" else "read"
+    )
+
+
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(_authorize)])
 _ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": Problem, "description": "A bearer token is required, or the one sent is unknown"},
+    403: {"model": Problem, "description": "The token may not do this"},
     404: {"model": Problem, "description": "Unknown run or metric"},
     503: {"model": Problem, "description": "Database unavailable; retry after Retry-After seconds"},
 }
@@ -45,6 +60,8 @@ INGEST_SCHEMAS = {**INGEST_SCHEMAS.pop("$defs", {}), "IngestPayload": INGEST_SCH
     "/ingest",
     response_model=IngestResult,
     responses={
+        401: _ERRORS[401],
+        403: {"model": Problem, "description": "Not a write token, or its run quota is used up"},
         413: {"model": Problem, "description": "Body too large"},
         422: {"model": Problem, "description": "Invalid payload; nothing was stored"},
         503: _ERRORS[503],
@@ -65,16 +82,50 @@ async def ingest(request: Request) -> IngestResult:
         payload = IngestPayload.model_validate_json(await request.body())
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
+    owner: str | None = request.state.token
+    await _within_limits(request, payload, owner)
     committer: GroupCommitter = request.app.state.group_commit
     metrics: CollectorMetrics = request.app.state.metrics
     t0 = time.perf_counter()
-    stored = await committer.submit(payload)
+    stored = await committer.submit(payload, owner)
     metrics.ingest_seconds.observe(time.perf_counter() - t0)
     metrics.batches.labels("stored" if stored else "duplicate").inc()
     n = len(payload.steps.time_s)
     if stored:
         metrics.steps.inc(n)
     return IngestResult(batch_id=payload.batch_id, stored=stored, steps=n)
+
+
+async def _within_limits(request: Request, payload: IngestPayload, owner: str | None) -> None:
+    """This collector's configurable limits (settings), beyond the schema's fixed bounds."""
+    settings: Settings = request.app.state.settings
+    n = len(payload.steps.time_s)
+    if n > settings.max_steps_per_batch:
+        raise _invalid(
+            ("steps", "time_s"),
+            f"{n} steps in one batch; this collector accepts at most {settings.max_steps_per_batch} "
+            "(STEPWATCH_MAX_STEPS_PER_BATCH)",
+        )
+    if payload.rank.world_size > settings.max_ranks_per_run:
+        raise _invalid(
+            ("rank", "world_size"),
+            f"{payload.rank.world_size} ranks; this collector accepts at most {settings.max_ranks_per_run} "
+            "per run (STEPWATCH_MAX_RANKS_PER_RUN)",
+        )
+    ingestor: Ingestor = request.app.state.ingestor
+    if not ingestor.knows_run(payload.run):  # a new run: count the token's runs (rare, off-loop)
+        used = await asyncio.to_thread(ingestor.admits_run, payload.run, owner, settings.max_runs_per_token)
+        if used is not None:
+            who = f"token {owner!r}" if owner else "anonymous writers"
+            raise HTTPException(
+                status_code=403,
+                detail=f"run {payload.run!r} refused: {who} created {used} runs, the limit is "
+                f"{settings.max_runs_per_token} (STEPWATCH_MAX_RUNS_PER_TOKEN)",
+            )
+
+
+def _invalid(loc: tuple[str, ...], msg: str) -> RequestValidationError:
+    return RequestValidationError([{"loc": loc, "msg": msg, "type": "limit"}])
 
 
 @router.get("/runs", response_model=list[RunSummary], responses={503: _ERRORS[503]})

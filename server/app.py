@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import Engine, text
@@ -17,6 +18,7 @@ import stepwatch
 
 from . import errors
 from .api import INGEST_SCHEMAS, router
+from .auth import Authenticator, require_read
 from .db.engine import make_engine
 from .db.migrate import current_revision, head_revision
 from .group_commit import GroupCommitter
@@ -44,6 +46,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.auth = Authenticator.from_specs(settings.write_tokens, settings.read_tokens)
     app.state.engine = engine
     app.state.ingestor = ingestor = Ingestor(engine, window_seconds=settings.window_seconds)
     app.state.metrics = metrics = CollectorMetrics()
@@ -52,6 +55,14 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.include_router(router)
     _publish_schemas(app, INGEST_SCHEMAS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
+    if origins:  # off unless configured: the API is for agents, Grafana and scripts
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["GET"],
+            allow_headers=["authorization"],
+        )
 
     @app.get("/healthz", tags=["ops"], summary="The process is up")
     def healthz() -> dict[str, str]:
@@ -77,7 +88,15 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             )
         return JSONResponse({"status": "ready", "schema": current})
 
-    @app.get("/metrics", tags=["ops"], summary="Prometheus exposition", response_class=Response)
+    metrics_auth = [Depends(require_read)] if settings.metrics_require_token else []
+
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        summary="Prometheus exposition",
+        response_class=Response,
+        dependencies=metrics_auth,
+    )
     def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

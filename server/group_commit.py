@@ -21,7 +21,8 @@ from sqlalchemy.exc import DataError, IntegrityError
 from .schemas import IngestPayload
 
 log = logging.getLogger("stepwatch_server")
-StoreMany = Callable[[Sequence[IngestPayload]], list[bool]]
+StoreMany = Callable[[Sequence[IngestPayload], Sequence[str | None]], list[bool]]
+Item = tuple[IngestPayload, str | None, "asyncio.Future[bool]"]
 
 
 class GroupCommitter:
@@ -38,22 +39,23 @@ class GroupCommitter:
         self._store_many = store_many
         self._on_group = on_group
         self._max_steps = max_steps
-        self._pending: list[tuple[IngestPayload, asyncio.Future[bool]]] = []
+        self._pending: list[Item] = []
         self._writer: asyncio.Task[None] | None = None
 
-    async def submit(self, payload: IngestPayload) -> bool:
-        """Store one batch with whatever else is waiting; True if it was new."""
+    async def submit(self, payload: IngestPayload, owner: str | None = None) -> bool:
+        """Store one batch with whatever else is waiting; True if it was new. ``owner``
+        names the write token (recorded on a run this batch creates)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[bool] = loop.create_future()
-        self._pending.append((payload, fut))
+        self._pending.append((payload, owner, fut))
         if self._writer is None or self._writer.done():
             self._writer = loop.create_task(self._drain())
         # A client that hangs up cancels its wait, not the write (retries are idempotent).
         return await asyncio.shield(fut)
 
-    def _take(self) -> list[tuple[IngestPayload, asyncio.Future[bool]]]:
+    def _take(self) -> list[Item]:
         steps, n = 0, 0
-        for payload, _ in self._pending:
+        for payload, _, _ in self._pending:
             steps += len(payload.steps.time_s)
             n += 1
             if steps >= self._max_steps:
@@ -64,11 +66,12 @@ class GroupCommitter:
     async def _drain(self) -> None:
         while self._pending:
             group = self._take()
-            payloads = [p for p, _ in group]
+            payloads = [p for p, _, _ in group]
+            owners = [o for _, o, _ in group]
             if self._on_group is not None:
                 self._on_group(len(group))
             try:
-                results = await asyncio.to_thread(self._store_many, payloads)
+                results = await asyncio.to_thread(self._store_many, payloads, owners)
             except (IntegrityError, DataError) as exc:
                 if len(group) == 1:
                     _fail(group, exc)
@@ -77,7 +80,7 @@ class GroupCommitter:
                 log.warning("group of %d batches failed (%s); storing one by one", len(group), exc)
                 for item in group:
                     try:
-                        (result,) = await asyncio.to_thread(self._store_many, [item[0]])
+                        (result,) = await asyncio.to_thread(self._store_many, [item[0]], [item[1]])
                     except Exception as one_exc:
                         _fail([item], one_exc)
                     else:
@@ -89,13 +92,13 @@ class GroupCommitter:
             _resolve(group, results)
 
 
-def _resolve(group: Sequence[tuple[IngestPayload, asyncio.Future[bool]]], results: Sequence[bool]) -> None:
-    for (_, fut), result in zip(group, results, strict=True):
+def _resolve(group: Sequence[Item], results: Sequence[bool]) -> None:
+    for (_, _, fut), result in zip(group, results, strict=True):
         if not fut.done():
             fut.set_result(result)
 
 
-def _fail(group: Sequence[tuple[IngestPayload, asyncio.Future[bool]]], exc: BaseException) -> None:
-    for _, fut in group:
+def _fail(group: Sequence[Item], exc: BaseException) -> None:
+    for _, _, fut in group:
         if not fut.done():
             fut.set_exception(exc)

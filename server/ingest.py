@@ -81,7 +81,26 @@ class Ingestor:
         return func.least(a, b) if self._dialect == "postgresql" else func.min(a, b)
 
     # -- runs ----------------------------------------------------------------------
-    def _run_key(self, conn: Connection, p: IngestPayload) -> RunKey:
+    def knows_run(self, name: str) -> bool:
+        """True if the run is in the cache (it exists); never touches the database."""
+        with self._lock:
+            return name in self._runs
+
+    def admits_run(self, name: str, owner: str | None, limit: int) -> int | None:
+        """None if a batch of run ``name`` from ``owner`` may be stored; else how many runs
+        ``owner`` has created already (at or past ``limit``). Only a new run is counted."""
+        with self._lock:
+            if name in self._runs:
+                return None
+        runs = Run.__table__
+        with self.engine.connect() as conn:
+            if conn.execute(select(runs.c.id).where(runs.c.name == name)).first() is not None:
+                return None
+            mine = runs.c.created_by.is_(None) if owner is None else runs.c.created_by == owner
+            count = int(conn.execute(select(func.count()).select_from(runs).where(mine)).scalar_one())
+        return count if count >= limit else None
+
+    def _run_key(self, conn: Connection, p: IngestPayload, owner: str | None = None) -> RunKey:
         with self._lock:
             key = self._runs.get(p.run)
             if key is not None:
@@ -100,6 +119,7 @@ class Ingestor:
                 convention=p.convention.model_dump() if p.convention else None,
                 window_steps=choose_window_steps(p.steps.time_s, self.window_seconds),
                 created_at=datetime.now(timezone.utc),
+                created_by=owner,
             )
             conn.execute(stmt.on_conflict_do_nothing(index_elements=["name"]))
             row = conn.execute(
@@ -117,16 +137,20 @@ class Ingestor:
         """Store one batch; False if its id was already stored. Raises on DB errors."""
         return self.store_many([p])[0]
 
-    def store_many(self, payloads: Sequence[IngestPayload]) -> list[bool]:
+    def store_many(
+        self, payloads: Sequence[IngestPayload], owners: Sequence[str | None] | None = None
+    ) -> list[bool]:
         """Store a group of batches in one transaction. For each batch: True if stored,
         False if its id was stored before (or earlier in the same group). Raises on DB
-        errors, and then nothing of the group is stored."""
+        errors, and then nothing of the group is stored. ``owners`` names the write token
+        of each batch (recorded on a run the batch creates)."""
         first: dict[str, int] = {}
         for i, p in enumerate(payloads):
             first.setdefault(p.batch_id, i)
         unique = [payloads[i] for i in first.values()]
+        owner_of = [owners[i] if owners is not None else None for i in first.values()]
         with self.engine.begin() as conn:
-            keys = [self._run_key(conn, p) for p in unique]
+            keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
             run_ids = [k.id for k in keys]
             if self._dialect == "postgresql":
                 new = ingest_pg.claim(conn, unique, run_ids)

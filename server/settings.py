@@ -30,3 +30,16 @@ class Settings(BaseSettings):
     migrate_on_start: bool = True
     #: uvicorn worker processes (each one group-commits on its own; 2 suit 2 cores).
     workers: int = Field(default=1, ge=1, le=64)
+    #: Bearer tokens allowed to POST /ingest: ``[name=]secret`` or ``[name=]sha256:<hex>``,
+    #: comma-separated. Empty: writes are open (development default).
+    write_tokens: str = Field(default="", repr=False)
+    #: Bearer tokens allowed to read the API (same syntax). Empty: reads are open.
+    read_tokens: str = Field(default="", repr=False)
+    #: Require a read token for /metrics too (Prometheus then sends ``authorization``).
+    metrics_require_token: bool = False
+    #: Browser origins allowed to read the API (comma-separated). Empty: CORS off.
+    cors_origins: str = ""
+    #: Runs one token (or, with writes open, everyone together) may create.
+    max_runs_per_token: int = Field(default=1000, ge=1)
+    #: Largest world size a run may declare.
+    max_ranks_per_run: int = Field(default=65_536, ge=1, le=1_048_576)

@@ -62,6 +62,9 @@ class Run(Base):
     #: Steps per stored rank window, fixed at the run's first batch.
     window_steps: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    #: Name of the write token that created the run (null: writes were open); runs per
+    #: token are limited (``STEPWATCH_MAX_RUNS_PER_TOKEN``).
+    created_by: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
 
 
 class Rank(Base):
