@@ -51,7 +51,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.ingestor = ingestor = Ingestor(engine, window_seconds=settings.window_seconds)
     app.state.metrics = metrics = CollectorMetrics()
     app.state.group_commit = GroupCommitter(ingestor.store_many, on_group=metrics.group_batches.observe)
-    errors.install(app)
+    errors.install(app, retry_after_s=settings.retry_after_s)
     app.include_router(router)
     _publish_schemas(app, INGEST_SCHEMAS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
@@ -78,7 +78,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             return JSONResponse(
                 status_code=503,
                 content={"status": "unavailable", "detail": f"database: {exc.__class__.__name__}"},
-                headers={"Retry-After": str(errors.RETRY_AFTER_S)},
+                headers={"Retry-After": str(settings.retry_after_s)},
             )
         head = head_revision()
         if current != head:

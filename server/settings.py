@@ -26,6 +26,8 @@ class Settings(BaseSettings):
     max_steps_per_batch: int = 10_000
     #: Target wall time of one stored per-rank window; the step count is fixed per run.
     window_seconds: float = 10.0
+    #: Seconds a client is told to wait (``Retry-After``) while the database is away.
+    retry_after_s: int = Field(default=5, ge=1, le=600)
     #: Apply migrations when ``serve`` starts.
     migrate_on_start: bool = True
     #: uvicorn worker processes (each one group-commits on its own; 2 suit 2 cores).

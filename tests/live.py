@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -9,7 +13,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from stepwatch.demo.launch import free_port
+from stepwatch.demo.launch import free_port, wait_ready
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
 
@@ -33,3 +37,49 @@ def serve_in_thread(database_url: str, port: int | None = None, **settings: obje
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+class CollectorProcess:
+    """``stepwatch serve`` as a real process on a fixed port, which a test may SIGKILL
+    and start again on the same port (agents keep their URL)."""
+
+    def __init__(self, database_url: str, log_path: str, port: int | None = None, **env: str) -> None:
+        self.database_url, self.log_path = database_url, log_path
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = env
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "stepwatch", "serve", "--port", str(self.port)]
+        cmd += ["--database-url", self.database_url, "--log-level", "warning"]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
+            )
+        wait_ready(self.url, self.process, 60.0, self.log_path)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown handler runs, nothing is flushed."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@contextmanager
+def collector_process(database_url: str, log_path: str, **env: str) -> Iterator[CollectorProcess]:
+    proc = CollectorProcess(database_url, log_path, **env)
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
