@@ -1,4 +1,5 @@
-"""A real collector served by uvicorn on a loopback port, inside the test process."""
+"""Real collectors for the tests: uvicorn in a thread, `stepwatch serve` as a killable
+process, and a collector that is up but answers only after a delay."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 
@@ -83,3 +85,73 @@ def collector_process(database_url: str, log_path: str, **env: str) -> Iterator[
         yield proc
     finally:
         proc.stop()
+
+
+class SlowServer:
+    """A loopback HTTP server that reads each request and answers 200 only after
+    ``delay_s`` (or when released): a collector that is up but too slow to answer.
+    Counts the requests it has received."""
+
+    def __init__(self, delay_s: float = 10.0) -> None:
+        import socket
+
+        self.delay_s = delay_s
+        self.received = 0
+        self.release = threading.Event()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> SlowServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.release.set()
+        self._thread.join(5)
+        self._sock.close()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: Any) -> None:
+        with conn:
+            conn.settimeout(30)
+            try:
+                while True:
+                    data = b""
+                    while b"\r\n\r\n" not in data:
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            return
+                        data += chunk
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    length = next(
+                        (
+                            int(v)
+                            for k, _, v in (h.partition(b":") for h in head.split(b"\r\n"))
+                            if k.strip().lower() == b"content-length"
+                        ),
+                        0,
+                    )
+                    while len(body) < length:
+                        body += conn.recv(65536)
+                    self.received += 1
+                    self.release.wait(self.delay_s)
+                    reply = b'{"stored":true}'
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                        + str(len(reply)).encode()
+                        + b"\r\n\r\n"
+                        + reply
+                    )
+            except OSError:
+                return
