@@ -28,6 +28,13 @@ from .schemas import (
 )
 from .settings import Settings
 
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": Problem, "description": "A bearer token is required, or the one sent is unknown"},
+    403: {"model": Problem, "description": "The token may not do this"},
+    404: {"model": Problem, "description": "Unknown run or metric"},
+    503: {"model": Problem, "description": "Database unavailable; retry after Retry-After seconds"},
+}
+
 
 async def _authorize(request: Request, credentials: Credentials) -> None:
     """Every route of the API: POST needs a write token, the rest a read token (when
@@ -37,13 +44,15 @@ async def _authorize(request: Request, credentials: Credentials) -> None:
     )
 
 
-router = APIRouter(prefix="/api/v1", dependencies=[Depends(_authorize)])
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": Problem, "description": "A bearer token is required, or the one sent is unknown"},
-    403: {"model": Problem, "description": "The token may not do this"},
-    404: {"model": Problem, "description": "Unknown run or metric"},
-    503: {"model": Problem, "description": "Database unavailable; retry after Retry-After seconds"},
-}
+router = APIRouter(
+    prefix="/api/v1",
+    dependencies=[Depends(_authorize)],
+    responses={
+        401: _ERRORS[401],
+        403: _ERRORS[403],
+        422: {"model": Problem, "description": "Invalid request; the detail names each bad field"},
+    },
+)
 
 
 def _engine(request: Request) -> Engine:
