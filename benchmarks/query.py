@@ -46,7 +46,8 @@ def _generate(conn: psycopg.Connection[tuple[object, ...]], days: int, ranks: in
         """INSERT INTO job_steps (run_id, step, ranks, token_ranks, step_time_sum, step_time_max,
                                   data_wait_max, tokens, padded_tokens, tag, wall_end)
            SELECT %(run)s, s, %(r)s, %(r)s, %(r)s * (10.0 + 0.3 * sin(s / 500.0)),
-                  10.6 + 0.3 * sin(s / 500.0), 0.02, %(r)s::bigint * 32768, NULL, CASE WHEN s <= 10 THEN 1 ELSE 0 END, %(t0)s + s * 10.0
+                  10.6 + 0.3 * sin(s / 500.0), 0.02, %(r)s::bigint * 32768, NULL,
+                  CASE WHEN s <= 10 THEN 1 ELSE 0 END, %(t0)s + s * 10.0
            FROM generate_series(1, %(steps)s) AS s""",
         {"run": run_id, "r": ranks, "steps": steps, "t0": t0},
     )
