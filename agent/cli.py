@@ -29,6 +29,17 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     return db_upgrade(database_url=args.database_url, revision=args.revision)
 
 
+def _db_prune(args: argparse.Namespace) -> int:
+    from stepwatch_server.cli import db_prune
+
+    return db_prune(
+        database_url=args.database_url,
+        full_days=args.full_days,
+        factor=args.factor,
+        batch_id_days=args.batch_id_days,
+    )
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo.runner import run_demo
 
@@ -57,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("revision", nargs="?", default="head")
     up.add_argument("--database-url", default=None, help="SQLAlchemy URL (or STEPWATCH_DATABASE_URL)")
     up.set_defaults(func=_db_upgrade)
+    pr = db_sub.add_parser(
+        "prune", help="retention: roll up old per-rank windows, forget old batch ids (run daily)"
+    )
+    pr.add_argument("--database-url", default=None, help="SQLAlchemy URL (or STEPWATCH_DATABASE_URL)")
+    pr.add_argument(
+        "--full-days", type=float, default=2.0, help="keep per-rank windows this long (default 2)"
+    )
+    pr.add_argument(
+        "--factor", type=int, default=360, help="windows per rolled-up row (default 360: an hour of 10 s)"
+    )
+    pr.add_argument("--batch-id-days", type=float, default=7.0, help="forget batch ids after (default 7)")
+    pr.set_defaults(func=_db_prune)
 
     demo = sub.add_parser("demo", help="collector + a real 4-rank CPU training with the hook, then a summary")
     demo.add_argument("--ranks", type=int, default=4, help="training processes (gloo, CPU)")

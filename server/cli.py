@@ -20,6 +20,24 @@ def db_upgrade(*, database_url: str | None, revision: str = "head") -> int:
     return 0
 
 
+def db_prune(*, database_url: str | None, full_days: float, factor: int, batch_id_days: float) -> int:
+    from .db.engine import make_engine
+    from .retention import prune
+
+    settings = _settings(database_url=database_url)
+    engine = make_engine(settings.database_url)
+    try:
+        r = prune(engine, full_days=full_days, factor=factor, batch_id_days=batch_id_days)
+    finally:
+        engine.dispose()
+    print(
+        f"{r.runs} run(s): {r.windows_rolled_up} rank windows older than {full_days:g} days rolled up "
+        f"into {r.rows_written} rows ({factor} windows each); {r.batch_ids_deleted} batch ids older "
+        f"than {batch_id_days:g} days deleted"
+    )
+    return 0
+
+
 def serve(
     *,
     host: str | None,
