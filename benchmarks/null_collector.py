@@ -17,13 +17,19 @@ from stepwatch_server.settings import Settings
 
 
 class NullCommitter:
-    async def submit(self, payload: IngestPayload) -> bool:
+    async def submit(self, payload: IngestPayload, owner: str | None = None) -> bool:
         return True
+
+
+class NullIngestor:
+    def knows_run(self, name: str) -> bool:
+        return True  # as the real collector's run cache does after a run's first batch
 
 
 def app_factory() -> FastAPI:
     app = create_app(Settings())
     app.state.group_commit = NullCommitter()
+    app.state.ingestor = NullIngestor()
     tune_gc()  # as app_from_env does for the real collector
     return app
 

@@ -24,12 +24,14 @@ import numpy.typing as npt
 from .schemas import IngestPayload
 
 TAG_CODES = {"warmup": 1, "checkpoint": 2, "eval": 3}
-Columns = dict[str, list[Any]]
+#: Column name -> values: a list (``ranks``) or a numpy array (masked where NULL).
+Columns = dict[str, Any]
 
 
 @dataclass(frozen=True)
 class Rows:
-    """Column-oriented rows for the three tables (Python lists, ready for any driver)."""
+    """Column-oriented rows for the three tables: numpy arrays for the step-derived tables
+    (sent to PostgreSQL in binary), lists for ``ranks``."""
 
     ranks: Columns
     windows: Columns
@@ -116,19 +118,19 @@ def _fold_steps(
     # rank_windows: group by (run, rank, window).
     order, first_idx = _groups(run, rank, window)
     windows: Columns = {
-        "run_id": run[order][first_idx].tolist(),
-        "rank": rank[order][first_idx].tolist(),
-        "window": window[order][first_idx].tolist(),
-        "first_step": np.minimum.reduceat(step[order], first_idx).tolist(),
-        "last_step": np.maximum.reduceat(step[order], first_idx).tolist(),
-        "n_steps": np.diff(np.append(first_idx, total)).tolist(),
-        "step_time_sum": np.add.reduceat(t[order], first_idx).tolist(),
-        "step_time_min": np.minimum.reduceat(t[order], first_idx).tolist(),
-        "step_time_max": np.maximum.reduceat(t[order], first_idx).tolist(),
-        "data_wait_sum": np.add.reduceat(wait[order], first_idx).tolist(),
-        "tokens_sum": np.add.reduceat(tokens[order], first_idx).tolist(),
+        "run_id": run[order][first_idx],
+        "rank": rank[order][first_idx],
+        "window": window[order][first_idx],
+        "first_step": np.minimum.reduceat(step[order], first_idx),
+        "last_step": np.maximum.reduceat(step[order], first_idx),
+        "n_steps": np.diff(np.append(first_idx, total)),
+        "step_time_sum": np.add.reduceat(t[order], first_idx),
+        "step_time_min": np.minimum.reduceat(t[order], first_idx),
+        "step_time_max": np.maximum.reduceat(t[order], first_idx),
+        "data_wait_sum": np.add.reduceat(wait[order], first_idx),
+        "tokens_sum": np.add.reduceat(tokens[order], first_idx),
         "padded_tokens_sum": _nullable_sum(padded[order], has_pad[order], first_idx),
-        "wall_end": np.maximum.reduceat(np.repeat(batch_end, lengths)[order], first_idx).tolist(),
+        "wall_end": np.maximum.reduceat(np.repeat(batch_end, lengths)[order], first_idx),
     }
 
     # job_steps: group by (run, step); only data-parallel leaders' tokens count.
@@ -136,17 +138,17 @@ def _fold_steps(
     c = counts[order]
     pad_counted = np.where(c, padded[order], 0)
     job: Columns = {
-        "run_id": run[order][first_idx].tolist(),
-        "step": step[order][first_idx].tolist(),
-        "ranks": np.diff(np.append(first_idx, total)).tolist(),
-        "token_ranks": np.add.reduceat(c.astype(np.int64), first_idx).tolist(),
-        "step_time_sum": np.add.reduceat(t[order], first_idx).tolist(),
-        "step_time_max": np.maximum.reduceat(t[order], first_idx).tolist(),
-        "data_wait_max": np.maximum.reduceat(wait[order], first_idx).tolist(),
-        "tokens": np.add.reduceat(np.where(c, tokens[order], 0), first_idx).tolist(),
+        "run_id": run[order][first_idx],
+        "step": step[order][first_idx],
+        "ranks": np.diff(np.append(first_idx, total)),
+        "token_ranks": np.add.reduceat(c.astype(np.int64), first_idx),
+        "step_time_sum": np.add.reduceat(t[order], first_idx),
+        "step_time_max": np.maximum.reduceat(t[order], first_idx),
+        "data_wait_max": np.maximum.reduceat(wait[order], first_idx),
+        "tokens": np.add.reduceat(np.where(c, tokens[order], 0), first_idx),
         "padded_tokens": _nullable_sum(pad_counted, has_pad[order], first_idx),
-        "tag": np.maximum.reduceat(tags[order], first_idx).tolist(),
-        "wall_end": np.maximum.reduceat(step_end[order], first_idx).tolist(),
+        "tag": np.maximum.reduceat(tags[order], first_idx),
+        "wall_end": np.maximum.reduceat(step_end[order], first_idx),
     }
     return windows, job
 
@@ -165,7 +167,6 @@ def _groups(*keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.intp], npt.NDA
 
 def _nullable_sum(
     values: npt.NDArray[np.int64], present: npt.NDArray[np.bool_], first_idx: npt.NDArray[np.intp]
-) -> list[int | None]:
-    sums = np.add.reduceat(np.where(present, values, 0), first_idx).tolist()
-    any_present = np.logical_or.reduceat(present, first_idx).tolist()
-    return [s if a else None for s, a in zip(sums, any_present, strict=True)]
+) -> np.ma.MaskedArray[Any, np.dtype[np.int64]]:
+    sums = np.add.reduceat(np.where(present, values, 0), first_idx)
+    return np.ma.array(sums, mask=~np.logical_or.reduceat(present, first_idx))

@@ -194,9 +194,10 @@ class Ingestor:
         ):
             if cols:
                 names = list(cols)
+                columns = [v.tolist() if hasattr(v, "tolist") else v for v in cols.values()]
                 conn.execute(
                     stmt,
-                    [dict(zip(names, values, strict=True)) for values in zip(*cols.values(), strict=True)],
+                    [dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True)],
                 )
 
     def _rank_upsert(self) -> Any:

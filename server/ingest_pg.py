@@ -2,9 +2,10 @@
 
 The statements are fixed driver SQL (``exec_driver_sql``: no compilation, but
 SQLAlchemy still translates errors and invalidates a dead connection). Each column
-travels as one array literal and ``unnest`` turns the arrays back into rows,
-so a table costs one round trip whatever the group's size. Literals, not Python lists:
-psycopg adapts a list element by element in Python. Rows arrive folded (one per key,
+travels as one array parameter and ``unnest`` turns the arrays back into rows, so a
+table costs one round trip whatever the group's size: numeric columns as binary arrays
+built from numpy (``db/pg_arrays.py``), the few others as literals (psycopg would adapt
+a list element by element in Python). Rows arrive folded (one per key,
 ``aggregate.py``) and sorted by key, and the tables are written in a fixed order (claims,
 ranks, rank windows, job steps), so two collectors writing the same steps wait for each
 other but cannot deadlock.
@@ -14,10 +15,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 from sqlalchemy import Connection
 
 from .aggregate import Columns, Rows
+from .db import pg_arrays
 from .schemas import IngestPayload
 
 _CLAIM = """
@@ -126,13 +130,20 @@ def write(conn: Connection, rows: Rows) -> None:
             conn.exec_driver_sql(stmt, _params(cols))
 
 
-def _params(cols: Columns) -> dict[str, str]:
+def _params(cols: Columns) -> dict[str, Any]:
     params = dict(cols)
     if "coords" in params:
         params["coords"] = [json.dumps(c, separators=(",", ":")) for c in params["coords"]]
     if "last_seen" in params:
         params["last_seen"] = [d.timestamp() for d in params["last_seen"]]
-    return {k: _text_literal(v) if k in _TEXT else _literal(v) for k, v in params.items()}
+    return {
+        k: _text_literal(v)
+        if k in _TEXT
+        else pg_arrays.encode(v)
+        if isinstance(v, np.ndarray)
+        else _literal(v)
+        for k, v in params.items()
+    }
 
 
 def _literal(values: Sequence[int | float | None]) -> str:
