@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=2, help="windows per rank in each throughput phase")
     p.add_argument("--rounds", type=int, default=3, help="no-op/PostgreSQL phase pairs")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=128)
     args = p.parse_args(argv)
     n = args.steps_per_window
 
