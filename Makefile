@@ -32,5 +32,10 @@ lint: venv
 typecheck: venv
 	$(PY) tools/typecheck.py
 
+# Every benchmark (benchmarks/*.py with a main()), printing ratios against baselines
+# measured in the same run; needs PostgreSQL like the tests. A few minutes on 2 cores.
+bench: venv
+	$(PY) -m benchmarks
+
 clean:
 	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache

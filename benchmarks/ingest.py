@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, list[loadgen.LoadResult]] = {"null": [], "pg": []}
     workers = ["--workers", str(args.workers)]
     with pg_database() as db_url:
-        null_cmd = ["benchmarks.null_collector", *workers]
+        null_cmd = ["benchmarks._null_collector", *workers]
         pg_cmd = ["stepwatch", "serve", "--database-url", db_url, "--log-level", "warning", *workers]
         with server(null_cmd, "/healthz") as null_url, server(pg_cmd, "/readyz") as pg_url:
             for kind, _, bodies in phases:

@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(
         database_url="sqlite://", port=args.port, workers=args.workers, migrate_on_start=False
     )
-    run_uvicorn("benchmarks.null_collector:app_factory", settings, log_level="warning")
+    run_uvicorn("benchmarks._null_collector:app_factory", settings, log_level="warning")
     return 0
 
 
