@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timezone
 from typing import Any
 
 from sqlalchemy import Connection, Float, Select, and_, cast, func, select
@@ -109,8 +110,6 @@ def _unix(value: Any) -> float | None:
     if value is None:
         return None
     if value.tzinfo is None:  # SQLite returns naive datetimes for timezone-aware columns
-        from datetime import timezone
-
         value = value.replace(tzinfo=timezone.utc)
     return float(value.timestamp())
 

@@ -8,10 +8,9 @@ rejected with a 422 naming the field and nothing of it is stored.
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
 RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
@@ -106,13 +105,6 @@ class IngestPayload(_Strict):
     rank: RankIn
     convention: ConventionIn | None = None
     steps: StepsIn
-
-    @field_validator("sent_at")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be finite")
-        return v
 
 
 class IngestResult(BaseModel):
