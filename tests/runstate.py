@@ -3,8 +3,11 @@
 Steps arrive through the real ingest code (payloads built by the agent's own code, then
 validated by the collector's schema). Two things are written directly, because their
 producers live in other work streams: the profiler breakdown columns of
-``rank_windows`` (the profiler window fills them) and open straggler rows in ``events``
-(the straggler detector writes them). The rows have the shape those writers use.
+``rank_windows`` (the profiler window fills them) and rows in ``events`` (the collector's
+detection wiring writes them). :func:`detect_stragglers` runs the real straggler detector
+(``stepwatch_server.analysis``) over the stored windows and stores its findings the way
+that wiring will; :func:`open_straggler` writes a flag by hand where a test needs exact
+numbers.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from datetime import datetime, timezone
 
 from sqlalchemy import Engine, select, update
 
-from stepwatch_server.db.models import Event, RankWindow, Run
+from stepwatch_server.analysis import types as analysis
+from stepwatch_server.analysis.stragglers import StragglerDetector
+from stepwatch_server.db.models import Event, Rank, RankWindow, Run
 from stepwatch_server.ingest import Ingestor
 from stepwatch_server.schemas import IngestPayload
 
@@ -130,3 +135,71 @@ def open_straggler(
                 updated_at=now,
             )
         )
+
+
+def analysis_windows(engine: Engine, run: str, window: int) -> list[analysis.RankWindow]:
+    """The stored windows of one index as the detector's input type (pure data parallel)."""
+    rid = run_id(engine, run)
+    rw, rk = RankWindow.__table__, Rank.__table__
+    q = (
+        select(rw, rk.c.host, rk.c.local_rank)
+        .join(rk, (rk.c.run_id == rw.c.run_id) & (rk.c.rank == rw.c.rank))
+        .where(rw.c.run_id == rid, rw.c.window == window)
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(q).mappings().all()
+    return [
+        analysis.RankWindow(
+            run=run,
+            rank=r["rank"],
+            host=r["host"],
+            local_rank=r["local_rank"],
+            window=window,
+            first_step=r["first_step"],
+            last_step=r["last_step"],
+            n_steps=r["n_steps"],
+            step_time_s=r["step_time_sum"] / r["n_steps"],
+            data_wait_s=r["data_wait_sum"] / r["n_steps"],
+            compute_s=r["compute_s"],
+            comm_exposed_s=r["comm_exposed_s"],
+            comm_overlapped_s=r["comm_overlapped_s"],
+            idle_s=r["idle_s"],
+            comm_wait_s=r["comm_wait_s"],
+            comm_transfer_s=r["comm_transfer_s"],
+            dp_rank=r["rank"],
+        )
+        for r in rows
+    ]
+
+
+def detect_stragglers(engine: Engine, detector: StragglerDetector, window: int) -> list[analysis.Finding]:
+    """Run the detector over one stored window and upsert what it opens or closes."""
+    findings = detector.update(analysis_windows(engine, detector.run, window))
+    for f in findings:
+        store_finding(engine, f)
+    return findings
+
+
+def store_finding(engine: Engine, f: analysis.Finding) -> None:
+    now = datetime.now(timezone.utc)
+    t = Event.__table__
+    rid = run_id(engine, f.run)
+    values = {
+        "kind": f.kind,
+        "cause": f.cause,
+        "ranks": list(f.ranks),
+        "hosts": list(f.hosts),
+        "last_step": f.last_step,
+        "status": f.status,
+        "evidence": dict(f.evidence),
+        "cost_seconds": f.cost_seconds,
+        "cost_ratio": f.cost_ratio,
+        "message": f.message,
+        "updated_at": now,
+    }
+    with engine.begin() as conn:
+        where = (t.c.run_id == rid) & (t.c.key == f.key) & (t.c.first_step == f.first_step)
+        if conn.execute(update(t).where(where).values(**values)).rowcount == 0:
+            conn.execute(
+                t.insert().values(run_id=rid, key=f.key, first_step=f.first_step, opened_at=now, **values)
+            )
