@@ -79,7 +79,9 @@ def test_services_are_pinned_healthchecked_and_ordered(resolved: dict[str, Any])
         assert services[name].get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
     assert services["migrate"]["restart"] == "no"
     assert services["collector"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
-    from_line = next(ln for ln in (ROOT / "docker" / "Dockerfile").read_text().splitlines() if ln.startswith("FROM"))
+    from_line = next(
+        ln for ln in (ROOT / "docker" / "Dockerfile").read_text().splitlines() if ln.startswith("FROM")
+    )
     assert re.search(r":\d+\.\d+\.\d+", from_line), from_line
 
 
@@ -106,7 +108,9 @@ def test_prometheus_config_loads_the_rules_it_mounts(resolved: dict[str, Any], t
     assert [j["job_name"] for j in cfg["scrape_configs"]] == [DEFAULT.job]
     local = tmp_path / "prometheus.yml"
     local.write_text(yaml.safe_dump(cfg))
-    r = subprocess.run(["promtool", "check", "config", str(local)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["promtool", "check", "config", str(local)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -26,7 +26,9 @@ from stepwatch_server.settings import Settings
 from .payloads import CONVENTION
 from .runstate import detect_stragglers, fill_breakdown, store
 
-NON_BASE_UNITS = re.compile(r"_(ms|milliseconds|us|microseconds|minutes|hours|days|percent|pct|[kmg]i?b)(_|$)")
+NON_BASE_UNITS = re.compile(
+    r"_(ms|milliseconds|us|microseconds|minutes|hours|days|percent|pct|[kmg]i?b)(_|$)"
+)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
@@ -73,7 +75,9 @@ def exposition(tmp_path_factory: pytest.TempPathFactory) -> str:
                 tags=["warmup"] * 4 if w == 0 else (["checkpoint", None, None, None] if w == 3 else None),
                 convention=conv,
             )
-        fill_breakdown(engine, "lint", window=w, compute=lambda r: 0.15 if r == 6 else 0.1, comm_wait=lambda r: 0.05)
+        fill_breakdown(
+            engine, "lint", window=w, compute=lambda r: 0.15 if r == 6 else 0.1, comm_wait=lambda r: 0.05
+        )
         detect_stragglers(engine, detector, w)
     with TestClient(app) as client:
         r = client.get("/metrics")
@@ -82,7 +86,9 @@ def exposition(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_promtool_accepts_the_exposition(exposition: str, tmp_path: Path) -> None:
-    r = subprocess.run(["promtool", "check", "metrics"], input=exposition, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["promtool", "check", "metrics"], input=exposition, capture_output=True, text=True, timeout=60
+    )
     assert (r.returncode, r.stdout + r.stderr) == (0, "")
 
 
