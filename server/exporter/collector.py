@@ -112,111 +112,45 @@ class RunStateCollector(Collector):
         return state.Snapshot(runs=runs, runs_active=len(heads), ok=True)
 
     def _runs(self, conn: Connection, heads: list[read.RunHead]) -> list[state.RunSnapshot]:
+        """Batched reads for all exported runs, then one snapshot per run."""
         cfg = self.config
         ids = [h.id for h in heads]
-        tails = read.tails(conn, ids)
         mem = self._remember(ids)
-        last = {h.id: tails[h.id].last_step if h.id in tails else None for h in heads}
-        steps = read.recent_steps(conn, {i: (s or 0) - cfg.recent_steps for i, s in last.items()})
-        # Tokens: add the steps that settled since the previous scrape.
-        spans = {}
-        for h in heads:
-            s = last[h.id]
-            if s is not None:
-                spans[h.id] = (mem[h.id].tokens_through, state.settled_through(s, h.window_steps))
+        tails = read.tails(conn, ids)
+        tail = {h.id: tails.get(h.id, read.RunTail(None, None, None)) for h in heads}
+        steps = read.recent_steps(conn, {i: (t.last_step or 0) - cfg.recent_steps for i, t in tail.items()})
+        # Tokens: only the steps that settled since the previous scrape are summed.
+        spans = {
+            h.id: (mem[h.id].tokens_through, state.settled_through(t.last_step, h.window_steps))
+            for h in heads
+            if (t := tail[h.id]).last_step is not None
+        }
         added = read.token_sums(conn, spans)
-        windows: dict[int, set[int]] = {}
+        windows = {}
         for h in heads:
-            older, newest = state.windows_in_view(last[h.id], h.window_steps)
-            ws = {older, newest}
-            p = tails[h.id].last_profiled_window if h.id in tails else None
-            if p is not None:
-                ws.add(p)
-            windows[h.id] = ws
+            t = tail[h.id]
+            windows[h.id] = set(state.windows_in_view(t.last_step, h.window_steps))
+            if t.last_profiled_window is not None:
+                windows[h.id].add(t.last_profiled_window)
         rank_rows = read.rank_rows(conn, windows)
         events = read.open_events(conn, ids)
         totals = read.event_totals(conn, ids)
 
-        partial = []
-        wanted: dict[int, set[int]] = {}
+        views = []
         for h in heads:
             m = mem[h.id]
-            rows = steps.get(h.id, [])
             if h.id in added:
                 m.tokens_total += added[h.id]
                 m.tokens_through = max(m.tokens_through, spans[h.id][1])
-            m.longest_tagged_s = max(m.longest_tagged_s, state.longest_tagged_step(rows))
+            m.longest_tagged_s = max(m.longest_tagged_s, state.longest_tagged_step(steps[h.id]))
             if not m.baseline_frozen:
-                self._update_baseline(conn, h, m, last[h.id])
-            tail = tails.get(h.id, read.RunTail(None, None, None))
-            _, newest = state.windows_in_view(tail.last_step, h.window_steps)
-            complete, reporting = state.complete_window(rank_rows[h.id], newest)
-            profiled = {
-                r.rank: r
-                for r in rank_rows[h.id]
-                if tail.last_profiled_window is not None and r.window == tail.last_profiled_window
-            }
-            values = state.rank_values(complete, profiled)
-            flagged = state.flagged_ranks(events[h.id], cfg.max_flagged)
-            selected = list(dict.fromkeys([r for r, _, _ in flagged] + state.slowest(values, cfg.top_k)))
-            wanted[h.id] = set(selected)
-            breakdown, overlap = state.breakdown_of(profiled.values())
-            partial.append(
-                (h, tail, rows, complete, reporting, values, flagged, selected, breakdown, overlap)
-            )
-        identity = read.rank_identity(conn, wanted)
-
-        out = []
-        for h, tail, rows, _complete, reporting, values, flagged, selected, breakdown, overlap in partial:
-            m = mem[h.id]
-
-            def who(rank: int, run_id: int = h.id) -> tuple[str, str]:
-                host, local = identity.get((run_id, rank), ("", -1))
-                return host, (str(local) if local >= 0 else "")
-
-            ranks = []
-            for rank in selected:
-                if rank in values:
-                    host, gpu = who(rank)
-                    ranks.append(state.RankSeries(rank=rank, host=host, gpu=gpu, values=dict(values[rank])))
-            flagged_out = []
-            for rank, ev_host, ev in flagged:
-                host, gpu = who(rank)
-                flagged_out.append(
-                    state.FlaggedRank(
-                        rank=rank,
-                        host=host or ev_host,
-                        gpu=gpu,
-                        cause=ev.cause or "unknown",
-                        cost_seconds=ev.cost_seconds,
-                        cost_ratio=ev.cost_ratio,
-                        first_step=ev.first_step,
-                    )
-                )
-            out.append(
-                state.RunSnapshot(
-                    name=h.name,
-                    world_size=h.world_size,
-                    convention=state.convention_of(h.convention, h.world_size),
-                    last_report_ts=h.last_report_ts,
-                    ranks_reporting=reporting,
-                    last_step=tail.last_step,
-                    last_step_ts=tail.last_step_ts,
-                    tokens_total=m.tokens_total if tail.last_step is not None else None,
-                    rates=state.current_rates(rows, h.dp_size),
-                    baseline=m.baseline,
-                    hang_threshold_s=state.hang_threshold(rows, m.longest_tagged_s) if rows else None,
-                    tagged=state.tagged_counts(rows),
-                    breakdown=breakdown,
-                    overlap_ratio=overlap,
-                    distributions=state.distributions(values),
-                    ranks=ranks,
-                    flagged=flagged_out,
-                    events_open=state.open_event_counts(events[h.id]),
-                    events_total=totals[h.id],
-                )
-            )
-        return out
+                self._update_baseline(conn, h, m, tail[h.id].last_step)
+            views.append(_view(h, tail[h.id], rank_rows[h.id], events[h.id], cfg))
+        identity = read.rank_identity(conn, {v.head.id: v.selected for v in views})
+        return [
+            _snapshot(v, mem[v.head.id], steps[v.head.id], events[v.head.id], totals[v.head.id], identity)
+            for v in views
+        ]
 
     def _update_baseline(self, conn: Connection, h: read.RunHead, m: _Memory, last_step: int | None) -> None:
         rows = read.first_untagged_steps(conn, h.id, self.config.baseline_steps)
@@ -241,3 +175,89 @@ class RunStateCollector(Collector):
         while len(self._memory) > 4 * self.config.max_runs:
             self._memory.popitem(last=False)
         return out
+
+
+@dataclass(frozen=True)
+class _View:
+    """One run's per-rank picture, before the selected ranks' identities are read."""
+
+    head: read.RunHead
+    tail: read.RunTail
+    reporting: int
+    values: dict[int, dict[str, float]]
+    flagged: list[tuple[int, str, state.EventRow]]
+    selected: list[int]
+    breakdown: dict[str, float] | None
+    overlap: float | None
+
+
+def _view(
+    h: read.RunHead,
+    tail: read.RunTail,
+    rows: list[state.RankRow],
+    events: list[state.EventRow],
+    cfg: ExporterConfig,
+) -> _View:
+    _, newest = state.windows_in_view(tail.last_step, h.window_steps)
+    complete, reporting = state.complete_window(rows, newest)
+    p = tail.last_profiled_window
+    profiled = {r.rank: r for r in rows if p is not None and r.window == p}
+    values = state.rank_values(complete, profiled)
+    flagged = state.flagged_ranks(events, cfg.max_flagged)
+    selected = list(dict.fromkeys([r for r, _, _ in flagged] + state.slowest(values, cfg.top_k)))
+    breakdown, overlap = state.breakdown_of(profiled.values())
+    return _View(h, tail, reporting, values, flagged, selected, breakdown, overlap)
+
+
+def _snapshot(
+    v: _View,
+    m: _Memory,
+    steps: list[state.StepRow],
+    events: list[state.EventRow],
+    totals: dict[str, int],
+    identity: dict[tuple[int, int], tuple[str, int]],
+) -> state.RunSnapshot:
+    h = v.head
+
+    def who(rank: int) -> tuple[str, str]:
+        host, local = identity.get((h.id, rank), ("", -1))
+        return host, (str(local) if local >= 0 else "")
+
+    ranks = [
+        state.RankSeries(rank=rank, host=who(rank)[0], gpu=who(rank)[1], values=v.values[rank])
+        for rank in v.selected
+        if rank in v.values
+    ]
+    flagged = [
+        state.FlaggedRank(
+            rank=rank,
+            host=who(rank)[0] or ev_host,
+            gpu=who(rank)[1],
+            cause=state.cause_label(ev.cause),
+            cost_seconds=ev.cost_seconds,
+            cost_ratio=ev.cost_ratio,
+            first_step=ev.first_step,
+        )
+        for rank, ev_host, ev in v.flagged
+    ]
+    return state.RunSnapshot(
+        name=h.name,
+        world_size=h.world_size,
+        convention=state.convention_of(h.convention, h.world_size),
+        last_report_ts=h.last_report_ts,
+        ranks_reporting=v.reporting,
+        last_step=v.tail.last_step,
+        last_step_ts=v.tail.last_step_ts,
+        tokens_total=m.tokens_total if v.tail.last_step is not None else None,
+        rates=state.current_rates(steps, h.dp_size),
+        baseline=m.baseline,
+        hang_threshold_s=state.hang_threshold(steps, m.longest_tagged_s) if steps else None,
+        tagged=state.tagged_counts(steps),
+        breakdown=v.breakdown,
+        overlap_ratio=v.overlap,
+        distributions=state.distributions(v.values),
+        ranks=ranks,
+        flagged=flagged,
+        events_open=state.open_event_counts(events),
+        events_total=totals,
+    )

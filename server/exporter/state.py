@@ -411,13 +411,17 @@ def flagged_ranks(events: Iterable[EventRow], limit: int) -> list[tuple[int, str
     return [(rank, host, ev) for rank, (host, ev) in ordered[: max(0, limit)]]
 
 
+def cause_label(cause: str | None) -> str:
+    """A straggler's cause as a label value from a fixed set."""
+    return cause if cause in STRAGGLER_CAUSES else "unknown"
+
+
 def open_event_counts(events: Iterable[EventRow]) -> dict[tuple[str, str], int]:
     """Open events by (kind, cause); every slot present, zeros included."""
     counts = dict.fromkeys(EVENT_SLOTS, 0)
     for ev in events:
         if ev.kind == "straggler":
-            cause = ev.cause if ev.cause in STRAGGLER_CAUSES else "unknown"
-            counts[("straggler", cause)] += 1
+            counts[("straggler", cause_label(ev.cause))] += 1
         elif (ev.kind, "") in counts:
             counts[(ev.kind, "")] += 1
     return counts
