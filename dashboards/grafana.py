@@ -341,7 +341,7 @@ def run_overview(c: Config) -> Dashboard:
             st(
                 "Goodput",
                 f"Tokens per wall-clock second over {c.goodput_window}, checkpoints, evaluation and "
-                "gaps included.",
+                f"gaps included (low during a run's first {c.goodput_window}: rate() divides by the window).",
                 TOKENS_PER_S,
                 q(f"{n.goodput}{{{RUN}}}", "goodput"),
             )
@@ -357,7 +357,7 @@ def run_overview(c: Config) -> Dashboard:
         .with_panel(
             st(
                 "ETA to $target_tokens tokens",
-                "Remaining tokens / goodput (the dashboard's Target tokens).",
+                "Remaining tokens (to the dashboard's Target tokens) / goodput.",
                 "s",
                 q(eta, "ETA"),
             )

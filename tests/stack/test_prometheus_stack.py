@@ -129,7 +129,7 @@ def queries() -> Iterator[Query]:
         model = json.loads(path.read_text())
         for p in model["panels"]:
             for t in p.get("targets", []):
-                yield path.stem, p["title"], t["refId"], t["expr"], bool(t.get("instant"))
+                yield path.stem, f"{p['id']}: {p['title']}", t["refId"], t["expr"], bool(t.get("instant"))
         for ann in model.get("annotations", {}).get("list", []):
             yield path.stem, f"annotation: {ann['name']}", "", ann["expr"], False
 
@@ -237,6 +237,14 @@ def test_dashboards_rules_and_alerts_against_a_real_prometheus(database: str, tm
             except AssertionError:
                 empty = [f"{d} / {p} / {ref}: {e}" for (d, p, ref, e, _), s in shown.items() if not s]
                 raise AssertionError("queries without data:\n" + "\n".join(empty)) from None
+            expected = list(queries())
+            assert len(shown) == len(expected) > 50  # every panel of the four dashboards was asked
+            assert {q[0] for q in expected} == {
+                "stepwatch-run",
+                "stepwatch-breakdown",
+                "stepwatch-ranks",
+                "stepwatch-fleet",
+            }
             runs = prom.get("/api/v1/label/run/values", params={"match[]": "stepwatch_run_info"}).json()[
                 "data"
             ]
