@@ -17,6 +17,7 @@ from . import errors
 from .api import router
 from .db.engine import make_engine
 from .db.migrate import current_revision, head_revision
+from .exporter import ExporterConfig, RunStateCollector
 from .ingest import Ingestor
 from .limits import BodyLimit
 from .metrics import CollectorMetrics
@@ -44,6 +45,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.engine = engine
     app.state.ingestor = Ingestor(engine, window_seconds=settings.window_seconds)
     app.state.metrics = metrics = CollectorMetrics()
+    # Run, rank and flag series, read from the database at each scrape (bounded cardinality).
+    metrics.registry.register(RunStateCollector(engine, ExporterConfig.from_settings(settings)))
     errors.install(app)
     app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

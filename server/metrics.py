@@ -1,7 +1,8 @@
 """Prometheus exposition, built at scrape time from the collector's own counters.
 
 The registry belongs to the app (never the global default), so several collectors can
-live in one process (tests, replicas). Run-level families are added by the analysis.
+live in one process (tests, replicas). Run, rank and flag families come from the custom
+collector in ``exporter/``, which the app factory registers here.
 """
 
 from __future__ import annotations

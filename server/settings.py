@@ -28,3 +28,16 @@ class Settings(BaseSettings):
     window_seconds: float = 10.0
     #: Apply migrations when ``serve`` starts.
     migrate_on_start: bool = True
+    # -- /metrics: what the Prometheus exposition may contain (bounded cardinality) --
+    #: Most runs exported; the most recently reporting win.
+    metrics_max_runs: int = Field(default=50, ge=1, le=10_000)
+    #: Per-rank series for the K slowest ranks of a run (plus its flagged ranks).
+    metrics_top_k: int = Field(default=8, ge=0, le=1_000)
+    #: Most flagged (straggler) ranks exported per run, costliest first.
+    metrics_max_flagged: int = Field(default=16, ge=0, le=1_000)
+    #: A run with no batch for this long disappears from /metrics.
+    metrics_run_expiry_s: float = Field(default=3600.0, gt=0)
+    #: Most recent job steps read per run and scrape (current values, tags, hang threshold).
+    metrics_recent_steps: int = Field(default=256, ge=16, le=100_000)
+    #: Untagged steps after warm-up that form a run's frozen baseline.
+    metrics_baseline_steps: int = Field(default=100, ge=1, le=100_000)

@@ -26,6 +26,7 @@ from sqlalchemy import (
     SmallInteger,
     String,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -112,6 +113,19 @@ class RankWindow(Base):
     #: Per step, summed over collectives: waiting for the last peer / moving data after it.
     comm_wait_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     comm_transfer_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+    # /metrics reads one or two windows of a run (every rank's row of that window) and the
+    # newest profiled window; without these, both scan every window the run ever stored.
+    __table_args__ = (
+        Index(None, "run_id", "window"),
+        Index(
+            "ix_rank_windows_profiled",
+            "run_id",
+            "window",
+            postgresql_where=text("profiled_steps IS NOT NULL"),
+            sqlite_where=text("profiled_steps IS NOT NULL"),
+        ),
+    )
 
 
 class JobStep(Base):
