@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ranks", type=_positive_int, default=4, help="training processes (gloo, CPU)")
     demo.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps per rank")
     demo.add_argument("--slow-rank", type=int, default=2, help="the rank slowed down mid-run")
-    demo.add_argument("--slow-ms", type=float, default=80.0, help="extra compute per step of the slow rank")
+    demo.add_argument("--slow-ms", type=float, default=120.0, help="extra compute per step of the slow rank")
     demo.add_argument("--no-straggler", action="store_true", help="train without the injected straggler")
     demo.add_argument("--keep", action="store_true", help="keep the demo database (./stepwatch-demo.db)")
     demo.add_argument("--database", default=None, help="SQLite file to use (kept afterwards)")

@@ -61,7 +61,7 @@
         { label: "step" },
         { size: 64, values: function (u, vals) { return vals.map(function (v) { return fmt(v, unit); }); } },
       ],
-      legend: { live: true },
+      legend: { live: false },
       hooks: { drawAxes: [shade(spans)] },
     };
     el.innerHTML = "";
