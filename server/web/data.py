@@ -80,10 +80,17 @@ def _series(conn: Connection, run: str, metric: str, max_points: int) -> dict[st
     }
 
 
-def breakdown(conn: Connection, run_id: int) -> dict[str, Any] | None:
-    """Mean over ranks of the latest window that carries profiler data."""
+def _last_window(conn: Connection, run_id: int) -> int | None:
+    last: int | None = conn.execute(select(func.max(RW.c.window)).where(RW.c.run_id == run_id)).scalar()
+    return last
+
+
+def breakdown(conn: Connection, run_id: int, *, since_window: int) -> dict[str, Any] | None:
+    """Mean over ranks of the latest window (after ``since_window``) with profiler data."""
     last = conn.execute(
-        select(func.max(RW.c.window)).where(RW.c.run_id == run_id, RW.c.compute_s.is_not(None))
+        select(func.max(RW.c.window)).where(
+            RW.c.run_id == run_id, RW.c.window > since_window, RW.c.compute_s.is_not(None)
+        )
     ).scalar()
     if last is None:
         return None
@@ -131,23 +138,22 @@ def heatmap(
     *,
     metric: str | None,
     flagged: set[int],
+    last: int,
     max_ranks: int = 64,
     max_windows: int = 90,
-) -> Heatmap | None:
-    where = RW.c.run_id == run_id
-    last = conn.execute(select(func.max(RW.c.window)).where(where)).scalar()
-    if last is None:
-        return None
+) -> Heatmap:
+    """Only the last ``max_windows`` windows and at most ``max_ranks`` ranks are read."""
+    where = and_(RW.c.run_id == run_id, RW.c.window > last - max_windows)
     available = [
         key
         for key, (_, expr) in HEAT_METRICS.items()
-        if conn.execute(select(func.count()).where(where, expr.is_not(None))).scalar()
+        if conn.execute(select(RW.c.rank).where(where, expr.is_not(None)).limit(1)).first() is not None
     ]
     if metric not in available:
         metric = "compute_s" if "compute_s" in available else "step_time_s"
     label, expr = HEAT_METRICS[metric]
-    recent = and_(where, RW.c.window > last - max_windows, expr.is_not(None))
-    total = conn.execute(select(func.count(func.distinct(RW.c.rank))).where(where)).scalar_one()
+    recent = and_(where, expr.is_not(None))
+    total = conn.execute(select(func.count()).where(queries.RANKS.c.run_id == run_id)).scalar_one()
     rank_filter = None
     if total > max_ranks:  # flagged ranks first, then the slowest on average
         by_mean = conn.execute(
@@ -200,6 +206,7 @@ def run_page(conn: Connection, name: str, *, heat: str | None = None) -> dict[st
     events = [e.model_dump() for e in queries.events(conn, name)]
     flagged = {int(r) for e in events if e["status"] == "open" for r in e["ranks"]}
     charts = {m: _series(conn, name, m, 600) for m in CHART_METRICS}
+    last = _last_window(conn, run.id)
     return {
         "overview": overview,
         "progress": overview.get("progress"),
@@ -207,7 +214,7 @@ def run_page(conn: Connection, name: str, *, heat: str | None = None) -> dict[st
         "events": events,
         "flagged": flagged,
         "charts": charts,
-        "breakdown": breakdown(conn, run.id),
-        "heatmap": heatmap(conn, run.id, metric=heat, flagged=flagged),
+        "breakdown": None if last is None else breakdown(conn, run.id, since_window=last - 90),
+        "heatmap": None if last is None else heatmap(conn, run.id, metric=heat, flagged=flagged, last=last),
         "last_seen": max((r["last_seen"] for r in ranks), default=None),
     }

@@ -164,7 +164,7 @@ def browser() -> Iterator[Any]:
     with tempfile.TemporaryDirectory() as user_dir:
         driver = _driver(user_dir)
         try:
-            driver.set_window_size(1360, 1000)
+            driver.set_window_size(1360, 1150)
             yield driver
         finally:
             driver.quit()
