@@ -157,6 +157,15 @@ class Stepwatch:
             self._wait_acc += _perf() - t0
             yield item
 
+    def add_data_wait(self, seconds: float) -> None:
+        """Charge ``seconds`` of data-loader wait to the step in progress: for loops whose
+        loader ``sw.loader`` cannot wrap (the Lightning and Hugging Face callbacks)."""
+        try:
+            if seconds > 0:
+                self._wait_acc += float(seconds)
+        except (TypeError, ValueError):
+            pass
+
     # -- tags ----------------------------------------------------------------------
     def mark(self, tag: str) -> None:
         """Tag the step in progress as ``warmup``, ``checkpoint`` or ``eval``: such steps

@@ -13,7 +13,7 @@ from sqlalchemy import Engine, text
 
 import stepwatch
 
-from . import errors
+from . import errors, web
 from .api import router
 from .db.engine import make_engine
 from .db.migrate import current_revision, head_revision
@@ -49,6 +49,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     metrics.registry.register(RunStateCollector(engine, ExporterConfig.from_settings(settings)))
     errors.install(app)
     app.include_router(router)
+    web.install(app)  # the built-in web page at / and its /static files
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     @app.get("/healthz", tags=["ops"], summary="The process is up")
