@@ -1,4 +1,4 @@
-"""The ``stepwatch`` command: ``serve``, ``db upgrade``, ``demo``.
+"""The ``stepwatch`` command: ``serve``, ``db upgrade``, ``demo``, ``simulate``, ``evaluate``.
 
 Server commands import the collector lazily so that the agent alone (``pip install
 stepwatch``) never needs FastAPI or SQLAlchemy.
@@ -29,6 +29,12 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(ranks=args.ranks, steps=args.steps, keep=args.keep)
 
 
+def _evaluate(args: argparse.Namespace) -> int:
+    from stepwatch_server.evaluation.cli import main as evaluate
+
+    return evaluate(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stepwatch", description="Live training-efficiency monitor.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -54,6 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=60, help="optimizer steps per rank")
     demo.add_argument("--keep", action="store_true", help="keep the demo database afterwards")
     demo.set_defaults(func=_demo)
+
+    from .simulate.cli import add_parser as add_simulate
+
+    add_simulate(sub)
+
+    ev = sub.add_parser(
+        "evaluate",
+        help="score the detectors on simulated faults and clean runs, through a real collector",
+        description="Run every fault scenario and clean runs through the simulator, a real collector "
+        "process and its analysis worker (and, at scale, straight into the detectors), then print per "
+        "scenario whether the fault was flagged, with the right cause and rank, after how many "
+        "windows, and the false flags on clean windows.",
+    )
+    ev.add_argument("--fast", action="store_true", help="small scenarios (seconds; used by the tests)")
+    ev.add_argument("--database-url", default=None, help="collector database (default: a temporary SQLite)")
+    ev.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    ev.add_argument("--seed", type=int, default=1)
+    ev.set_defaults(func=_evaluate)
     return parser
 
 
