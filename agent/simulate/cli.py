@@ -162,8 +162,6 @@ def _show_findings(
     console: Any, url: str, token: str | None, run: str, last_step: int, wait_s: float
 ) -> None:
     """Wait (bounded) for the collector's analysis to reach the last step; print its events."""
-    from rich.table import Table
-
     headers = {"authorization": f"Bearer {token}"} if token else {}
     deadline = time.monotonic() + wait_s
     with httpx.Client(base_url=url, headers=headers, timeout=10.0) as c:
@@ -174,18 +172,12 @@ def _show_findings(
                 break
             time.sleep(0.5)
         events = c.get(f"/api/v1/runs/{run}/events").json()
-    table = Table(title=f"events of {run}")
-    for col in ("status", "kind", "cause", "ranks", "first step", "cost", "message"):
-        table.add_column(col)
+    if not events:
+        console.print(f"events of {run}: none")
+        return
+    console.print(f"events of {run} (newest first):")
     for e in events:
-        ranks = ",".join(str(r) for r in e["ranks"][:8]) + ("..." if len(e["ranks"]) > 8 else "")
-        table.add_row(
-            e["status"],
-            e["kind"],
-            e["cause"] or "",
-            ranks,
-            f"{e['first_step']:,}",
-            f"{e['cost_ratio']:.1%}",
-            e["message"],
+        colour = "red" if e["status"] == "open" else "dim"
+        console.print(
+            f"  [{colour}]{e['status']:6s}[/{colour}] {e['kind']:10s} {e['message']}", soft_wrap=True
         )
-    console.print(table if events else "no events")

@@ -7,6 +7,8 @@ the window's time breakdown as the payload's ``profile`` section. Payloads are b
 instances (their threads, retries, backoff and idempotent batch ids), ``senders`` of them
 shared by all ranks, so thousands of ranks do not need thousands of threads. The
 simulator waits when a sender's queue is long (it must not drop windows on purpose).
+With ``replicas``, the senders are spread over several collector URLs, as a load
+balancer in front of collector replicas would spread the agents.
 
 Clocks: ``sim`` stamps each window with a simulated wall clock that starts now and
 advances by the simulated step times (so calendar efficiency and the finish date are those
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -74,6 +76,7 @@ class Simulation:
         run: str,
         token: str | None = None,
         senders: int = 8,
+        replicas: Sequence[str] = (),
         clock: Clock = "sim",
         profile_every: int = 1,
         plan: Mapping[str, Any] | None = None,
@@ -93,9 +96,10 @@ class Simulation:
         self.on_window = on_window
         topo = model.topology
         self._rank_info = [topo.rank_info(r) for r in range(topo.world)]
+        urls = [self.url, *(u.rstrip("/") for u in replicas)]
         self._senders = [
             Sender(
-                self.url,
+                urls[i % len(urls)],
                 self._encode,
                 token=token,
                 max_windows=1_000_000,
@@ -104,7 +108,7 @@ class Simulation:
                 backoff_base_s=0.1,
                 backoff_max_s=5.0,
             )
-            for _ in range(max(1, senders))
+            for i in range(max(1, senders, len(urls)))
         ]
 
     def _encode(self, window: Window, stats: SenderStats) -> bytes:
