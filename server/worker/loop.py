@@ -222,7 +222,9 @@ class AnalysisWorker:
                     )
                 next_window = last + 1
             stamp = datetime.fromtimestamp(now, timezone.utc)
-            transitions = write_findings(conn, run.id, changes, analysis.open_findings(), stamp)
+            # Open flags are refreshed (latest step, evidence, cost) only when windows moved.
+            refresh = analysis.open_findings() if ready.windows else []
+            transitions = write_findings(conn, run.id, changes, refresh, stamp)
             transitions += self._hangs(conn, run, ranks, now, next_window, stamp)
             if stored is None or ready.windows or dict(ready.pending) != dict(stored.pending):
                 save_state(
@@ -285,15 +287,18 @@ class AnalysisWorker:
         live = [r for r in ranks if not r.progress.finished]
         current: list[Finding] = []
         if live:
+            # Finished ranks are not silent: with them in, a rank that never sent its final
+            # batch stays a per-rank flag instead of turning into a hang of the whole run.
+            seen = {r.rank: (r.last_seen if not r.progress.finished else now) for r in ranks}
             current = check_hang(
                 now,
-                {r.rank: r.last_seen for r in live},
+                seen,
                 inputs.recent_step_time(conn, run.id),
                 self.config.hang_k,
                 self.config.hang_floor_s,
                 run=run.name,
-                host_by_rank={r.rank: r.host for r in live},
-                last_step_by_rank={r.rank: r.last_step for r in live},
+                host_by_rank={r.rank: r.host for r in ranks},
+                last_step_by_rank={r.rank: r.last_step for r in ranks},
             )
         ids = {(f.key, f.first_step) for f in current}
         closing = [

@@ -160,6 +160,18 @@ def test_hang_opens_and_resolves_and_a_finished_run_is_no_hang(client: TestClien
     assert not events(client, kind="hang", status="open")
 
 
+def test_a_rank_silent_while_the_others_finish_is_flagged_alone(client: TestClient, engine: Engine) -> None:
+    clock = Clock()
+    send_windows(client, range(0, 2), wall_end=clock.t - 500)
+    send_windows(
+        client, range(2, 4), ranks=range(W - 1), final_at=3, wall_end=clock.t
+    )  # rank 7 never finishes
+    clock.t += 120
+    [(_, t)] = worker(engine, clock, hang_floor_s=60.0).run_once().transitions
+    assert (t.finding.key, t.finding.ranks, t.finding.hosts) == ("hang:rank=7", (7,), ("node0",))
+    assert t.finding.evidence["silent_s"] == pytest.approx(620, abs=2)
+
+
 def test_seed_arithmetic_through_the_api(client: TestClient, engine: Engine) -> None:
     """635,782 updates at 12 s with 90% calendar efficiency: 98.11 days; a 76-day plan
     needs 9.30 s per update (DESIGN: the seed run missed its plan by 22 days)."""
