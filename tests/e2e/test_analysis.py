@@ -1,9 +1,10 @@
 """End to end: faults in real gloo training (or the simulator) are flagged by a real
 collector process, read back from ``GET /api/v1/runs/{run}/events``.
 
-- loader stall: rank 2's data loader is slow -> a data straggler naming rank 2, and no
-  hang once every rank has finished (their final batches say so);
-- hang: rank 1 stops inside a step, the others block in the all-reduce -> a run hang;
+- loader stall, then a hang, in one gloo run: rank 2's data loader is slow -> a data
+  straggler naming rank 2; later rank 1 stops inside a step and the others block in the
+  all-reduce -> a run hang (that a run that finishes cleanly is no hang is tested in
+  tests/integration/test_worker.py with the agent's real final batches);
 - compute straggler: needs the profiler's ``compute_s``, which this branch's agent does
   not measure yet, so it runs through the simulator (the agent's real payload builder
   and sender, a real collector process). Switch it to ``--slow-rank`` gloo training once
@@ -45,46 +46,43 @@ def _poll(url: str, path: str, until: Any, timeout_s: float) -> Any:
     raise AssertionError(f"{path}: condition not met within {timeout_s} s; last answer: {last}")
 
 
-def _passes(url: str) -> float:
-    """Analysis passes the collector has completed (from its Prometheus metrics)."""
-    text = httpx.get(f"{url}/metrics").text
-    line = next(
-        x for x in text.splitlines() if x.startswith("stepwatch_analysis_pass_duration_seconds_count")
-    )
-    return float(line.split()[-1])
-
-
 def _train_args(run: str, steps: int, *extra: str) -> list[str]:
     return ["--run", run, "--steps", str(steps), "--send-interval", "1", "--warmup-steps", "2", *extra]
 
 
 @pytest.mark.e2e
-def test_loader_stall_is_a_data_straggler_and_a_finished_run_no_hang(tmp_path: Path) -> None:
-    run, steps = "e2e-loader-stall", 30
+def test_loader_stall_then_hang_in_real_gloo_training(tmp_path: Path) -> None:
+    """One run, two faults (one spawn of torch ranks, to keep the suite fast): rank 2's
+    loader stalls from the start, rank 1 hangs at step 24 and the others block."""
+    run = "e2e-stall-hang"
     env = {**FAST_ANALYSIS, "STEPWATCH_WINDOW_SECONDS": "0.5"}
     db = f"sqlite:///{tmp_path / 'c.db'}"
     with launch.collector(db, log_path=str(tmp_path / "collector.log"), env=env) as col:
-        args = _train_args(run, steps, "--stall-rank", "2", "--stall-ms", "120")
-        with launch.ranks(RANKS, args, env={"STEPWATCH_URL": col.url}, log_dir=str(tmp_path)) as procs:
-            launch.wait_all(procs, timeout_s=120, log_dir=str(tmp_path))
-        ov = _poll(
-            col.url,
-            f"/api/v1/runs/{run}",
-            lambda o: (o.get("analysis") or {}).get("analysed_through_step", 0) >= steps,
-            20,
+        args = _train_args(
+            run,
+            60,
+            "--stall-rank",
+            "2",
+            "--stall-ms",
+            "120",
+            "--hang-rank",
+            "1",
+            "--hang-step",
+            "24",
+            "--hang-s",
+            "120",
         )
-        # Silence after a clean finish is no hang (the final batches say so). A hang could
-        # only be flagged once the silence exceeds its threshold: wait for an analysis pass
-        # that starts after that.
-        ranks = httpx.get(f"{col.url}/api/v1/runs/{run}/ranks").json()
-        threshold = max(10 * ov["step_time_s"]["mean"], 2.0) + 0.5
-        possible_from = max(r["last_seen"] for r in ranks) + threshold
-        _poll(col.url, "/healthz", lambda _: time.time() > possible_from, 30)
-        before = _passes(col.url)
-        _poll(col.url, "/healthz", lambda _: _passes(col.url) >= before + 2, 10)
-        events = httpx.get(f"{col.url}/api/v1/runs/{run}/events").json()
-        assert "analysis of run" not in col.log(), col.log()
-    assert ov["window_steps"] >= 1
+        with launch.ranks(RANKS, args, env={"STEPWATCH_URL": col.url}, log_dir=str(tmp_path)):
+            events = _poll(
+                col.url,
+                f"/api/v1/runs/{run}/events",
+                lambda evs: any(e["key"] == "hang:run" and e["status"] == "open" for e in evs),
+                90,
+            )
+            ranks = httpx.get(f"{col.url}/api/v1/runs/{run}/ranks").json()
+        log = col.log()
+    assert "analysis of run" not in log, log
+
     stragglers = sorted(
         (e for e in events if e["kind"] == "straggler"), key=lambda e: e["evidence"]["opened_window"]
     )
@@ -94,31 +92,14 @@ def test_loader_stall_is_a_data_straggler_and_a_finished_run_no_hang(tmp_path: P
     assert first["evidence"]["data_wait_s"] > 5 * first["evidence"]["peer_median_data_wait_s"]
     assert 0 < first["cost_ratio"] < 1 and first["cost_seconds"] > 0.05
     assert "Rank 2" in first["message"] and "data straggler" in first["message"]
-    assert not [e for e in events if e["kind"] == "hang"], events
 
-
-@pytest.mark.e2e
-def test_a_rank_that_stops_stepping_is_a_hang(tmp_path: Path) -> None:
-    run = "e2e-hang"
-    db = f"sqlite:///{tmp_path / 'c.db'}"
-    with launch.collector(db, log_path=str(tmp_path / "collector.log"), env=FAST_ANALYSIS) as col:
-        args = _train_args(run, 40, "--hang-rank", "1", "--hang-step", "12", "--hang-s", "120")
-        with launch.ranks(RANKS, args, env={"STEPWATCH_URL": col.url}, log_dir=str(tmp_path)):
-            events = _poll(
-                col.url,
-                f"/api/v1/runs/{run}/events?kind=hang&status=open",
-                lambda evs: any(e["key"] == "hang:run" for e in evs),
-                60,
-            )
-            ranks = httpx.get(f"{col.url}/api/v1/runs/{run}/ranks").json()
     # Under heavy load a rank's sender can lag past this test's 2 s floor before the hang,
     # which may briefly flag that rank alone; the run hang is what must be open.
     (hang,) = [e for e in events if e["key"] == "hang:run"]
-    assert hang["key"] == "hang:run"
+    assert hang["status"] == "open" and hang["cost_ratio"] == 1.0
     assert hang["evidence"]["silent_s"] > hang["evidence"]["threshold_s"] >= 2.0
-    assert hang["first_step"] <= 11 and all(r["last_step"] <= 11 for r in ranks)
+    assert hang["first_step"] <= 23 and all(r["last_step"] <= 23 for r in ranks)
     assert "has made no step for" in hang["message"]
-    assert hang["cost_ratio"] == 1.0
 
 
 @pytest.mark.e2e
