@@ -1,4 +1,4 @@
-"""The ``stepwatch`` command: ``serve``, ``db upgrade``, ``demo``, ``top``.
+"""The ``stepwatch`` command: ``serve``, ``db upgrade``, ``demo``, ``top``, ``simulate``, ``evaluate``.
 
 Server commands import the collector lazily so that the agent alone (``pip install
 stepwatch``) never needs FastAPI or SQLAlchemy.
@@ -60,6 +60,12 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from stepwatch_server.evaluation.cli import main as evaluate
+
+    return evaluate(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +139,24 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=_positive_float, default=2.0, help="seconds between refreshes")
     top.add_argument("--iterations", type=_positive_int, default=None, help="stop after this many refreshes")
     top.set_defaults(func=_top)
+
+    from .simulate.cli import add_parser as add_simulate
+
+    add_simulate(sub)
+
+    ev = sub.add_parser(
+        "evaluate",
+        help="score the detectors on simulated faults and clean runs, through a real collector",
+        description="Run every fault scenario and clean runs through the simulator, a real collector "
+        "process and its analysis worker (and, at scale, straight into the detectors), then print per "
+        "scenario whether the fault was flagged, with the right cause and rank, after how many "
+        "windows, and the false flags on clean windows.",
+    )
+    ev.add_argument("--fast", action="store_true", help="small scenarios (seconds; used by the tests)")
+    ev.add_argument("--database-url", default=None, help="collector database (default: a temporary SQLite)")
+    ev.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    ev.add_argument("--seed", type=int, default=1)
+    ev.set_defaults(func=_evaluate)
     return parser
 
 

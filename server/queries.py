@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import Connection, Float, Select, and_, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
+from . import progress_view
 from .db.models import Event, JobStep, Rank, RankWindow, Run
 from .schemas import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
 
@@ -155,6 +156,7 @@ def overview(conn: Connection, name: str) -> RunOverview:
         mean=tps.mean * scale if scale and tps.mean is not None else None,
     )
     padded_sum = totals[5]
+    extra = progress_view.sections(conn, run.id, run.window_steps, float(totals[3]))
     return RunOverview(
         name=run.name,
         world_size=run.world_size,
@@ -174,6 +176,9 @@ def overview(conn: Connection, name: str) -> RunOverview:
         mfu=mfu,
         data_wait_s=Stat(latest=_f(recent[3]), mean=_f(steady[3])),
         padding_ratio=1.0 - float(totals[4]) / float(padded_sum) if padded_sum else None,
+        plan=extra.plan,
+        progress=extra.progress,
+        analysis=extra.analysis,
     )
 
 

@@ -6,6 +6,8 @@ run several collectors with different settings in one process.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -41,3 +43,28 @@ class Settings(BaseSettings):
     metrics_recent_steps: int = Field(default=256, ge=16, le=100_000)
     #: Untagged steps after warm-up that form a run's frozen baseline.
     metrics_baseline_steps: int = Field(default=100, ge=1, le=100_000)
+
+    # -- analysis (stragglers, regressions, hangs): a worker thread, off the ingest path --
+    #: Run the analysis worker in this collector (every replica may; one analyses a run at a time).
+    analysis_enabled: bool = True
+    #: Seconds between analysis passes.
+    analysis_interval_s: float = Field(default=5.0, gt=0)
+    #: A window some rank has not completed is analysed without it this long after newer
+    #: data passed it (collector clock).
+    analysis_grace_s: float = Field(default=60.0, ge=0)
+    #: Runs without a batch for this long are no longer analysed (their flags stay as they are).
+    analysis_horizon_s: float = Field(default=7 * 86_400.0, gt=0)
+    #: A hang is no step for longer than max(hang_k x median step time, hang_floor_s).
+    hang_k: float = Field(default=10.0, gt=0)
+    hang_floor_s: float = Field(default=60.0, ge=0)
+
+    # -- webhook for flags that open or close (optional) --
+    webhook_url: str | None = None
+    webhook_format: Literal["slack", "alertmanager"] = "slack"
+    webhook_timeout_s: float = Field(default=5.0, gt=0)
+    webhook_max_attempts: int = Field(default=8, ge=1)
+    #: Alertmanager format: firing alerts are re-sent this often (Alertmanager resolves
+    #: alerts it has not heard of for its resolve_timeout, 5 min by default).
+    webhook_resend_s: float = Field(default=60.0, ge=0)
+    #: Base URL of this collector as people reach it, for links in alerts.
+    public_url: str | None = None

@@ -63,6 +63,13 @@ class Run(Base):
     #: Steps per stored rank window, fixed at the run's first batch.
     window_steps: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # The plan, from ``stepwatch.init`` (all optional): progress and the finish date are
+    # projected against it; regressions compare with ``baseline_run`` when the
+    # fingerprints match.
+    target_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    config_fingerprint: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    baseline_run: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 class Rank(Base):
@@ -82,6 +89,9 @@ class Rank(Base):
     dropped_windows: Mapped[int] = mapped_column(BigInteger, default=0)
     dropped_steps: Mapped[int] = mapped_column(BigInteger, default=0)
     hot_path_mean_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: Last step of the rank's final batch (sent by ``close()``). The rank finished, and
+    #: is no hang, while ``final_step >= last_step``; a restart that steps further clears it.
+    final_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class RankWindow(Base):
@@ -113,6 +123,9 @@ class RankWindow(Base):
     #: Per step, summed over collectives: waiting for the last peer / moving data after it.
     comm_wait_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     comm_transfer_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: Transfer time per communicator type (``{"dp": s, "tp": s, "pp": s}``) when the
+    #: agent reports it: intersecting slow groups names the rank on a slow link.
+    group_transfer_s: Mapped[dict[str, float] | None] = mapped_column(JSON, nullable=True)
 
     # /metrics reads one or two windows of a run (every rank's row of that window) and the
     # newest profiled window; without these, both scan every window the run ever stored.
@@ -191,3 +204,25 @@ class Event(Base):
         UniqueConstraint("run_id", "key", "first_step"),
         Index(None, "run_id", "status"),
     )
+
+
+class AnalysisState(Base):
+    """Where the analysis of a run stands, so that any collector replica can continue it.
+
+    ``next_window`` is the first rank window not yet analysed; ``state`` is the detectors'
+    JSON state (:class:`stepwatch_server.analysis.pipeline.RunAnalysis`); ``pending`` maps
+    a window that is incomplete but already passed by newer data to the time a collector
+    first saw it so (collector clock), for the grace period. ``version`` grows with every
+    pass, and a pass writes only over the version it read (no lost update).
+    """
+
+    __tablename__ = "analysis_state"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(BigInteger)
+    next_window: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[dict[str, Any]] = mapped_column(JSON)
+    pending: Mapped[dict[str, Any]] = mapped_column(JSON)
+    #: ``own`` (the run's post-warm-up baseline) or the name of the baseline run used.
+    baseline_source: Mapped[str] = mapped_column(String(160))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
