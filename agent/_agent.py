@@ -43,10 +43,14 @@ class Stepwatch:
         start_step: int = 0,
         device_clock: CudaEventClock | None = None,
         sender: Sender | None = None,
+        plan: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
         self.convention = convention
+        #: Run-level plan (target tokens, deadline, fingerprint, baseline run), sent with
+        #: every batch so that any collector replica can store it.
+        self.plan = dict(plan) if plan else None
         cap = config.max_window_steps
         self._cap = cap
         self._interval = config.send_interval_s
@@ -61,6 +65,7 @@ class Stepwatch:
         self._tag = 0
         self._wait_acc = 0.0
         self._first_step = start_step + 1  # steps are numbered from 1 after start_step
+        self._start_step = start_step
         self._warmup_end = start_step + config.warmup_steps  # last warm-up step, inclusive
         now = _perf()
         self._last = now
@@ -120,7 +125,7 @@ class Stepwatch:
         except Exception as exc:
             self._disable(exc)
 
-    def _close_window(self, now: float) -> None:
+    def _close_window(self, now: float, final: bool = False) -> None:
         n = self._n
         first = self._first_step
         tags = self._tags[:n]
@@ -136,6 +141,7 @@ class Stepwatch:
             tags=tags,
             wall_end=time.time(),
             device_events=self._dev.take(n) if self._dev is not None else None,
+            final=final,
         )
         self._first_step = first + n
         self._n = 0
@@ -156,6 +162,15 @@ class Stepwatch:
                 return
             self._wait_acc += _perf() - t0
             yield item
+
+    def add_data_wait(self, seconds: float) -> None:
+        """Charge ``seconds`` of data-loader wait to the step in progress: for loops whose
+        loader ``sw.loader`` cannot wrap (the Lightning and Hugging Face callbacks)."""
+        try:
+            if seconds > 0:
+                self._wait_acc += float(seconds)
+        except (TypeError, ValueError):
+            pass
 
     # -- tags ----------------------------------------------------------------------
     def mark(self, tag: str) -> None:
@@ -189,8 +204,10 @@ class Stepwatch:
             return True
         self._closed = True
         try:
-            if self._n and self._enabled:
-                self._close_window(_perf())
+            # The last window is marked final (even with no steps left in it) so that the
+            # collector can tell a rank that finished from one that hangs.
+            if self._enabled and (self._n or self._first_step > self._start_step + 1):
+                self._close_window(_perf(), final=True)
             self._enabled = False
             return self._sender.close(self.config.flush_timeout_s if timeout_s is None else timeout_s)
         except Exception as exc:
@@ -243,6 +260,7 @@ class Stepwatch:
             convention=self.convention,
             agent=agent,
             sent_at=time.time(),
+            plan=self.plan,
         )
         return encode(payload)
 

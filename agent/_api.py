@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import re
 import warnings
+from datetime import datetime
 from typing import Any
 
 from . import _env, config
 from ._agent import Stepwatch
 from ._device_clock import cuda_clock
+from ._payload import plan_section
+
+_FINGERPRINT = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 
 log = logging.getLogger("stepwatch")
 _current: Stepwatch | None = None
@@ -57,6 +62,10 @@ def init(
     send_interval_s: float | None = None,
     warmup_steps: int | None = None,
     flush_timeout_s: float | None = None,
+    target_tokens: int | None = None,
+    deadline: float | datetime | None = None,
+    config_fingerprint: str | None = None,
+    baseline_run: str | None = None,
 ) -> Stepwatch:
     """Set up the agent for this process and return its handle.
 
@@ -64,8 +73,15 @@ def init(
     raise ``ValueError`` here, at start-up, where they are cheap to fix. Anything that
     fails later stays inside the agent. Calling ``init`` again closes the previous
     agent (flushing it) and starts a new one.
+
+    The plan, all optional: ``target_tokens`` (real tokens the run must process) and
+    ``deadline`` (a timezone-aware ``datetime`` or Unix seconds) give the projected
+    finish and the step time needed to meet it; ``config_fingerprint`` (any short id of
+    the configuration that makes two runs comparable) and ``baseline_run`` (the name of
+    an earlier run with the same fingerprint) make regressions compare against that run.
     """
     global _current
+    plan = _plan(target_tokens, deadline, config_fingerprint, baseline_run)
     cfg = config.load(
         run,
         url=url,
@@ -109,5 +125,37 @@ def init(
         clock = cuda_clock(cfg.max_window_steps)
     if _current is not None:
         _current.close()
-    _current = Stepwatch(cfg, info, convention=convention, start_step=start_step, device_clock=clock)
+    _current = Stepwatch(
+        cfg, info, convention=convention, start_step=start_step, device_clock=clock, plan=plan
+    )
     return _current
+
+
+def _plan(
+    target_tokens: int | None,
+    deadline: float | datetime | None,
+    config_fingerprint: str | None,
+    baseline_run: str | None,
+) -> dict[str, Any] | None:
+    """Validate the plan arguments at init, where a mistake is cheap to fix."""
+    if target_tokens is not None and (isinstance(target_tokens, bool) or int(target_tokens) <= 0):
+        raise ValueError(f"target_tokens must be a positive int, got {target_tokens!r}")
+    when: float | None = None
+    if isinstance(deadline, datetime):
+        if deadline.tzinfo is None:
+            raise ValueError("deadline must be a timezone-aware datetime (or Unix seconds)")
+        when = deadline.timestamp()
+    elif deadline is not None:
+        when = float(deadline)
+        if not when > 0:
+            raise ValueError(f"deadline must be Unix seconds > 0, got {deadline!r}")
+    if config_fingerprint is not None and not _FINGERPRINT.match(config_fingerprint):
+        raise ValueError("config_fingerprint must be 1-128 characters of letters, digits and ._:/+=-")
+    if baseline_run is not None and not config.RUN_NAME.match(baseline_run):
+        raise ValueError(f"baseline_run {baseline_run!r} is not a valid run name")
+    return plan_section(
+        target_tokens=None if target_tokens is None else int(target_tokens),
+        deadline=when,
+        config_fingerprint=config_fingerprint,
+        baseline_run=baseline_run,
+    )

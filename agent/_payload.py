@@ -43,8 +43,16 @@ def build_payload(
     agent: Mapping[str, Any],
     step_time_s: Sequence[float] | None = None,
     sent_at: float,
+    plan: Mapping[str, Any] | None = None,
+    profile: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Assemble the payload dict for one window (sender thread only)."""
+    """Assemble the payload dict for one window (sender thread only).
+
+    Optional sections are left out when empty, so a collector that predates them still
+    accepts the batch: ``plan`` (run-level: target tokens, deadline, config fingerprint,
+    baseline run), ``profile`` (time-breakdown means of the profiled steps of this window)
+    and ``final`` (the rank's last batch).
+    """
     times = step_time_s if step_time_s is not None else window.step_time_s
     tags = window.tags
     steps: dict[str, Any] = {
@@ -56,7 +64,7 @@ def build_payload(
         "tags": [TAGS[t] or None for t in tags] if tags is not None and any(tags) else None,
         "wall_end": window.wall_end,
     }
-    return {
+    payload: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "batch_id": window.batch_id,
         "run": run,
@@ -66,6 +74,30 @@ def build_payload(
         "convention": dict(convention) if convention is not None else None,
         "steps": steps,
     }
+    if plan:
+        payload["plan"] = dict(plan)
+    if profile:
+        payload["profile"] = dict(profile)
+    if window.final:
+        payload["final"] = True
+    return payload
+
+
+def plan_section(
+    *,
+    target_tokens: int | None = None,
+    deadline: float | None = None,
+    config_fingerprint: str | None = None,
+    baseline_run: str | None = None,
+) -> dict[str, Any] | None:
+    """The run-level ``plan`` section, or ``None`` when nothing was given."""
+    plan = {
+        "target_tokens": target_tokens,
+        "deadline": deadline,
+        "config_fingerprint": config_fingerprint,
+        "baseline_run": baseline_run,
+    }
+    return {k: v for k, v in plan.items() if v is not None} or None
 
 
 def encode(payload: Mapping[str, Any]) -> bytes:

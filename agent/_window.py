@@ -29,6 +29,9 @@ class Window:
     wall_end: float
     device_events: tuple[Any, list[Any]] | None = None
     batch_id: str = field(default="")
+    #: The rank's last window (``close()``): the collector then knows the rank finished
+    #: rather than hung. A final window may hold no steps.
+    final: bool = False
 
     @property
     def n_steps(self) -> int:

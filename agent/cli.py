@@ -1,4 +1,4 @@
-"""The ``stepwatch`` command: ``serve``, ``db upgrade``, ``demo``.
+"""The ``stepwatch`` command: ``serve``, ``db upgrade``, ``demo``, ``top``, ``simulate``, ``evaluate``.
 
 Server commands import the collector lazily so that the agent alone (``pip install
 stepwatch``) never needs FastAPI or SQLAlchemy.
@@ -7,8 +7,11 @@ stepwatch``) never needs FastAPI or SQLAlchemy.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+
+from .config import DEFAULT_URL
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -43,14 +46,58 @@ def _db_prune(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo.runner import run_demo
 
-    return run_demo(ranks=args.ranks, steps=args.steps, keep=args.keep)
+    return run_demo(
+        ranks=args.ranks,
+        steps=args.steps,
+        slow_rank=None if args.no_straggler else args.slow_rank,
+        slow_ms=args.slow_ms,
+        keep=args.keep,
+        database=args.database,
+        hold=args.hold,
+    )
+
+
+def _top(args: argparse.Namespace) -> int:
+    from .views.top import run_top
+
+    return run_top(
+        args.url, run=args.run, interval_s=args.interval, iterations=args.iterations, token=args.token
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from stepwatch_server.evaluation.cli import main as evaluate
+
+    return evaluate(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stepwatch", description="Live training-efficiency monitor.")
+    parser = argparse.ArgumentParser(
+        prog="stepwatch",
+        description="Live training-efficiency monitor. New here? Run `stepwatch demo`.",
+        epilog="`stepwatch COMMAND --help` describes each command.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the collector (applies database migrations first)")
+    serve = sub.add_parser(
+        "serve",
+        help="run the collector (applies database migrations first)",
+        description="Run the collector: REST API under /api/v1, the web page at /, Prometheus at /metrics.",
+    )
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1, or STEPWATCH_HOST)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8321, or STEPWATCH_PORT)")
     serve.add_argument("--database-url", default=None, help="SQLAlchemy URL (or STEPWATCH_DATABASE_URL)")
@@ -62,9 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
-    db = sub.add_parser("db", help="database maintenance")
+    db = sub.add_parser("db", help="database maintenance", description="Database maintenance.")
     db_sub = db.add_subparsers(dest="db_command", required=True, metavar="DB_COMMAND")
-    up = db_sub.add_parser("upgrade", help="apply migrations up to a revision (default: head)")
+    up = db_sub.add_parser(
+        "upgrade",
+        help="apply migrations up to a revision (default: head)",
+        description="Apply the collector's database migrations up to REVISION (default: head).",
+    )
     up.add_argument("revision", nargs="?", default="head")
     up.add_argument("--database-url", default=None, help="SQLAlchemy URL (or STEPWATCH_DATABASE_URL)")
     up.set_defaults(func=_db_upgrade)
@@ -81,11 +132,63 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--batch-id-days", type=float, default=7.0, help="forget batch ids after (default 7)")
     pr.set_defaults(func=_db_prune)
 
-    demo = sub.add_parser("demo", help="collector + a real 4-rank CPU training with the hook, then a summary")
-    demo.add_argument("--ranks", type=int, default=4, help="training processes (gloo, CPU)")
-    demo.add_argument("--steps", type=int, default=60, help="optimizer steps per rank")
-    demo.add_argument("--keep", action="store_true", help="keep the demo database afterwards")
+    demo = sub.add_parser(
+        "demo",
+        help="collector + a real 4-rank CPU training with a straggler, watched live",
+        description="Start a collector on SQLite and a real multi-rank gloo training of a tiny GPT with "
+        "the hook; slow one rank down mid-run and clear it later; show the run live from the API, "
+        "then a short report. Every process it starts is stopped at the end or on Ctrl-C.",
+    )
+    demo.add_argument("--ranks", type=_positive_int, default=4, help="training processes (gloo, CPU)")
+    demo.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps per rank")
+    demo.add_argument("--slow-rank", type=int, default=2, help="the rank slowed down mid-run")
+    demo.add_argument("--slow-ms", type=float, default=120.0, help="extra compute per step of the slow rank")
+    demo.add_argument("--no-straggler", action="store_true", help="train without the injected straggler")
+    demo.add_argument("--keep", action="store_true", help="keep the demo database (./stepwatch-demo.db)")
+    demo.add_argument("--database", default=None, help="SQLite file to use (kept afterwards)")
+    demo.add_argument(
+        "--hold",
+        action="store_true",
+        help="keep the collector and its web page up after training, until Ctrl-C",
+    )
     demo.set_defaults(func=_demo)
+
+    top = sub.add_parser(
+        "top",
+        help="live terminal view of the runs and ranks of a collector",
+        description="Live terminal view of a collector: its runs, and for one run the MFU, tokens/s, "
+        "step-time trend, time breakdown, per-rank table and events. Ctrl-C quits.",
+    )
+    top.add_argument(
+        "--url",
+        default=os.environ.get("STEPWATCH_URL", DEFAULT_URL),
+        help=f"collector base URL (default: STEPWATCH_URL or {DEFAULT_URL})",
+    )
+    top.add_argument("--run", default=None, help="run to show (default: the one seen most recently)")
+    top.add_argument(
+        "--token", default=os.environ.get("STEPWATCH_TOKEN"), help="read token (or STEPWATCH_TOKEN)"
+    )
+    top.add_argument("--interval", type=_positive_float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--iterations", type=_positive_int, default=None, help="stop after this many refreshes")
+    top.set_defaults(func=_top)
+
+    from .simulate.cli import add_parser as add_simulate
+
+    add_simulate(sub)
+
+    ev = sub.add_parser(
+        "evaluate",
+        help="score the detectors on simulated faults and clean runs, through a real collector",
+        description="Run every fault scenario and clean runs through the simulator, a real collector "
+        "process and its analysis worker (and, at scale, straight into the detectors), then print per "
+        "scenario whether the fault was flagged, with the right cause and rank, after how many "
+        "windows, and the false flags on clean windows.",
+    )
+    ev.add_argument("--fast", action="store_true", help="small scenarios (seconds; used by the tests)")
+    ev.add_argument("--database-url", default=None, help="collector database (default: a temporary SQLite)")
+    ev.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    ev.add_argument("--seed", type=int, default=1)
+    ev.set_defaults(func=_evaluate)
     return parser
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 DEFAULT_URL = "http://127.0.0.1:8321"
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def load(
     """Resolve the configuration; a bad value raises ValueError naming the setting."""
     env = os.environ if env is None else env
     name = run or env.get("STEPWATCH_RUN") or "default"
-    if not _RUN_NAME.match(name):
+    if not RUN_NAME.match(name):
         raise ValueError(
             f"run name {name!r} must be 1-128 characters of letters, digits and ._:- "
             "(starting with a letter or digit)"

@@ -40,13 +40,21 @@ class Rows:
 
 def fold(payloads: Sequence[IngestPayload], run_ids: Sequence[int], window_steps: Sequence[int]) -> Rows:
     """Rows for a group of batches; ``payloads`` must be distinct batches (claimed)."""
-    windows, job_steps = _fold_steps(payloads, run_ids, window_steps)
+    # A rank's final batch may carry no step: it updates the rank's row only.
+    stepped = [i for i, p in enumerate(payloads) if p.steps.time_s]
+    windows: Columns = {}
+    job_steps: Columns = {}
+    if stepped:
+        windows, job_steps = _fold_steps(
+            [payloads[i] for i in stepped], [run_ids[i] for i in stepped], [window_steps[i] for i in stepped]
+        )
     return Rows(ranks=_ranks(payloads, run_ids), windows=windows, job_steps=job_steps)
 
 
 def _ranks(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:
     # Batches of the same rank in one group: counters keep their maximum, the latest
-    # batch (in arrival order) names the host and version, as successive upserts would.
+    # batch (in arrival order) names the host and version, a final step once known stays,
+    # as successive upserts would.
     merged: dict[tuple[int, int], dict[str, Any]] = {}
     for p, run_id in zip(payloads, run_ids, strict=True):
         r, a, s = p.rank, p.agent, p.steps
@@ -63,13 +71,15 @@ def _ranks(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns
             "dropped_windows": a.dropped_windows,
             "dropped_steps": a.dropped_steps,
             "hot_path_mean_s": a.hot_path_mean_s,
+            "final_step": s.first + len(s.time_s) - 1 if p.final else None,
         }
         old = merged.get((run_id, r.rank))
         if old is not None:
             for k in ("last_step", "last_seen", "dropped_windows", "dropped_steps"):
                 row[k] = max(row[k], old[k])
-            if row["hot_path_mean_s"] is None:
-                row["hot_path_mean_s"] = old["hot_path_mean_s"]
+            for k in ("hot_path_mean_s", "final_step"):
+                if row[k] is None:
+                    row[k] = old[k]
         merged[(run_id, r.rank)] = row
     rows = sorted(merged.values(), key=lambda x: (x["run_id"], x["rank"]))
     return {k: [row[k] for row in rows] for k in rows[0]} if rows else {}

@@ -1,5 +1,7 @@
-"""The collector's app factory. It owns its resources: the engine, the ingestor and the
-metrics registry are created here and disposed of at shutdown, never at import."""
+"""The collector's app factory. It owns its resources: the engine, the ingestor, the
+metrics registry, the analysis worker and the webhook notifier are created here, the
+threads started in the lifespan and stopped (before the engine is disposed) at shutdown,
+never at import."""
 
 from __future__ import annotations
 
@@ -16,16 +18,29 @@ from sqlalchemy import Engine, text
 
 import stepwatch
 
-from . import errors
+from . import errors, web
 from .api import INGEST_SCHEMAS, router
 from .auth import Authenticator, require_read
 from .db.engine import make_engine
 from .db.migrate import current_revision, head_revision
+from .exporter import ExporterConfig, RunStateCollector
 from .group_commit import GroupCommitter
 from .ingest import Ingestor
 from .limits import BodyLimit
 from .metrics import CollectorMetrics
 from .settings import Settings
+from .webhook import WebhookNotifier
+from .worker import AnalysisWorker, WorkerConfig
+
+
+def _worker_config(settings: Settings) -> WorkerConfig:
+    return WorkerConfig(
+        interval_s=settings.analysis_interval_s,
+        grace_s=settings.analysis_grace_s,
+        horizon_s=settings.analysis_horizon_s,
+        hang_k=settings.hang_k,
+        hang_floor_s=settings.hang_floor_s,
+    )
 
 
 def create_app(settings: Settings | None = None, *, engine: Engine | None = None) -> FastAPI:
@@ -33,11 +48,39 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     owns_engine = engine is None
     engine = engine or make_engine(settings.database_url)
 
+    metrics = CollectorMetrics()
+    notifier: WebhookNotifier | None = None
+    if settings.webhook_url:
+        notifier = WebhookNotifier(
+            settings.webhook_url,
+            fmt=settings.webhook_format,
+            timeout_s=settings.webhook_timeout_s,
+            max_attempts=settings.webhook_max_attempts,
+            resend_s=settings.webhook_resend_s,
+            public_url=settings.public_url,
+            on_outcome=lambda outcome: metrics.webhook.labels(outcome).inc(),
+        )
+    worker = AnalysisWorker(
+        engine,
+        _worker_config(settings),
+        notify=notifier.notify if notifier is not None else None,
+        on_pass=metrics.record_pass,
+    )
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        if owns_engine:
-            engine.dispose()
+        if notifier is not None:
+            notifier.start()
+        if settings.analysis_enabled:
+            worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+            if notifier is not None:
+                notifier.close()
+            if owns_engine:
+                engine.dispose()
 
     app = FastAPI(
         title="stepwatch collector",
@@ -49,11 +92,17 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.auth = Authenticator.from_specs(settings.write_tokens, settings.read_tokens)
     app.state.engine = engine
     app.state.ingestor = ingestor = Ingestor(engine, window_seconds=settings.window_seconds)
-    app.state.metrics = metrics = CollectorMetrics()
+    app.state.metrics = metrics
     app.state.group_commit = GroupCommitter(ingestor.store_many, on_group=metrics.group_batches.observe)
+    # Run, rank and flag series, read from the database at each scrape (bounded cardinality).
+    metrics.registry.register(RunStateCollector(engine, ExporterConfig.from_settings(settings)))
+    app.state.worker = worker
+    app.state.notifier = notifier
     errors.install(app, retry_after_s=settings.retry_after_s)
     app.include_router(router)
     _publish_schemas(app, INGEST_SCHEMAS)
+    # The built-in web page at / and its /static files; its pages read runs like the API.
+    web.install(app, dependencies=[Depends(require_read)])
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
     if origins:  # off unless configured: the API is for agents, Grafana and scripts

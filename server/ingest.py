@@ -19,18 +19,18 @@ import statistics
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection, Engine, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
 
 from . import aggregate, ingest_pg
 from .aggregate import TAG_CODES, Rows
 from .db.models import IngestedBatch, JobStep, Rank, RankWindow, Run
-from .schemas import IngestPayload
+from .schemas import IngestPayload, PlanIn
 
 __all__ = ["TAG_CODES", "Ingestor", "RunKey", "choose_window_steps"]
 
@@ -42,6 +42,26 @@ class RunKey:
     id: int
     window_steps: int
     dp_size: int
+    #: The plan as last stored: (target_tokens, deadline Unix s, fingerprint, baseline run).
+    plan: tuple[Any, ...] | None = None
+
+
+def _plan_row(plan: PlanIn | None) -> dict[str, Any] | None:
+    if plan is None:
+        return None
+    return {
+        "target_tokens": plan.target_tokens,
+        "deadline": None if plan.deadline is None else datetime.fromtimestamp(plan.deadline, timezone.utc),
+        "config_fingerprint": plan.config_fingerprint,
+        "baseline_run": plan.baseline_run,
+    }
+
+
+def _plan_key(target: Any, deadline: datetime | None, fingerprint: Any, baseline: Any) -> tuple[Any, ...]:
+    if deadline is not None and deadline.tzinfo is None:  # SQLite returns naive UTC datetimes
+        deadline = deadline.replace(tzinfo=timezone.utc)
+    when = None if deadline is None else round(deadline.timestamp(), 3)
+    return (target, when, fingerprint, baseline)
 
 
 def choose_window_steps(step_times: list[float], window_seconds: float) -> int:
@@ -105,11 +125,36 @@ class Ingestor:
             key = self._runs.get(p.run)
             if key is not None:
                 self._runs.move_to_end(p.run)
-                return key
+        plan = _plan_row(p.plan)
+        wanted = None if plan is None else _plan_key(*plan.values())
+        if key is not None and (wanted is None or key.plan == wanted):
+            return key
+        if key is None:
+            key = self._load_run(conn, p, plan, owner)
+        if plan is not None and key.plan != wanted:
+            # Written only when it changes (once per run and replica), not per batch.
+            conn.execute(update(Run).where(Run.id == key.id).values(**plan))
+            key = replace(key, plan=wanted)
+        with self._lock:
+            self._runs[p.run] = key
+            while len(self._runs) > self._cache_size:
+                self._runs.popitem(last=False)
+        return key
+
+    def _load_run(
+        self, conn: Connection, p: IngestPayload, plan: dict[str, Any] | None, owner: str | None
+    ) -> RunKey:
         runs = Run.__table__
-        row = conn.execute(
-            select(runs.c.id, runs.c.window_steps, runs.c.dp_size).where(runs.c.name == p.run)
-        ).first()
+        cols = (
+            runs.c.id,
+            runs.c.window_steps,
+            runs.c.dp_size,
+            runs.c.target_tokens,
+            runs.c.deadline,
+            runs.c.config_fingerprint,
+            runs.c.baseline_run,
+        )
+        row = conn.execute(select(*cols).where(runs.c.name == p.run)).first()
         if row is None:
             stmt = self._insert(runs).values(
                 name=p.run,
@@ -120,17 +165,16 @@ class Ingestor:
                 window_steps=choose_window_steps(p.steps.time_s, self.window_seconds),
                 created_at=datetime.now(timezone.utc),
                 created_by=owner,
+                **(plan or {}),
             )
             conn.execute(stmt.on_conflict_do_nothing(index_elements=["name"]))
-            row = conn.execute(
-                select(runs.c.id, runs.c.window_steps, runs.c.dp_size).where(runs.c.name == p.run)
-            ).one()
-        key = RunKey(id=row.id, window_steps=row.window_steps, dp_size=row.dp_size)
-        with self._lock:
-            self._runs[p.run] = key
-            while len(self._runs) > self._cache_size:
-                self._runs.popitem(last=False)
-        return key
+            row = conn.execute(select(*cols).where(runs.c.name == p.run)).one()
+        return RunKey(
+            id=row.id,
+            window_steps=row.window_steps,
+            dp_size=row.dp_size,
+            plan=_plan_key(row.target_tokens, row.deadline, row.config_fingerprint, row.baseline_run),
+        )
 
     # -- the batch -----------------------------------------------------------------
     def store(self, p: IngestPayload) -> bool:
@@ -165,6 +209,9 @@ class Ingestor:
                     ingest_pg.write(conn, rows)
                 else:
                     self._write_rows(conn, rows)
+                for p, k in fresh:  # profiler windows: a few batches in a thousand
+                    if p.profile is not None and p.steps.time_s:
+                        self._store_profile(conn, k, p)
         return [i == first[p.batch_id] and p.batch_id in new for i, p in enumerate(payloads)]
 
     def _claim_rows(
@@ -218,7 +265,44 @@ class Ingestor:
                 "dropped_windows": self._greatest(t.c.dropped_windows, ex.dropped_windows),
                 "dropped_steps": self._greatest(t.c.dropped_steps, ex.dropped_steps),
                 "hot_path_mean_s": func.coalesce(ex.hot_path_mean_s, t.c.hot_path_mean_s),
+                "final_step": func.coalesce(ex.final_step, t.c.final_step),
             },
+        )
+
+    def _store_profile(self, conn: Connection, run: RunKey, p: IngestPayload) -> None:
+        """Merge the batch's time breakdown into the window of its last step.
+
+        Means weighted by profiled steps, so a window profiled across two batches adds up.
+        SQL evaluates every SET expression against the row as it was, on both backends.
+        """
+        prof = p.profile
+        assert prof is not None
+        last = p.steps.first + len(p.steps.time_s) - 1
+        window = (last - 1) // run.window_steps if last > 0 else 0
+        t = RankWindow.__table__
+        n_old = func.coalesce(t.c.profiled_steps, 0)
+        n_new = prof.steps
+
+        def merged(col: Any, value: float | None) -> Any:
+            if value is None:
+                return col
+            return (func.coalesce(col, 0.0) * n_old + value * n_new) / (n_old + n_new)
+
+        values: dict[str, Any] = {
+            "profiled_steps": n_old + n_new,
+            "compute_s": merged(t.c.compute_s, prof.compute_s),
+            "comm_overlapped_s": merged(t.c.comm_overlapped_s, prof.comm_overlapped_s),
+            "comm_exposed_s": merged(t.c.comm_exposed_s, prof.comm_exposed_s),
+            "idle_s": merged(t.c.idle_s, prof.idle_s),
+            "comm_wait_s": merged(t.c.comm_wait_s, prof.comm_wait_s),
+            "comm_transfer_s": merged(t.c.comm_transfer_s, prof.comm_transfer_s),
+        }
+        if prof.group_transfer_s is not None:
+            values["group_transfer_s"] = dict(prof.group_transfer_s)
+        conn.execute(
+            update(RankWindow)
+            .where(t.c.run_id == run.id, t.c.rank == p.rank.rank, t.c.window == window)
+            .values(**values)
         )
 
     def _window_upsert(self) -> Any:

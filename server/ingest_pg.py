@@ -36,17 +36,18 @@ _CLAIM = """
 
 _RANKS = """
     INSERT INTO ranks AS t (run_id, rank, host, local_rank, coords, last_step, last_seen,
-                            agent_version, clock, dropped_windows, dropped_steps, hot_path_mean_s)
+                            agent_version, clock, dropped_windows, dropped_steps, hot_path_mean_s,
+                            final_step)
     SELECT run_id, rank, host, local_rank, coords, last_step, to_timestamp(last_seen), agent_version,
-           clock, dropped_windows, dropped_steps, hot_path_mean_s
+           clock, dropped_windows, dropped_steps, hot_path_mean_s, final_step
     FROM unnest(CAST(%(run_id)s AS bigint[]), CAST(%(rank)s AS int[]), CAST(%(host)s AS text[]),
                          CAST(%(local_rank)s AS int[]), CAST(%(coords)s AS json[]),
                          CAST(%(last_step)s AS bigint[]), CAST(%(last_seen)s AS float8[]),
                          CAST(%(agent_version)s AS text[]), CAST(%(clock)s AS text[]),
                          CAST(%(dropped_windows)s AS bigint[]), CAST(%(dropped_steps)s AS bigint[]),
-                         CAST(%(hot_path_mean_s)s AS float8[]))
+                         CAST(%(hot_path_mean_s)s AS float8[]), CAST(%(final_step)s AS bigint[]))
          AS u(run_id, rank, host, local_rank, coords, last_step, last_seen, agent_version, clock,
-              dropped_windows, dropped_steps, hot_path_mean_s)
+              dropped_windows, dropped_steps, hot_path_mean_s, final_step)
     ON CONFLICT (run_id, rank) DO UPDATE SET
         host = excluded.host,
         local_rank = excluded.local_rank,
@@ -57,7 +58,8 @@ _RANKS = """
         clock = excluded.clock,
         dropped_windows = greatest(t.dropped_windows, excluded.dropped_windows),
         dropped_steps = greatest(t.dropped_steps, excluded.dropped_steps),
-        hot_path_mean_s = coalesce(excluded.hot_path_mean_s, t.hot_path_mean_s)
+        hot_path_mean_s = coalesce(excluded.hot_path_mean_s, t.hot_path_mean_s),
+        final_step = coalesce(excluded.final_step, t.final_step)
     """
 
 _WINDOWS = """

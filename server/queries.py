@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timezone
 from typing import Any
 
 from sqlalchemy import Connection, Float, Select, and_, case, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
+from . import progress_view
 from .db.models import Event, JobStep, Rank, RankWindow, Run
 from .schemas import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
 
@@ -109,8 +111,6 @@ def _unix(value: Any) -> float | None:
     if value is None:
         return None
     if value.tzinfo is None:  # SQLite returns naive datetimes for timezone-aware columns
-        from datetime import timezone
-
         value = value.replace(tzinfo=timezone.utc)
     return float(value.timestamp())
 
@@ -159,6 +159,7 @@ def overview(conn: Connection, name: str) -> RunOverview:
         mean=tps.mean * scale if scale and tps.mean is not None else None,
     )
     padded_sum = totals[5]
+    extra = progress_view.sections(conn, run.id, run.window_steps, float(totals[3]))
     return RunOverview(
         name=run.name,
         world_size=run.world_size,
@@ -178,6 +179,9 @@ def overview(conn: Connection, name: str) -> RunOverview:
         mfu=mfu,
         data_wait_s=Stat(latest=_f(recent[3]), mean=_f(steady[3])),
         padding_ratio=1.0 - float(totals[4]) / float(padded_sum) if padded_sum else None,
+        plan=extra.plan,
+        progress=extra.progress,
+        analysis=extra.analysis,
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
 RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
@@ -118,7 +118,8 @@ class ConventionIn(BaseModel):
 
 class StepsIn(_Strict):
     first: int = Field(ge=0, le=2**53)
-    time_s: list[Seconds] = Field(min_length=1, max_length=MAX_STEPS)
+    #: Empty only in a rank's final batch (``final: true``), which may carry no step.
+    time_s: list[Seconds] = Field(max_length=MAX_STEPS)
     data_wait_s: list[Seconds] = Field(max_length=MAX_STEPS)
     tokens: list[Tokens] = Field(max_length=MAX_STEPS)
     padded_tokens: list[Tokens] | None = Field(default=None, max_length=MAX_STEPS)
@@ -135,6 +136,33 @@ class StepsIn(_Strict):
         return self
 
 
+class PlanIn(_Strict):
+    """Run-level plan from ``stepwatch.init`` (all optional); every rank may send it."""
+
+    target_tokens: int | None = Field(default=None, gt=0, le=2**62)
+    deadline: UnixTime | None = Field(default=None, description="Unix seconds")
+    config_fingerprint: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:/+=-]{1,128}$")
+    baseline_run: RunName | None = None
+
+
+class ProfileIn(_Strict):
+    """Time breakdown of this batch's profiled steps: means per profiled step, in seconds.
+
+    Stored into the rank window that holds the batch's last step (merged, weighted by
+    ``steps``, with what that window already holds). ``group_transfer_s`` is the transfer
+    time the rank saw in each of its communicator groups, keyed by type.
+    """
+
+    steps: int = Field(ge=1, le=1_000_000)
+    compute_s: Seconds
+    comm_overlapped_s: Seconds | None = None
+    comm_exposed_s: Seconds | None = None
+    idle_s: Seconds | None = None
+    comm_wait_s: Seconds | None = None
+    comm_transfer_s: Seconds | None = None
+    group_transfer_s: dict[Literal["dp", "tp", "pp", "cp"], Seconds] | None = None
+
+
 class IngestPayload(_Strict):
     schema_version: Literal[1]
     batch_id: str = Field(pattern=r"^[A-Za-z0-9_-]{8,64}$")
@@ -144,13 +172,18 @@ class IngestPayload(_Strict):
     rank: RankIn
     convention: ConventionIn | None = None
     steps: StepsIn
+    plan: PlanIn | None = None
+    profile: ProfileIn | None = None
+    #: The rank's last batch (``close()``): it finished, so its silence is not a hang.
+    final: bool = False
 
-    @field_validator("sent_at")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be finite")
-        return v
+    @model_validator(mode="after")
+    def _steps_or_final(self) -> IngestPayload:
+        if not self.steps.time_s and not self.final:
+            raise ValueError("steps.time_s is empty; only a final batch may carry no step")
+        if self.profile is not None and not self.steps.time_s:
+            raise ValueError("profile needs at least one step in the batch")
+        return self
 
 
 class IngestResult(BaseModel):
@@ -172,6 +205,54 @@ class Stat(BaseModel):
     mean: float | None = Field(description="Over all complete steps that are not tagged (warm-up etc.)")
 
 
+class PlanOut(BaseModel):
+    """The run's plan as ``stepwatch.init`` gave it."""
+
+    target_tokens: int | None
+    deadline: float | None = Field(description="Unix seconds")
+    config_fingerprint: str | None
+    baseline_run: str | None
+
+
+class ProgressOut(BaseModel):
+    """Progress and goodput, from the analysed windows (see ``analysis``) and the live total.
+
+    Calendar efficiency is productive step time (all steps but checkpoint and evaluation)
+    over wall time since the first step started, restarts and pauses included. The
+    projection is remaining tokens / current throughput / calendar efficiency; the band
+    uses the p10 and p90 throughput of recent windows.
+    """
+
+    tokens_done: float
+    target_tokens: int | None
+    fraction_done: float | None
+    tokens_per_s: float | None = Field(description="Current: untagged steps of recent windows")
+    step_time_s: float | None = Field(description="Current mean step time (untagged steps)")
+    tokens_per_step: float | None
+    productive_s: float
+    wall_s: float | None
+    calendar_efficiency: float | None
+    remaining_tokens: float | None
+    remaining_steps: float | None
+    eta_s: float | None
+    finish_at: float | None = Field(description="Unix seconds")
+    finish_early_at: float | None
+    finish_late_at: float | None
+    deadline: float | None
+    required_step_time_s: float | None = Field(description="Step time that meets the deadline")
+    on_track: bool | None
+
+
+class AnalysisOut(BaseModel):
+    """How far the analysis worker has come with this run."""
+
+    windows_analysed: int
+    analysed_through_step: int
+    baseline: str = Field(description="'own' or the baseline run the regressions compare against")
+    updated_at: float
+    stage_imbalance: str | None = Field(description="Static pipeline-stage imbalance (efficiency)")
+
+
 class RunOverview(BaseModel):
     name: str
     world_size: int
@@ -188,6 +269,9 @@ class RunOverview(BaseModel):
     mfu: Stat
     data_wait_s: Stat
     padding_ratio: float | None
+    plan: PlanOut | None = None
+    progress: ProgressOut | None = None
+    analysis: AnalysisOut | None = None
 
 
 class SeriesPoint(BaseModel):

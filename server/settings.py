@@ -6,6 +6,8 @@ run several collectors with different settings in one process.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -45,3 +47,41 @@ class Settings(BaseSettings):
     max_runs_per_token: int = Field(default=1000, ge=1)
     #: Largest world size a run may declare.
     max_ranks_per_run: int = Field(default=65_536, ge=1, le=1_048_576)
+    # -- /metrics: what the Prometheus exposition may contain (bounded cardinality) --
+    #: Most runs exported; the most recently reporting win.
+    metrics_max_runs: int = Field(default=50, ge=1, le=10_000)
+    #: Per-rank series for the K slowest ranks of a run (plus its flagged ranks).
+    metrics_top_k: int = Field(default=8, ge=0, le=1_000)
+    #: Most flagged (straggler) ranks exported per run, costliest first.
+    metrics_max_flagged: int = Field(default=16, ge=0, le=1_000)
+    #: A run with no batch for this long disappears from /metrics.
+    metrics_run_expiry_s: float = Field(default=3600.0, gt=0)
+    #: Most recent job steps read per run and scrape (current values, tags, hang threshold).
+    metrics_recent_steps: int = Field(default=256, ge=16, le=100_000)
+    #: Untagged steps after warm-up that form a run's frozen baseline.
+    metrics_baseline_steps: int = Field(default=100, ge=1, le=100_000)
+
+    # -- analysis (stragglers, regressions, hangs): a worker thread, off the ingest path --
+    #: Run the analysis worker in this collector (every replica may; one analyses a run at a time).
+    analysis_enabled: bool = True
+    #: Seconds between analysis passes.
+    analysis_interval_s: float = Field(default=5.0, gt=0)
+    #: A window some rank has not completed is analysed without it this long after newer
+    #: data passed it (collector clock).
+    analysis_grace_s: float = Field(default=60.0, ge=0)
+    #: Runs without a batch for this long are no longer analysed (their flags stay as they are).
+    analysis_horizon_s: float = Field(default=7 * 86_400.0, gt=0)
+    #: A hang is no step for longer than max(hang_k x median step time, hang_floor_s).
+    hang_k: float = Field(default=10.0, gt=0)
+    hang_floor_s: float = Field(default=60.0, ge=0)
+
+    # -- webhook for flags that open or close (optional) --
+    webhook_url: str | None = None
+    webhook_format: Literal["slack", "alertmanager"] = "slack"
+    webhook_timeout_s: float = Field(default=5.0, gt=0)
+    webhook_max_attempts: int = Field(default=8, ge=1)
+    #: Alertmanager format: firing alerts are re-sent this often (Alertmanager resolves
+    #: alerts it has not heard of for its resolve_timeout, 5 min by default).
+    webhook_resend_s: float = Field(default=60.0, ge=0)
+    #: Base URL of this collector as people reach it, for links in alerts.
+    public_url: str | None = None

@@ -50,6 +50,10 @@ def payload(
     convention: dict[str, Any] | None = CONVENTION,
     batch_id: str | None = None,
     host: str | None = None,
+    wall_end: float | None = None,
+    final: bool = False,
+    plan: dict[str, Any] | None = None,
+    profile: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     n = len(times)
     window = Window(
@@ -59,8 +63,9 @@ def payload(
         tokens=array("q", tokens if tokens is not None else [1000] * n),
         padded_tokens=array("q", padded) if padded is not None else None,
         tags=array("b", [TAG_CODES[t] if t else 0 for t in tags]) if tags is not None else None,
-        wall_end=time.time(),
+        wall_end=time.time() if wall_end is None else wall_end,
         batch_id=batch_id or new_batch_id(),
+        final=final,
     )
     agent = {
         "version": "0.1.0",
@@ -76,4 +81,6 @@ def payload(
         convention=convention,
         agent=agent,
         sent_at=time.time(),
+        plan=plan,
+        profile=profile,
     )

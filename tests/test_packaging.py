@@ -42,7 +42,7 @@ def test_built_wheel_carries_everything_and_works(tmp_path: Path) -> None:
     )
     (wheel,) = tmp_path.glob("stepwatch-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    # Every source file of the three mapped folders is in the wheel under its import name.
+    # Every source and data file of the three mapped folders is in the wheel under its import name.
     mapping = {
         "agent": "stepwatch",
         "server": "stepwatch_server",
@@ -52,8 +52,16 @@ def test_built_wheel_carries_everything_and_works(tmp_path: Path) -> None:
         f"{target}/{path.relative_to(ROOT / folder).as_posix()}"
         for folder, target in mapping.items()
         for path in (ROOT / folder).rglob("*")
-        if path.suffix in (".py", ".mako", ".typed") and "__pycache__" not in path.parts
+        if (
+            path.suffix in (".py", ".mako", ".typed", ".html", ".js", ".css") or path.name.endswith("LICENSE")
+        )
+        and "__pycache__" not in path.parts
     }
+    # The web page's templates and vendored chart library (with its license) are data files.
+    assert {
+        "stepwatch_server/web/static/uPlot.iife.min.js",
+        "stepwatch_server/web/static/uPlot.LICENSE",
+    } <= expected
     missing = sorted(expected - names)
     assert not missing, f"missing from {wheel.name}: {missing}"
     metadata = next(n for n in names if n.endswith("METADATA"))

@@ -1,4 +1,4 @@
-"""Run mypy over agent/ and server/ under their import names.
+"""Run mypy over agent/, server/ and dashboards/ under their import names.
 
 The build maps folders to import names (agent/ -> stepwatch, server/ -> stepwatch_server,
 migrations/ -> stepwatch_server.migrations). mypy cannot see setuptools' editable-install
@@ -32,6 +32,7 @@ def main() -> int:
     os.symlink(ROOT / "agent", TREE / "stepwatch")
     _link_children(ROOT / "server", TREE / "stepwatch_server")
     os.symlink(ROOT / "migrations", TREE / "stepwatch_server" / "migrations")
+    os.symlink(ROOT / "dashboards", TREE / "dashboards")
     cmd = [
         sys.executable,
         "-m",
@@ -42,6 +43,8 @@ def main() -> int:
         "stepwatch",
         "-p",
         "stepwatch_server",
+        "-p",
+        "dashboards",
     ]
     env = dict(os.environ, MYPYPATH=str(TREE))
     return subprocess.call(cmd, cwd=TREE, env=env)

@@ -119,21 +119,24 @@ def ranks(
             _stop(p, grace_s=2.0)
 
 
+def poll_all(procs: Sequence[subprocess.Popen[bytes]], log_dir: str) -> bool:
+    """True once every rank exited 0; raises with the rank's log if one failed."""
+    done = True
+    for r, p in enumerate(procs):
+        rc = p.poll()
+        if rc is None:
+            done = False
+        elif rc != 0:
+            with open(os.path.join(log_dir, f"rank{r}.log"), errors="replace") as f:
+                raise RuntimeError(f"rank {r} exited with {rc}:\n{f.read()[-3000:]}")
+    return done
+
+
 def wait_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float, log_dir: str) -> None:
     """Wait for every rank; if one fails, stop the others and raise with its log."""
     deadline = time.monotonic() + timeout_s
-    pending = list(enumerate(procs))
-    while pending:
-        for item in list(pending):
-            r, p = item
-            rc = p.poll()
-            if rc is None:
-                continue
-            pending.remove(item)
-            if rc != 0:
-                with open(os.path.join(log_dir, f"rank{r}.log"), errors="replace") as f:
-                    raise RuntimeError(f"rank {r} exited with {rc}:\n{f.read()[-3000:]}")
-        if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"ranks {[r for r, _ in pending]} still running after {timeout_s} s")
-        if pending:
-            time.sleep(0.05)
+    while not poll_all(procs, log_dir):
+        if time.monotonic() > deadline:
+            running = [r for r, p in enumerate(procs) if p.poll() is None]
+            raise TimeoutError(f"ranks {running} still running after {timeout_s} s")
+        time.sleep(0.05)

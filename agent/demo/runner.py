@@ -1,17 +1,36 @@
-"""``stepwatch demo``: collector + a real multi-rank CPU training, then a summary read
-back from the collector's API (what a user would see)."""
+"""``stepwatch demo``: a collector on SQLite, a real multi-rank CPU training with the hook,
+a straggler injected mid-run and cleared later, and a live terminal view read from the
+collector's API (what a user of ``stepwatch top`` would see), then a short report.
+
+Every process the demo starts is stopped when it ends, fails, or is interrupted (Ctrl-C
+or SIGTERM): the collector and the ranks live inside context managers that stop them.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
-import httpx
+from rich.console import Console, Group, RenderableType
+from rich.text import Text
 
+from ..views.client import CollectorClient, CollectorError, Snapshot
+from ..views.terminal import events_view, num, pct, run_view
 from . import launch
+
+#: The collector closes a stored rank window about every this many seconds, so that the
+#: straggler detection (3 windows to open a flag, 3 clean ones to close it) fits the demo.
+WINDOW_SECONDS = 1.0
+WARMUP_STEPS = 5
 
 
 def measure_cpu_peak_flops(n: int = 256, repeats: int = 30) -> float:
@@ -33,88 +52,267 @@ def measure_cpu_peak_flops(n: int = 256, repeats: int = 30) -> float:
     return 2.0 * n**3 / best
 
 
-def _fmt(v: Any, spec: str = ".3g") -> str:
-    return "-" if v is None else format(v, spec)
+@dataclass(frozen=True)
+class Plan:
+    ranks: int
+    steps: int
+    slow_rank: int
+    slow_ms: float
+    slow_from: int
+    slow_to: int
+
+    @classmethod
+    def default(cls, ranks: int, steps: int, slow_rank: int | None, slow_ms: float) -> Plan:
+        """The straggler covers the middle third of the run: enough clean steps before
+        it for a baseline and after it for the flag to clear."""
+        rank = -1 if slow_rank is None or slow_ms <= 0 else slow_rank
+        if rank >= ranks:
+            raise ValueError(f"--slow-rank {rank} is not one of the {ranks} ranks (0-{ranks - 1})")
+        return cls(ranks, steps, rank, slow_ms, max(1, round(steps * 0.3)), max(1, round(steps * 0.65)))
+
+    @property
+    def has_straggler(self) -> bool:
+        return self.slow_rank >= 0
+
+    def train_args(self, run: str, peak: float) -> list[str]:
+        args = ["--run", run, "--steps", str(self.steps), "--peak-flops", str(peak)]
+        args += ["--send-interval", "1", "--warmup-steps", str(WARMUP_STEPS)]
+        if self.has_straggler:
+            args += ["--slow-rank", str(self.slow_rank), "--slow-ms", str(self.slow_ms)]
+            args += ["--slow-from", str(self.slow_from), "--slow-to", str(self.slow_to)]
+        return args
+
+    def phase(self, step: int) -> str:
+        if not self.has_straggler or step < self.slow_from:
+            return "clean"
+        if step <= self.slow_to:
+            steps = f"steps {self.slow_from}-{self.slow_to}"
+            return f"rank {self.slow_rank} slowed by {self.slow_ms:.0f} ms/step ({steps})"
+        return f"straggler cleared at step {self.slow_to}"
 
 
-def print_summary(url: str, run: str) -> dict[str, Any]:
-    from rich.console import Console
-    from rich.table import Table
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so the context managers stop every child."""
 
-    with httpx.Client(base_url=url, timeout=10.0) as c:
-        ov = c.get(f"/api/v1/runs/{run}").raise_for_status().json()
-        ranks = c.get(f"/api/v1/runs/{run}/ranks").raise_for_status().json()
-    console = Console()
-    conv = ov["convention"] or {}
-    job = Table(title=f"run {run}: {ov['ranks_reporting']}/{ov['world_size']} ranks, steps {ov['last_step']}")
-    job.add_column("metric")
-    job.add_column("latest", justify="right")
-    job.add_column("mean (after warm-up)", justify="right")
-    job.add_row("step time (s)", _fmt(ov["step_time_s"]["latest"]), _fmt(ov["step_time_s"]["mean"]))
-    job.add_row(
-        "tokens/s", _fmt(ov["tokens_per_s"]["latest"], ",.0f"), _fmt(ov["tokens_per_s"]["mean"], ",.0f")
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _progress(plan: Plan, snap: Snapshot | None, started: float) -> Text:
+    step = int(snap.overview.get("last_step") or 0) if snap else 0
+    filled = round(30 * step / plan.steps)
+    text = Text.assemble(
+        ("training ", "bold"),
+        ("█" * filled, "green"),
+        ("░" * (30 - filled), "dim"),
+        f" step {step}/{plan.steps}  {time.monotonic() - started:.0f} s  ",
     )
-    job.add_row("MFU", _fmt(ov["mfu"]["latest"], ".2%"), _fmt(ov["mfu"]["mean"], ".2%"))
-    job.add_row("data wait (s/step)", _fmt(ov["data_wait_s"]["latest"]), _fmt(ov["data_wait_s"]["mean"]))
-    console.print(job)
-    console.print(f"MFU convention: [bold]{conv.get('id', conv.get('formula', 'none'))}[/bold]")
-    console.print(f"padding ratio: {_fmt(ov['padding_ratio'], '.1%')}, tokens total: {ov['tokens_total']:,}")
-    per_rank = Table(title="ranks (latest window)")
-    for col in (
-        "rank",
-        "host",
-        "last step",
-        "step time (s)",
-        "max (s)",
-        "data wait (s)",
-        "tokens/s",
-        "dropped",
-    ):
-        per_rank.add_column(col, justify="right")
-    for r in ranks:
-        per_rank.add_row(
-            str(r["rank"]),
-            r["host"],
-            str(r["last_step"]),
-            _fmt(r["step_time_s"]),
-            _fmt(r["step_time_max_s"]),
-            _fmt(r["data_wait_s"]),
-            _fmt(r["tokens_per_s"], ",.0f"),
-            str(r["dropped_windows"]),
-        )
-    console.print(per_rank)
-    return {"overview": ov, "ranks": ranks}
+    phase = plan.phase(step)
+    return text.append(phase, style="yellow" if "slowed" in phase else "dim")
 
 
-def run_demo(ranks: int = 4, steps: int = 60, keep: bool = False) -> int:
-    from rich.console import Console
+def live_frame(plan: Plan, snap: Snapshot | None, started: float, page: str) -> RenderableType:
+    head = Group(
+        _progress(plan, snap, started), Text(f"web page: {page}   (Ctrl-C stops everything)", style="dim")
+    )
+    if snap is None:
+        return Group(head, Text("waiting for the first window from the ranks ...", style="dim"))
+    return Group(head, run_view(snap))
 
-    console = Console()
+
+def straggler_cost(steps: list[dict[str, Any]], plan: Plan) -> tuple[float, float] | None:
+    """Mean job step time inside the slow window and in the clean steps after warm-up,
+    from the per-step series (what every rank paid for one slow rank)."""
+    inside = [p["mean"] for p in steps if plan.slow_from < p["step_from"] <= plan.slow_to and p["mean"]]
+    clean = [
+        p["mean"]
+        for p in steps
+        if p["step_from"] > WARMUP_STEPS + 2
+        and not plan.slow_from <= p["step_from"] <= plan.slow_to + 2
+        and p["mean"]
+    ]
+    if len(inside) < 3 or len(clean) < 3:
+        return None
+    return statistics.median(inside), statistics.median(clean)
+
+
+def report(console: Console, client: CollectorClient, run: str, plan: Plan) -> Snapshot:
+    """The closing summary: the numbers, what the straggler cost, the events."""
+    snap = client.snapshot(run, last_steps=plan.steps, points=60)
+    console.print(run_view(snap))
+    ov = snap.overview
+    tps, mfu = num(ov["tokens_per_s"]["mean"], ",.0f"), pct(ov["mfu"]["mean"])
+    formula = (ov.get("convention") or {}).get("id", "none")
+    console.print(
+        f"[bold]{run}[/bold]: {ov['steps_stored']} steps on {ov['world_size']} ranks, "
+        f"{ov['tokens_total']:,} tokens; mean {tps} tokens/s, MFU {mfu} (formula {formula})"
+    )
+    if plan.has_straggler:
+        series = client.series(run, "step_time_s", max_points=10_000)["points"]
+        cost = straggler_cost(series, plan)
+        if cost is not None:
+            slow, clean = cost
+            what = (
+                f"straggler: rank {plan.slow_rank} ran {plan.slow_ms:.0f} ms/step slower in steps "
+                f"{plan.slow_from}-{plan.slow_to}; "
+            )
+            if slow > clean * 1.03:
+                console.print(
+                    f"{what}the job's step time went from {clean:.3f} s to {slow:.3f} s "
+                    f"({(slow - clean) / clean:+.0%}) on every rank: the others wait for it in the "
+                    "all-reduce."
+                )
+            else:  # say what was measured, not what should have happened
+                console.print(
+                    f"{what}the job's step time was {slow:.3f} s during it and {clean:.3f} s outside: "
+                    "other load on this machine hid the difference this time."
+                )
+        named = [e for e in snap.events if e.get("kind") == "straggler"]
+        if named:
+            console.print(events_view(named))
+        else:
+            console.print(
+                "[yellow]no straggler event from this collector[/yellow]: naming the rank takes the "
+                "collector's straggler detection (and, for the compute/wait split per rank, the "
+                "agent's profiler window)"
+            )
+    return snap
+
+
+def run_demo(
+    ranks: int = 4,
+    steps: int = 200,
+    *,
+    slow_rank: int | None = 2,
+    slow_ms: float = 120.0,
+    keep: bool = False,
+    database: str | None = None,
+    hold: bool = False,
+    refresh_s: float = 1.0,
+    console: Console | None = None,
+) -> int:
+    console = console or Console()
     t0 = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="stepwatch-demo-")
-    db_path = os.path.abspath("stepwatch-demo.db") if keep else os.path.join(workdir, "demo.db")
+    kept = keep or database is not None
+    if database is None:
+        database = os.path.abspath("stepwatch-demo.db") if keep else os.path.join(workdir, "demo.db")
     run = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        peak = measure_cpu_peak_flops()
-        console.print(
-            f"[dim]measured CPU peak (1 thread, fp32 matmul): {peak / 1e9:.1f} GFLOP/s per rank[/dim]"
-        )
-        with launch.collector(f"sqlite:///{db_path}", log_path=os.path.join(workdir, "collector.log")) as col:
-            console.print(f"collector on {col.url} (SQLite {db_path})")
+        plan = Plan.default(ranks, steps, slow_rank, slow_ms)
+        with _sigterm_as_interrupt(), ExitStack() as stack:
+            with console.status("measuring this CPU's matmul peak (the MFU denominator) ..."):
+                peak = measure_cpu_peak_flops()
             console.print(
-                f"training {ranks} gloo ranks x {steps} steps of a tiny GPT, run [bold]{run}[/bold] ..."
+                f"[dim]measured CPU peak (1 thread, fp32 matmul): {peak / 1e9:.1f} GFLOP/s per rank[/dim]"
             )
-            args = ["--run", run, "--steps", str(steps), "--peak-flops", str(peak), "--send-interval", "2"]
-            env = {"STEPWATCH_URL": col.url}
-            with launch.ranks(ranks, args, env=env, log_dir=workdir) as procs:
-                launch.wait_all(procs, timeout_s=600, log_dir=workdir)
-            print_summary(col.url, run)
-        console.print(f"[green]demo finished in {time.monotonic() - t0:.1f} s[/green]")
-        if keep:
-            console.print(f"data kept in {db_path}: stepwatch serve --database-url sqlite:///{db_path}")
+            with console.status("starting the collector (SQLite, migrations) ..."):
+                col = stack.enter_context(
+                    launch.collector(
+                        f"sqlite:///{database}",
+                        log_path=os.path.join(workdir, "collector.log"),
+                        env={"STEPWATCH_WINDOW_SECONDS": str(WINDOW_SECONDS)},
+                    )
+                )
+            client = stack.enter_context(CollectorClient(col.url))
+            page = f"{col.url}/runs/{run}"
+            console.print(f"collector on [bold]{col.url}[/bold] (SQLite {database}); web page: {page}")
+            straggler = (
+                f"; rank {plan.slow_rank} will be slowed by {plan.slow_ms:.0f} ms/step in steps "
+                f"{plan.slow_from}-{plan.slow_to}"
+                if plan.has_straggler
+                else ""
+            )
+            console.print(f"training {ranks} gloo ranks x {steps} steps of a tiny GPT{straggler}")
+            args = plan.train_args(run, peak)
+            with launch.ranks(ranks, args, env={"STEPWATCH_URL": col.url}, log_dir=workdir) as procs:
+                _watch(console, client, plan, run, procs, workdir, page, refresh_s)
+            report(console, client, run, plan)
+            console.print(f"[green]demo finished in {time.monotonic() - t0:.1f} s[/green]")
+            _next_steps(console, run, database, kept=kept)
+            if hold:
+                console.print(f"collector still serving [bold]{page}[/bold]; Ctrl-C stops it")
+                while col.process.poll() is None:
+                    time.sleep(0.5)  # idle until Ctrl-C; nothing to synchronise with
         return 0
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted; all demo processes stopped[/yellow]")
+        console.print("[yellow]interrupted; the collector and every rank were stopped[/yellow]")
         return 130
+    except (RuntimeError, TimeoutError, ValueError, CollectorError) as exc:
+        console.print(f"[bold red]demo failed:[/bold red] {exc}")
+        console.print("[dim]run again with --keep to inspect the data afterwards[/dim]")
+        return 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _watch(
+    console: Console,
+    client: CollectorClient,
+    plan: Plan,
+    run: str,
+    procs: list[Any],
+    workdir: str,
+    page: str,
+    refresh_s: float,
+) -> None:
+    """Redraw the live view from the API until every rank has exited."""
+    started = time.monotonic()
+    deadline = started + 600
+    snap: Snapshot | None = None
+
+    def fetch() -> Snapshot | None:
+        try:
+            return client.snapshot(run)
+        except CollectorError:  # 404 until the first window arrives
+            return snap
+
+    if console.is_terminal:
+        from rich.live import Live
+
+        with Live(live_frame(plan, None, started, page), console=console, auto_refresh=False) as live:
+            while not launch.poll_all(procs, workdir):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the demo's ranks did not finish within 600 s")
+                snap = fetch()
+                live.update(live_frame(plan, snap, started, page), refresh=True)
+                time.sleep(refresh_s)  # the view's refresh period
+            live.update(Text(""), refresh=True)
+        return
+    last_print = 0.0
+    while not launch.poll_all(procs, workdir):  # piped output: one progress line every few seconds
+        if time.monotonic() > deadline:
+            raise TimeoutError("the demo's ranks did not finish within 600 s")
+        if time.monotonic() - last_print >= 5:
+            snap = fetch()
+            console.print(_progress(plan, snap, started))
+            last_print = time.monotonic()
+        time.sleep(0.2)
+
+
+def _next_steps(console: Console, run: str, database: str, *, kept: bool) -> None:
+    console.print("[bold]where to look next[/bold]")
+    if kept:
+        console.print(
+            f"  web page:  stepwatch serve --database-url sqlite:///{database}  then open "
+            f"http://127.0.0.1:8321/runs/{run}"
+        )
+    else:
+        console.print(
+            "  web page:  stepwatch demo --hold   (keeps the collector and its page up until Ctrl-C)"
+        )
+    console.print("  terminal:  stepwatch top --url URL   (any collector)")
+    console.print(
+        "  Grafana:   docker compose up   (collector, Prometheus and the dashboards in dashboards/)"
+    )

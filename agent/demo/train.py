@@ -3,7 +3,8 @@ that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (torchru
 ``stepwatch.demo.launch``).
 
 Faults can be injected for tests and the demo: a slow rank (sleeps inside its forward,
-a compute straggler) and a stalled loader on one rank (a data straggler). Each rank also
+a compute straggler), a stalled loader on one rank (a data straggler) and a hang (one
+rank stops inside a step; the others then block in the next all-reduce). Each rank also
 times its own loop, independently of stepwatch, and writes that to ``--out`` so tests
 can compare what the collector reports against what the rank itself measured.
 """
@@ -62,6 +63,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-to", type=int, default=1 << 30, help="last step of the slowdown")
     p.add_argument("--stall-rank", type=int, default=-1, help="rank whose loader stalls")
     p.add_argument("--stall-ms", type=float, default=0.0, help="extra loader time per sample")
+    p.add_argument("--hang-rank", type=int, default=-1, help="rank that hangs")
+    p.add_argument("--hang-step", type=int, default=0, help="step (1-based) in which it hangs")
+    p.add_argument("--hang-s", type=float, default=0.0, help="how long it hangs, seconds")
     p.add_argument("--out", default=None, help="write this rank's own timings as JSON ({rank} is replaced)")
     return p.parse_args(argv)
 
@@ -92,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokens: list[int] = []
     t_start = time.perf_counter()
     for step, (x, y, n_real) in enumerate(sw.loader(loader), start=1):
+        if rank == args.hang_rank and step == args.hang_step:
+            time.sleep(args.hang_s)  # a hang: this rank stops, the others wait in the all-reduce
         logits = ddp(x)
         loss = loss_fn(logits, y, PAD_ID)
         if rank == args.slow_rank and args.slow_from <= step <= args.slow_to:

@@ -12,6 +12,8 @@ be fed from the ingest path, the simulator or a test, and property-tested.
 - :mod:`.hangs`: ``check_hang``.
 - :mod:`.progress`: tokens done, calendar efficiency, projected finish, required step time.
 - :mod:`.efficiency`: static pipeline-stage imbalance.
+- :mod:`.pipeline`: one run's analysis window by window (both detectors, the progress
+  tally, JSON state), shared by the collector's worker and the evaluation.
 - :mod:`.synthetic`: seeded synthetic data with injected faults, for tests and tuning.
 """
 

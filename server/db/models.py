@@ -26,6 +26,7 @@ from sqlalchemy import (
     SmallInteger,
     String,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -65,6 +66,13 @@ class Run(Base):
     #: Name of the write token that created the run (null: writes were open); runs per
     #: token are limited (``STEPWATCH_MAX_RUNS_PER_TOKEN``).
     created_by: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    # The plan, from ``stepwatch.init`` (all optional): progress and the finish date are
+    # projected against it; regressions compare with ``baseline_run`` when the
+    # fingerprints match.
+    target_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    config_fingerprint: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    baseline_run: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 class Rank(Base):
@@ -84,6 +92,9 @@ class Rank(Base):
     dropped_windows: Mapped[int] = mapped_column(BigInteger, default=0)
     dropped_steps: Mapped[int] = mapped_column(BigInteger, default=0)
     hot_path_mean_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: Last step of the rank's final batch (sent by ``close()``). The rank finished, and
+    #: is no hang, while ``final_step >= last_step``; a restart that steps further clears it.
+    final_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class RankWindow(Base):
@@ -115,6 +126,22 @@ class RankWindow(Base):
     #: Per step, summed over collectives: waiting for the last peer / moving data after it.
     comm_wait_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     comm_transfer_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: Transfer time per communicator type (``{"dp": s, "tp": s, "pp": s}``) when the
+    #: agent reports it: intersecting slow groups names the rank on a slow link.
+    group_transfer_s: Mapped[dict[str, float] | None] = mapped_column(JSON, nullable=True)
+
+    # /metrics reads one or two windows of a run (every rank's row of that window) and the
+    # newest profiled window; without these, both scan every window the run ever stored.
+    __table_args__ = (
+        Index(None, "run_id", "window"),
+        Index(
+            "ix_rank_windows_profiled",
+            "run_id",
+            "window",
+            postgresql_where=text("profiled_steps IS NOT NULL"),
+            sqlite_where=text("profiled_steps IS NOT NULL"),
+        ),
+    )
 
 
 class JobStep(Base):
@@ -180,3 +207,25 @@ class Event(Base):
         UniqueConstraint("run_id", "key", "first_step"),
         Index(None, "run_id", "status"),
     )
+
+
+class AnalysisState(Base):
+    """Where the analysis of a run stands, so that any collector replica can continue it.
+
+    ``next_window`` is the first rank window not yet analysed; ``state`` is the detectors'
+    JSON state (:class:`stepwatch_server.analysis.pipeline.RunAnalysis`); ``pending`` maps
+    a window that is incomplete but already passed by newer data to the time a collector
+    first saw it so (collector clock), for the grace period. ``version`` grows with every
+    pass, and a pass writes only over the version it read (no lost update).
+    """
+
+    __tablename__ = "analysis_state"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(BigInteger)
+    next_window: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[dict[str, Any]] = mapped_column(JSON)
+    pending: Mapped[dict[str, Any]] = mapped_column(JSON)
+    #: ``own`` (the run's post-warm-up baseline) or the name of the baseline run used.
+    baseline_source: Mapped[str] = mapped_column(String(160))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

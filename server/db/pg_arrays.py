@@ -67,9 +67,10 @@ def encode(values: npt.ArrayLike) -> Float8Array | Int8Array:
     elif nulls.all():
         body = _NULL * n
     else:
-        values_be = data.astype(_ELEMENT[elem])
+        # Slices of the big-endian buffer: a numpy scalar's own bytes would be native-endian.
+        raw = data.astype(_ELEMENT[elem]).tobytes()
         body = b"".join(
-            _NULL if miss else _EIGHT + v.tobytes() for v, miss in zip(values_be, nulls, strict=True)
+            _NULL if miss else _EIGHT + raw[8 * i : 8 * i + 8] for i, miss in enumerate(nulls.tolist())
         )
     wrap = Float8Array if elem == FLOAT8 else Int8Array
     return wrap(header + body)

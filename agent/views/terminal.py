@@ -1,0 +1,290 @@
+"""Rich renderables for a run, built only from API answers (plain dicts).
+
+Shared by ``stepwatch top`` and the live view of ``stepwatch demo``. Optional parts of
+the API (the time breakdown of the profiler window, events, progress) are shown when the
+collector serves them; when it does not, the view says what is missing instead of
+showing zeros.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from .client import JSON, Snapshot
+
+#: Parts of a step, in the order they are stacked (DESIGN §3); they sum to the step time.
+BREAKDOWN: tuple[tuple[str, str, str], ...] = (
+    ("compute_s", "compute", "green"),
+    ("comm_overlapped_s", "comm overlapped", "cyan"),
+    ("comm_exposed_s", "comm exposed", "red"),
+    ("data_wait_s", "data wait", "yellow"),
+    ("idle_s", "idle", "bright_black"),
+)
+#: Per-rank columns compared with the peer median (the straggler's tell-tales).
+RANK_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("step_time_s", "step (s)"),
+    ("compute_s", "compute (s)"),
+    ("comm_wait_s", "comm wait (s)"),
+    ("data_wait_s", "data wait (s)"),
+)
+OUTLIER_RATIO = 1.10
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def num(v: Any, spec: str = ".3g") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def pct(v: Any) -> str:
+    return "–" if v is None else f"{100 * v:.2f}%"
+
+
+def ago(ts: float | None, now: float | None = None) -> str:
+    if not ts:
+        return "never"
+    s = max(0.0, (now or time.time()) - ts)
+    if s < 90:
+        return f"{s:.0f} s ago"
+    if s < 5400:
+        return f"{s / 60:.0f} min ago"
+    return f"{s / 3600:.1f} h ago"
+
+
+def duration(s: float | None) -> str:
+    if s is None:
+        return "–"
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    if s < 172_800:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86_400:.1f} days"
+
+
+def sparkline(values: Sequence[float | None]) -> str:
+    """Unicode bars scaled between the series' min and max (flat series: lowest bar)."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    span = hi - lo
+    out = []
+    for v in values:
+        if v is None:
+            out.append(" ")
+        else:
+            out.append(SPARK[int((v - lo) / span * (len(SPARK) - 1)) if span > 0 else 0])
+    return "".join(out)
+
+
+def breakdown_of(rank: Mapping[str, Any]) -> dict[str, float] | None:
+    """A rank's time breakdown, from a nested ``breakdown`` object or top-level fields;
+    ``None`` while no profiler window has reported for it."""
+    src = rank.get("breakdown")
+    if not isinstance(src, Mapping):
+        src = rank
+    if src.get("compute_s") is None:
+        return None
+    parts = {key: float(src.get(key) or 0.0) for key, _, _ in BREAKDOWN}
+    if src.get("data_wait_s") is None and rank.get("data_wait_s") is not None:
+        parts["data_wait_s"] = float(rank["data_wait_s"])
+    return parts
+
+
+def job_breakdown(ranks: Iterable[Mapping[str, Any]]) -> dict[str, float] | None:
+    """Mean breakdown over the ranks that have one."""
+    found = [b for b in (breakdown_of(r) for r in ranks) if b is not None]
+    if not found:
+        return None
+    return {key: statistics.fmean(b[key] for b in found) for key, _, _ in BREAKDOWN}
+
+
+def _value(rank: Mapping[str, Any], key: str) -> float | None:
+    bd = rank.get("breakdown")
+    v = bd.get(key) if isinstance(bd, Mapping) and key in bd else rank.get(key)
+    return None if v is None else float(v)
+
+
+def breakdown_bar(parts: Mapping[str, float] | None, width: int = 48) -> RenderableType:
+    if parts is None:
+        return Text(
+            "time breakdown: no profiler data yet (it appears once a profiler window has reported)",
+            style="dim",
+        )
+    total = sum(parts.values())
+    if total <= 0:
+        return Text("time breakdown: empty", style="dim")
+    bar, legend = Text(), Text()
+    for key, label, color in BREAKDOWN:
+        share = parts.get(key, 0.0) / total
+        bar.append("█" * round(share * width), style=color)
+        legend.append(f" {label} {share:.0%}", style=color)
+    return Group(Text.assemble("time breakdown ", bar), legend)
+
+
+def _open_flags(events: Sequence[JSON]) -> dict[int, str]:
+    flags: dict[int, str] = {}
+    for e in events:
+        if e.get("status") != "open":
+            continue
+        label = e.get("kind", "event") + (f" ({e['cause']})" if e.get("cause") else "")
+        for r in e.get("ranks") or []:
+            flags[int(r)] = label
+    return flags
+
+
+def ranks_table(ranks: Sequence[JSON], events: Sequence[JSON] = (), max_rows: int = 16) -> Table:
+    """Per-rank latest window. Cells at least 10% above (red) or below (cyan) the median
+    of all ranks stand out; ranks named by an open event are marked."""
+    flags = _open_flags(events)
+    cols = [(k, label) for k, label in RANK_COLUMNS if any(_value(r, k) is not None for r in ranks)]
+    medians = {}
+    for key, _ in cols:
+        vals = [v for v in (_value(r, key) for r in ranks) if v is not None]
+        medians[key] = statistics.median(vals) if len(vals) >= 3 else None
+    shown = list(ranks)
+    if len(shown) > max_rows:  # the flagged and the slowest first: a table of 4,096 rows helps nobody
+        shown.sort(key=lambda r: (r["rank"] not in flags, -(_value(r, "step_time_s") or 0.0)))
+        shown = sorted(shown[:max_rows], key=lambda r: int(r["rank"]))
+    hidden = len(ranks) - len(shown)
+    title = "ranks (latest window)" + (f", {hidden} more not shown" if hidden else "")
+    table = Table(title=title, title_justify="left", expand=False)
+    table.add_column("rank", justify="right")
+    table.add_column("host")
+    table.add_column("last step", justify="right")
+    for _, label in cols:
+        table.add_column(label, justify="right")
+    table.add_column("tokens/s", justify="right")
+    table.add_column("", style="bold red")
+    for r in shown:
+        cells: list[Text | str] = [str(r["rank"]), str(r.get("host", "")), str(r.get("last_step", ""))]
+        for key, _ in cols:
+            v, med = _value(r, key), medians[key]
+            style = ""
+            if v is not None and med:
+                if v >= med * OUTLIER_RATIO:
+                    style = "bold red"
+                elif v <= med / OUTLIER_RATIO:
+                    style = "cyan"
+            cells.append(Text(num(v), style=style))
+        cells.append(num(r.get("tokens_per_s"), ",.0f"))
+        cells.append(f"⚠ {flags[r['rank']]}" if r["rank"] in flags else "")
+        table.add_row(*cells)
+    return table
+
+
+def events_view(events: Sequence[JSON], max_rows: int = 8) -> RenderableType:
+    if not events:
+        return Text(
+            "events: none (stragglers, regressions and hangs are listed here when flagged)", style="dim"
+        )
+    table = Table(title="events", title_justify="left")
+    for col in ("status", "what", "ranks", "steps", "cost", "message"):
+        table.add_column(col, justify="right" if col in ("steps", "cost") else "left")
+    for e in list(events)[:max_rows]:
+        is_open = e.get("status") == "open"
+        what = e.get("kind", "") + (f"/{e['cause']}" if e.get("cause") else "")
+        steps = f"{e.get('first_step')}–{e.get('last_step')}"
+        cost = f"{num(e.get('cost_seconds'))} s ({pct(e.get('cost_ratio'))})"
+        table.add_row(
+            Text(e.get("status", ""), style="bold red" if is_open else "green"),
+            what,
+            ",".join(str(r) for r in e.get("ranks") or []),
+            steps,
+            cost,
+            str(e.get("message", "")),
+        )
+    return table
+
+
+def progress_view(overview: Mapping[str, Any]) -> RenderableType | None:
+    p = overview.get("progress")
+    if not isinstance(p, Mapping):
+        return None
+    done = p.get("fraction_done")
+    text = Text("progress ")
+    if done is not None:
+        filled = round(float(done) * 30)
+        text.append("█" * filled, style="green").append("░" * (30 - filled), style="dim")
+        text.append(f" {float(done):.1%}")
+    eta = p.get("eta_s")
+    if eta is not None:
+        text.append(f"  ETA {duration(float(eta))}")
+    if p.get("required_step_time_s") is not None:
+        text.append(f"  needs ≤ {num(p['required_step_time_s'])} s/step for the deadline")
+    if p.get("on_track") is False:
+        text.append("  behind plan", style="bold red")
+    return text
+
+
+def headline(overview: Mapping[str, Any]) -> Table:
+    table = Table(show_header=True, box=None, pad_edge=False)
+    table.add_column("")
+    table.add_column("latest", justify="right")
+    table.add_column("mean", justify="right")
+    rows = (
+        ("MFU", "mfu", pct),
+        ("tokens/s", "tokens_per_s", lambda v: num(v, ",.0f")),
+        ("step time (s)", "step_time_s", num),
+        ("data wait (s/step)", "data_wait_s", num),
+    )
+    for label, key, f in rows:
+        stat = overview.get(key) or {}
+        table.add_row(label, f(stat.get("latest")), f(stat.get("mean")))
+    return table
+
+
+def run_view(snap: Snapshot, *, max_rows: int = 16) -> Group:
+    """Everything about one run, top to bottom: numbers, step-time trend, breakdown,
+    ranks, events."""
+    ov = snap.overview
+    conv = ov.get("convention") or {}
+    title = Text.assemble(
+        ("run ", "dim"),
+        (str(ov.get("name")), "bold"),
+        f"  {ov.get('ranks_reporting')}/{ov.get('world_size')} ranks  step {ov.get('last_step') or 0}",
+        ("  MFU formula: " + str(conv.get("id") or conv.get("formula") or "none (no peak FLOP/s)"), "dim"),
+    )
+    parts: list[RenderableType] = [title, headline(ov)]
+    progress = progress_view(ov)
+    if progress is not None:
+        parts.append(progress)
+    if snap.step_times:
+        means = [p.get("mean") for p in snap.step_times]
+        first, last = snap.step_times[0]["step_from"], snap.step_times[-1]["step_to"]
+        parts.append(
+            Text.assemble(
+                ("step time ", ""),
+                (sparkline(means), "magenta"),
+                (f"  steps {first}–{last}, {num(min(m for m in means if m is not None))}", "dim"),
+                (f"–{num(max(m for m in means if m is not None))} s", "dim"),
+            )
+        )
+    parts.append(breakdown_bar(job_breakdown(snap.ranks)))
+    parts.append(ranks_table(snap.ranks, snap.events, max_rows=max_rows))
+    parts.append(events_view(snap.events))
+    return Group(*parts)
+
+
+def runs_table(runs: Sequence[JSON], selected: str | None = None) -> Table:
+    table = Table(title="runs", title_justify="left")
+    for col in ("run", "ranks", "last step", "last seen"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    now = time.time()
+    for r in runs:
+        name = Text(r["name"], style="bold" if r["name"] == selected else "")
+        table.add_row(
+            name,
+            f"{r.get('ranks_reporting')}/{r.get('world_size')}",
+            str(r.get("last_step") if r.get("last_step") is not None else "–"),
+            ago(r.get("last_seen"), now),
+        )
+    return table

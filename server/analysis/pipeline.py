@@ -1,0 +1,278 @@
+"""One run's analysis, window by window: both detectors and the progress tally behind one
+JSON state.
+
+The collector's analysis worker (and the evaluation harness, which feeds the same windows
+without a database) hands this class one complete window at a time: the rank windows of
+that index and the job's step rows of the same steps. It returns the flags that opened or
+closed, each with the window index at which it happened, so that "windows to flag" can
+be measured, and keeps its state as plain JSON so that any collector replica can continue.
+
+The progress tally (:class:`ProgressTally`) keeps the running totals that the run
+overview projects the finish from (productive step time, the wall-clock span, the
+throughput of recent windows), so that reading progress costs one row, not a scan of a
+month of steps.
+
+Job samples (:func:`window_sample`) aggregate the per-step job rows of one window: tagged
+steps (warm-up, checkpoint, evaluation) are left out of the means, and a window whose
+steps are mostly tagged becomes a tagged sample, which the regression detector skips.
+The sample's breakdown components are the means over ranks of the rank windows' profile
+fields (when the profiler covered the window) and of data-loader wait, so that they add
+up to the step time and a regression can be attributed to the component that moved.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from .efficiency import StageImbalance, stage_imbalance
+from .peers import StragglerConfig
+from .progress import ThroughputWindow
+from .regressions import Baseline, RegressionConfig, RegressionDetector
+from .stragglers import StragglerDetector
+from .types import Finding, JobStep, RankWindow, StepTag
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """One job step as stored: mean step time over ranks, global tokens, its tag, and the
+    wall-clock time it ended (Unix seconds, 0 when unknown)."""
+
+    step: int
+    step_time_s: float
+    tokens: float
+    tag: StepTag | None = None
+    wall_end: float = 0.0
+
+
+#: Planned pauses: their time is not productive (warm-up steps still train).
+PAUSE_TAGS = frozenset({"checkpoint", "eval"})
+
+
+@dataclass(slots=True)
+class ProgressTally:
+    """Running totals of the analysed steps, for progress and goodput.
+
+    ``productive_s`` sums the step time of every step but checkpoint and evaluation
+    steps; the wall span runs from the start of the first step to the end of the last,
+    so restarts, queueing and planned pauses lower the calendar efficiency
+    (``productive_s / wall_s``). ``recent`` holds ``[tokens, steps, seconds]`` of the
+    untagged steps of the last ``keep`` windows: the current throughput and its spread.
+    """
+
+    productive_s: float = 0.0
+    steps: int = 0
+    wall_start: float | None = None
+    wall_end: float | None = None
+    recent: list[list[float]] = field(default_factory=list)
+    keep: int = 20
+
+    def add(self, steps: Sequence[StepRow]) -> None:
+        for s in steps:
+            self.steps += 1
+            if s.tag not in PAUSE_TAGS:
+                self.productive_s += s.step_time_s
+            if s.wall_end > 0:
+                start = s.wall_end - s.step_time_s
+                self.wall_start = start if self.wall_start is None else min(self.wall_start, start)
+                self.wall_end = s.wall_end if self.wall_end is None else max(self.wall_end, s.wall_end)
+        untagged = [s for s in steps if s.tag is None]
+        if untagged:
+            self.recent.append(
+                [sum(s.tokens for s in untagged), float(len(untagged)), sum(s.step_time_s for s in untagged)]
+            )
+            del self.recent[: -self.keep]
+
+    @property
+    def wall_s(self) -> float | None:
+        if self.wall_start is None or self.wall_end is None:
+            return None
+        return self.wall_end - self.wall_start
+
+    def throughput_windows(self) -> list[ThroughputWindow]:
+        return [ThroughputWindow(tokens=t, steps=int(n), seconds=sec) for t, n, sec in self.recent]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "productive_s": self.productive_s,
+            "steps": self.steps,
+            "wall_start": self.wall_start,
+            "wall_end": self.wall_end,
+            "recent": [list(r) for r in self.recent],
+            "keep": self.keep,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ProgressTally:
+        return cls(
+            productive_s=float(data.get("productive_s", 0.0)),
+            steps=int(data.get("steps", 0)),
+            wall_start=data.get("wall_start"),
+            wall_end=data.get("wall_end"),
+            recent=[[float(x) for x in r] for r in data.get("recent", [])],
+            keep=int(data.get("keep", 20)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A flag that opened or closed, and the window whose analysis opened or closed it."""
+
+    finding: Finding
+    window: int
+
+
+def breakdown_means(ranks: Sequence[RankWindow]) -> dict[str, float]:
+    """Means over ranks of the breakdown components present in every rank window given."""
+    out: dict[str, float] = {}
+    if not ranks:
+        return out
+    out["data_wait_s"] = sum(w.data_wait_s for w in ranks) / len(ranks)
+    for comp in ("compute_s", "comm_exposed_s", "comm_overlapped_s", "idle_s"):
+        values = [v for w in ranks if (v := getattr(w, comp)) is not None]
+        if len(values) == len(ranks):
+            out[comp] = sum(values) / len(values)
+    return out
+
+
+def window_sample(
+    steps: Sequence[StepRow],
+    *,
+    first_step: int,
+    last_step: int,
+    mfu_per_token_rate: float | None,
+    components: Mapping[str, float] | None = None,
+) -> JobStep | None:
+    """The job sample of one window (steps ``first_step..last_step``), or ``None`` if empty.
+
+    ``mfu_per_token_rate`` converts tokens/s into MFU (``flops_per_token / (devices x
+    peak)``); ``None`` when the peak is unknown, and then the sample has no MFU.
+    """
+    steps = [s for s in steps if s.step_time_s > 0]
+    if not steps:
+        return None
+    span = last_step - first_step + 1
+    untagged = [s for s in steps if s.tag is None]
+    comps = dict(components or {})
+    if 2 * len(untagged) < len(steps):
+        tag = Counter(s.tag for s in steps if s.tag is not None).most_common(1)[0][0]
+        seconds = sum(s.step_time_s for s in steps)
+        return JobStep(step=last_step, step_time_s=seconds / len(steps), tokens=0.0, tag=tag, n_steps=span)
+    seconds = sum(s.step_time_s for s in untagged)
+    tokens = sum(s.tokens for s in untagged)
+    mfu = tokens / seconds * mfu_per_token_rate if mfu_per_token_rate and seconds > 0 else None
+    return JobStep(
+        step=last_step,
+        step_time_s=seconds / len(untagged),
+        tokens=tokens,
+        mfu=mfu,
+        tag=None,
+        n_steps=span,
+        compute_s=comps.get("compute_s"),
+        comm_exposed_s=comps.get("comm_exposed_s"),
+        comm_overlapped_s=comps.get("comm_overlapped_s"),
+        data_wait_s=comps.get("data_wait_s"),
+        idle_s=comps.get("idle_s"),
+    )
+
+
+class RunAnalysis:
+    """Straggler and regression detection of one run, fed one complete window at a time."""
+
+    def __init__(
+        self,
+        run: str,
+        *,
+        stragglers: StragglerConfig | None = None,
+        regressions: RegressionConfig | None = None,
+        baseline: Baseline | None = None,
+        fingerprint: str | None = None,
+    ) -> None:
+        self.run = run
+        self.stragglers = StragglerDetector(run, stragglers)
+        self.regressions = RegressionDetector(run, regressions, baseline=baseline, fingerprint=fingerprint)
+        self.imbalance: StageImbalance | None = None
+        self.progress = ProgressTally()
+
+    def feed(
+        self,
+        window: int,
+        ranks: Sequence[RankWindow],
+        steps: Sequence[StepRow],
+        *,
+        first_step: int,
+        last_step: int,
+        mfu_per_token_rate: float | None,
+    ) -> list[Change]:
+        """Analyse one complete window (steps ``first_step..last_step``); return the flags
+        that opened or closed in it."""
+        changes: list[Change] = []
+        if ranks:
+            changes += [Change(f, window) for f in self.stragglers.update(ranks)]
+            self.imbalance = stage_imbalance(ranks) or self.imbalance
+        sample = window_sample(
+            steps,
+            first_step=first_step,
+            last_step=last_step,
+            mfu_per_token_rate=mfu_per_token_rate,
+            components=breakdown_means(ranks),
+        )
+        if sample is not None:
+            changes += [Change(f, window) for f in self.regressions.update(sample)]
+        self.progress.add(steps)
+        return changes
+
+    def open_findings(self) -> list[Finding]:
+        """Every flag open now, with its latest numbers."""
+        return self.stragglers.open_findings() + self.regressions.open_findings()
+
+    def to_state(self) -> dict[str, Any]:
+        """JSON-ready state; :meth:`from_state` rebuilds an equivalent analysis."""
+        imb = self.imbalance
+        return {
+            "version": STATE_VERSION,
+            "stragglers": self.stragglers.to_state(),
+            "regressions": self.regressions.to_state(),
+            "progress": self.progress.to_dict(),
+            "imbalance": None
+            if imb is None
+            else {
+                "stage_compute_s": {str(k): v for k, v in imb.stage_compute_s.items()},
+                "slowest_stage": imb.slowest_stage,
+                "ratio": imb.ratio,
+                "cost_seconds": imb.cost_seconds,
+                "cost_ratio": imb.cost_ratio,
+                "message": imb.message,
+            },
+        }
+
+    @classmethod
+    def from_state(cls, run: str, state: Mapping[str, Any]) -> RunAnalysis:
+        """Inverse of :meth:`to_state`."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported analysis state version {state.get('version')!r}")
+        out = cls(run)
+        out.stragglers = StragglerDetector.from_state(state["stragglers"])
+        out.regressions = RegressionDetector.from_state(state["regressions"])
+        out.progress = ProgressTally.from_dict(state.get("progress", {}))
+        raw = state.get("imbalance")
+        if raw is not None:
+            out.imbalance = StageImbalance(
+                stage_compute_s={int(k): float(v) for k, v in dict(raw["stage_compute_s"]).items()},
+                slowest_stage=int(raw["slowest_stage"]),
+                ratio=float(raw["ratio"]),
+                cost_seconds=float(raw["cost_seconds"]),
+                cost_ratio=float(raw["cost_ratio"]),
+                message=str(raw["message"]),
+            )
+        return out
+
+
+def tag_of(code: int, names: Sequence[str]) -> StepTag | None:
+    """A stored tag code (0 = none) as its name."""
+    name = names[code] if 0 < code < len(names) else ""
+    return cast("StepTag | None", name or None)

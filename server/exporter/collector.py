@@ -1,0 +1,263 @@
+"""The custom collector behind ``/metrics``: fresh families from the database per scrape.
+
+Nothing is registered per run or per rank: ``collect()`` reads the current state with a
+fixed number of bounded queries (``read.py``), computes the snapshot with pure functions
+(``state.py``) and yields new families (``families.py``), so the registry never grows.
+
+Which runs and ranks appear is bounded by configuration: runs whose newest batch is
+older than ``run_expiry_s`` disappear, at most ``max_runs`` runs (the most recently
+reporting) are exported, and per-rank series exist only for a run's flagged ranks
+(at most ``max_flagged``) and its ``top_k`` slowest; all ranks enter the quantiles.
+
+The collector keeps a small per-run memory, never data that grows with a run: the frozen
+baseline, the token count summed so far (so each scrape adds only the steps that
+settled since the last one; the first scrape after a start sums the run once) and the
+longest checkpoint/eval step seen. The memory holds at most ``4 x max_runs`` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from ..settings import Settings
+from . import read, state
+from .catalog import series_bound
+from .families import empty_families, families
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExporterConfig:
+    max_runs: int = 50
+    top_k: int = 8
+    max_flagged: int = 16
+    run_expiry_s: float = 3600.0
+    recent_steps: int = 256
+    baseline_steps: int = 100
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> ExporterConfig:
+        return cls(
+            max_runs=s.metrics_max_runs,
+            top_k=s.metrics_top_k,
+            max_flagged=s.metrics_max_flagged,
+            run_expiry_s=s.metrics_run_expiry_s,
+            recent_steps=s.metrics_recent_steps,
+            baseline_steps=s.metrics_baseline_steps,
+        )
+
+    @property
+    def series_bound(self) -> int:
+        return series_bound(self.max_runs, self.top_k, self.max_flagged)
+
+
+@dataclass
+class _Memory:
+    baseline: state.Baseline | None = None
+    baseline_frozen: bool = False
+    tokens_through: int = -1
+    tokens_total: float = 0.0
+    longest_tagged_s: float = 0.0
+
+
+class RunStateCollector(Collector):
+    def __init__(
+        self, engine: Engine, config: ExporterConfig | None = None, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.engine = engine
+        self.config = config or ExporterConfig()
+        self._clock = clock
+        self._memory: OrderedDict[int, _Memory] = OrderedDict()
+        self._lock = threading.Lock()  # one scrape at a time: the memory is read-modify-write
+
+    def describe(self) -> Iterable[Metric]:
+        # Names only: registering the collector must not read the database.
+        return empty_families()
+
+    def collect(self) -> Iterator[Metric]:
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                snapshot = self.snapshot()
+        except SQLAlchemyError as exc:
+            log.warning("metrics: reading the collector state failed: %s", exc.__class__.__name__)
+            snapshot = state.Snapshot(runs=(), runs_active=0, ok=False)
+        snapshot = state.Snapshot(
+            runs=snapshot.runs,
+            runs_active=snapshot.runs_active,
+            ok=snapshot.ok,
+            read_seconds=time.perf_counter() - t0,
+        )
+        yield from families(snapshot)
+
+    # -- reading -------------------------------------------------------------------------
+    def snapshot(self) -> state.Snapshot:
+        cfg = self.config
+        now = self._clock()
+        with self.engine.connect() as conn:
+            heads = [h for h in read.reporting_runs(conn) if now - h.last_report_ts <= cfg.run_expiry_s]
+            chosen = heads[: cfg.max_runs]
+            runs = self._runs(conn, chosen) if chosen else []
+        return state.Snapshot(runs=runs, runs_active=len(heads), ok=True)
+
+    def _runs(self, conn: Connection, heads: list[read.RunHead]) -> list[state.RunSnapshot]:
+        """Batched reads for all exported runs, then one snapshot per run."""
+        cfg = self.config
+        ids = [h.id for h in heads]
+        mem = self._remember(ids)
+        tails = read.tails(conn, ids)
+        tail = {h.id: tails.get(h.id, read.RunTail(None, None, None)) for h in heads}
+        steps = read.recent_steps(conn, {i: (t.last_step or 0) - cfg.recent_steps for i, t in tail.items()})
+        # Tokens: only the steps that settled since the previous scrape are summed.
+        spans = {
+            h.id: (mem[h.id].tokens_through, state.settled_through(t.last_step, h.window_steps))
+            for h in heads
+            if (t := tail[h.id]).last_step is not None
+        }
+        added = read.token_sums(conn, spans)
+        windows = {}
+        for h in heads:
+            t = tail[h.id]
+            windows[h.id] = set(state.windows_in_view(t.last_step, h.window_steps))
+            if t.last_profiled_window is not None:
+                windows[h.id].add(t.last_profiled_window)
+        rank_rows = read.rank_rows(conn, windows)
+        events = read.open_events(conn, ids)
+        totals = read.event_totals(conn, ids)
+
+        views = []
+        for h in heads:
+            m = mem[h.id]
+            if h.id in added:
+                m.tokens_total += added[h.id]
+                m.tokens_through = max(m.tokens_through, spans[h.id][1])
+            m.longest_tagged_s = max(m.longest_tagged_s, state.longest_tagged_step(steps[h.id]))
+            if not m.baseline_frozen:
+                self._update_baseline(conn, h, m, tail[h.id].last_step)
+            views.append(_view(h, tail[h.id], rank_rows[h.id], events[h.id], cfg))
+        identity = read.rank_identity(conn, {v.head.id: v.selected for v in views})
+        return [
+            _snapshot(v, mem[v.head.id], steps[v.head.id], events[v.head.id], totals[v.head.id], identity)
+            for v in views
+        ]
+
+    def _update_baseline(self, conn: Connection, h: read.RunHead, m: _Memory, last_step: int | None) -> None:
+        rows = read.first_untagged_steps(conn, h.id, self.config.baseline_steps)
+        m.baseline = state.baseline_of(rows, h.dp_size)
+        b = m.baseline
+        if (
+            b is not None
+            and b.steps >= self.config.baseline_steps
+            and last_step is not None
+            and state.settled_through(last_step, h.window_steps) >= b.last_step
+        ):
+            m.baseline_frozen = True  # every rank has reported these steps: never read again
+
+    def _remember(self, ids: list[int]) -> dict[int, _Memory]:
+        out = {}
+        for run_id in ids:
+            m = self._memory.get(run_id)
+            if m is None:
+                m = self._memory[run_id] = _Memory()
+            self._memory.move_to_end(run_id)
+            out[run_id] = m
+        while len(self._memory) > 4 * self.config.max_runs:
+            self._memory.popitem(last=False)
+        return out
+
+
+@dataclass(frozen=True)
+class _View:
+    """One run's per-rank picture, before the selected ranks' identities are read."""
+
+    head: read.RunHead
+    tail: read.RunTail
+    reporting: int
+    values: dict[int, dict[str, float]]
+    flagged: list[tuple[int, str, state.EventRow]]
+    selected: list[int]
+    breakdown: dict[str, float] | None
+    overlap: float | None
+
+
+def _view(
+    h: read.RunHead,
+    tail: read.RunTail,
+    rows: list[state.RankRow],
+    events: list[state.EventRow],
+    cfg: ExporterConfig,
+) -> _View:
+    _, newest = state.windows_in_view(tail.last_step, h.window_steps)
+    complete, reporting = state.complete_window(rows, newest)
+    p = tail.last_profiled_window
+    profiled = {r.rank: r for r in rows if p is not None and r.window == p}
+    values = state.rank_values(complete, profiled)
+    flagged = state.flagged_ranks(events, cfg.max_flagged)
+    selected = list(dict.fromkeys([r for r, _, _ in flagged] + state.slowest(values, cfg.top_k)))
+    breakdown, overlap = state.breakdown_of(profiled.values())
+    return _View(h, tail, reporting, values, flagged, selected, breakdown, overlap)
+
+
+def _snapshot(
+    v: _View,
+    m: _Memory,
+    steps: list[state.StepRow],
+    events: list[state.EventRow],
+    totals: dict[str, int],
+    identity: dict[tuple[int, int], tuple[str, int]],
+) -> state.RunSnapshot:
+    h = v.head
+
+    def who(rank: int) -> tuple[str, str]:
+        host, local = identity.get((h.id, rank), ("", -1))
+        return host, (str(local) if local >= 0 else "")
+
+    ranks = [
+        state.RankSeries(rank=rank, host=who(rank)[0], gpu=who(rank)[1], values=v.values[rank])
+        for rank in v.selected
+        if rank in v.values
+    ]
+    flagged = [
+        state.FlaggedRank(
+            rank=rank,
+            host=who(rank)[0] or ev_host,
+            gpu=who(rank)[1],
+            cause=state.cause_label(ev.cause),
+            cost_seconds=ev.cost_seconds,
+            cost_ratio=ev.cost_ratio,
+            first_step=ev.first_step,
+        )
+        for rank, ev_host, ev in v.flagged
+    ]
+    return state.RunSnapshot(
+        name=h.name,
+        world_size=h.world_size,
+        convention=state.convention_of(h.convention, h.world_size),
+        last_report_ts=h.last_report_ts,
+        ranks_reporting=v.reporting,
+        last_step=v.tail.last_step,
+        last_step_ts=v.tail.last_step_ts,
+        tokens_total=m.tokens_total if v.tail.last_step is not None else None,
+        rates=state.current_rates(steps, h.dp_size),
+        baseline=m.baseline,
+        hang_threshold_s=state.hang_threshold(steps, m.longest_tagged_s) if steps else None,
+        tagged=state.tagged_counts(steps),
+        breakdown=v.breakdown,
+        overlap_ratio=v.overlap,
+        distributions=state.distributions(v.values),
+        ranks=ranks,
+        flagged=flagged,
+        events_open=state.open_event_counts(events),
+        events_total=totals,
+    )

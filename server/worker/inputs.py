@@ -1,0 +1,262 @@
+"""Reads for the analysis worker: runs to analyse, rank progress, windows and job samples.
+
+Every query is bounded by an index: runs are found through ``ingested_batches``
+(``run_id, received_at``), rank windows by their primary key ``(run_id, rank, window)``
+with the ranks listed explicitly (so the window range is a seek per rank, never a scan
+of the run's history), job steps by ``(run_id, step)``. Rows become the analysis' plain
+dataclasses here; nothing downstream sees SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import Connection, exists, func, select
+
+from ..analysis.pipeline import StepRow, tag_of
+from ..analysis.robust import median
+from ..analysis.types import RankWindow
+from ..db.models import IngestedBatch, Rank, Run
+from ..db.models import JobStep as JobStepRow
+from ..db.models import RankWindow as RankWindowRow
+from ..ingest import TAG_CODES
+from .readiness import RankProgress
+
+RUNS = Run.__table__
+RANKS = Rank.__table__
+RW = RankWindowRow.__table__
+JS = JobStepRow.__table__
+BATCHES = IngestedBatch.__table__
+TAG_NAMES: tuple[str, ...] = ("", *sorted(TAG_CODES, key=lambda t: TAG_CODES[t]))
+#: Ranks per IN list: keeps the statement well under every backend's parameter limit.
+RANK_CHUNK = 2000
+
+
+def unix(value: datetime | None) -> float | None:
+    """Epoch seconds of a stored timestamp (SQLite gives naive UTC datetimes)."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return value.timestamp()
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """What the analysis needs to know about a run."""
+
+    id: int
+    name: str
+    world_size: int
+    dp_size: int
+    layout: Mapping[str, int]
+    convention: Mapping[str, Any] | None
+    window_steps: int
+    config_fingerprint: str | None
+    baseline_run: str | None
+
+    @property
+    def mfu_per_token_rate(self) -> float | None:
+        """MFU per token/s: flops_per_token / (devices x peak); None when the peak is unknown."""
+        conv = self.convention or {}
+        fpt, peak = conv.get("flops_per_token"), conv.get("peak_flops")
+        if not fpt or not peak:
+            return None
+        return float(fpt) / (self.world_size * float(peak))
+
+
+@dataclass(frozen=True, slots=True)
+class RankRow:
+    """A rank's identity and how far it has reported."""
+
+    rank: int
+    host: str
+    local_rank: int
+    coords: Mapping[str, int]
+    last_step: int
+    last_seen: float
+    final_step: int | None
+
+    @property
+    def progress(self) -> RankProgress:
+        return RankProgress(self.rank, self.last_step, self.final_step)
+
+
+def _run_info(row: Any) -> RunInfo:
+    return RunInfo(
+        id=row.id,
+        name=row.name,
+        world_size=row.world_size,
+        dp_size=row.dp_size,
+        layout=row.layout,
+        convention=row.convention,
+        window_steps=row.window_steps,
+        config_fingerprint=row.config_fingerprint,
+        baseline_run=row.baseline_run,
+    )
+
+
+def active_runs(conn: Connection, since: datetime) -> list[RunInfo]:
+    """Runs that received a batch since ``since`` (collector clock), oldest id first."""
+    recent = exists().where(BATCHES.c.run_id == RUNS.c.id, BATCHES.c.received_at >= since)
+    return [_run_info(r) for r in conn.execute(select(RUNS).where(recent).order_by(RUNS.c.id))]
+
+
+def run_by_name(conn: Connection, name: str) -> RunInfo | None:
+    row = conn.execute(select(RUNS).where(RUNS.c.name == name)).first()
+    return None if row is None else _run_info(row)
+
+
+def rank_rows(conn: Connection, run_id: int) -> list[RankRow]:
+    rows = conn.execute(
+        select(
+            RANKS.c.rank,
+            RANKS.c.host,
+            RANKS.c.local_rank,
+            RANKS.c.coords,
+            RANKS.c.last_step,
+            RANKS.c.last_seen,
+            RANKS.c.final_step,
+        )
+        .where(RANKS.c.run_id == run_id)
+        .order_by(RANKS.c.rank)
+    )
+    return [
+        RankRow(
+            rank=r.rank,
+            host=r.host,
+            local_rank=r.local_rank,
+            coords=r.coords or {},
+            last_step=r.last_step,
+            last_seen=unix(r.last_seen) or 0.0,
+            final_step=r.final_step,
+        )
+        for r in rows
+    ]
+
+
+def max_step(conn: Connection, run_id: int) -> int:
+    """The largest step any rank reported (0 before the first)."""
+    value = conn.execute(select(func.max(JS.c.step)).where(JS.c.run_id == run_id)).scalar()
+    return int(value or 0)
+
+
+def recent_step_time(conn: Connection, run_id: int, n: int = 64) -> float | None:
+    """Median job step time of the latest ``n`` untagged steps (for the hang threshold)."""
+    q = (
+        select(JS.c.step_time_sum / JS.c.ranks)
+        .where(JS.c.run_id == run_id, JS.c.tag == 0, JS.c.ranks > 0, JS.c.step_time_sum > 0)
+        .order_by(JS.c.step.desc())
+        .limit(n)
+    )
+    values = [float(v) for (v,) in conn.execute(q)]
+    return median(values) if values else None
+
+
+def comm_groups(coords: Mapping[str, int], layout: Mapping[str, int]) -> dict[str, str]:
+    """Communicator group ids of a rank, keyed by type; empty in pure data parallel.
+
+    The group of type X holds the ranks that agree on every coordinate but X, so the ids
+    name those coordinates (``dp:tp1:cp0:pp0``). Types of size 1 have no group.
+    """
+    dims = ("dp", "tp", "cp", "pp")
+    if all(int(layout.get(d, 1)) <= 1 for d in ("tp", "cp", "pp")):
+        return {}
+    out: dict[str, str] = {}
+    for gtype in dims:
+        if int(layout.get(gtype, 1)) > 1:
+            others = ":".join(f"{d}{int(coords.get(d, 0))}" for d in dims if d != gtype)
+            out[gtype] = f"{gtype}:{others}"
+    return out
+
+
+def rank_windows(
+    conn: Connection, run: RunInfo, ranks: Sequence[RankRow], first: int, last: int
+) -> dict[int, list[RankWindow]]:
+    """Rank windows ``first..last`` of a run, by window index, as the detectors' type."""
+    by_rank = {r.rank: r for r in ranks}
+    layout = dict(run.layout)
+    model_parallel = any(int(layout.get(d, 1)) > 1 for d in ("tp", "cp", "pp"))
+    out: dict[int, list[RankWindow]] = {}
+    ids = sorted(by_rank)
+    for i in range(0, len(ids), RANK_CHUNK):
+        chunk = ids[i : i + RANK_CHUNK]
+        rows = conn.execute(
+            select(RW).where(
+                RW.c.run_id == run.id,
+                RW.c.rank.in_(chunk),
+                RW.c.window >= first,
+                RW.c.window <= last,
+            )
+        )
+        for row in rows:
+            if row.n_steps <= 0:
+                continue
+            who = by_rank[row.rank]
+            n = float(row.n_steps)
+            profiled = row.profiled_steps is not None and row.compute_s is not None
+            groups = comm_groups(who.coords, layout)
+            transfer = dict(row.group_transfer_s or {}) if profiled else {}
+            out.setdefault(row.window, []).append(
+                RankWindow(
+                    run=run.name,
+                    rank=row.rank,
+                    host=who.host,
+                    local_rank=who.local_rank,
+                    window=row.window,
+                    first_step=row.first_step,
+                    last_step=row.last_step,
+                    n_steps=row.n_steps,
+                    step_time_s=row.step_time_sum / n,
+                    data_wait_s=row.data_wait_sum / n,
+                    compute_s=row.compute_s if profiled else None,
+                    comm_exposed_s=row.comm_exposed_s if profiled else None,
+                    comm_overlapped_s=row.comm_overlapped_s if profiled else None,
+                    idle_s=row.idle_s if profiled else None,
+                    comm_wait_s=row.comm_wait_s if profiled else None,
+                    comm_transfer_s=row.comm_transfer_s if profiled else None,
+                    dp_rank=int(who.coords.get("dp", 0)) if model_parallel else None,
+                    tp_rank=int(who.coords.get("tp", 0)) if model_parallel else None,
+                    pp_rank=int(who.coords.get("pp", 0)) if model_parallel else None,
+                    cp_rank=int(who.coords.get("cp", 0)) if model_parallel else None,
+                    groups=groups,
+                    group_transfer_s={k: float(v) for k, v in transfer.items() if k in groups},
+                )
+            )
+    for windows in out.values():
+        windows.sort(key=lambda w: w.rank)
+    return out
+
+
+def job_steps(conn: Connection, run: RunInfo, first: int, last: int) -> dict[int, list[StepRow]]:
+    """Job step rows of windows ``first..last``, by window index.
+
+    Global tokens of a step are the reporting replicas' tokens scaled to all replicas,
+    and step time the mean over the ranks that reported it, as in the read API.
+    """
+    ws = run.window_steps
+    rows = conn.execute(
+        select(
+            JS.c.step, JS.c.ranks, JS.c.token_ranks, JS.c.step_time_sum, JS.c.tokens, JS.c.tag, JS.c.wall_end
+        )
+        .where(JS.c.run_id == run.id, JS.c.step >= first * ws + 1, JS.c.step <= (last + 1) * ws)
+        .order_by(JS.c.step)
+    )
+    steps: dict[int, list[StepRow]] = {}
+    for r in rows:
+        if r.ranks <= 0:
+            continue
+        tokens = float(r.tokens) * run.dp_size / r.token_ranks if r.token_ranks > 0 else 0.0
+        steps.setdefault((r.step - 1) // ws, []).append(
+            StepRow(
+                step=r.step,
+                step_time_s=r.step_time_sum / r.ranks,
+                tokens=tokens,
+                tag=tag_of(r.tag, TAG_NAMES),
+                wall_end=float(r.wall_end),
+            )
+        )
+    return steps

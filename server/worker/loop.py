@@ -1,0 +1,311 @@
+"""The analysis worker: a daemon thread of the collector that turns stored windows into flags.
+
+Ingest stays a short transaction that only stores; the analysis runs here, on its own
+interval, out of the request path. Each pass:
+
+1. finds the runs that received a batch within ``horizon_s`` (collector clock);
+2. per run, in ONE transaction: takes the run's lock (PostgreSQL: a transaction-scoped
+   advisory lock, ``pg_try_advisory_xact_lock``; a replica that does not get it skips
+   the run this pass), loads the detectors' state, picks the windows that are complete
+   (:mod:`.readiness`), feeds them in order to :class:`~..analysis.pipeline.RunAnalysis`,
+   checks hangs from ``ranks.last_seen`` (:func:`~..analysis.hangs.check_hang`, ranks
+   that sent their final batch excluded), upserts the events and writes the state back
+   (compare-and-set on its version);
+3. after the commit, hands the flags that opened or closed to the webhook, if any.
+
+Several collector replicas on one PostgreSQL therefore analyse each run one at a time,
+each continuing from the state the previous pass committed: the flags depend only on the
+windows, never on which replica saw them (tests run two collectors and compare). On
+SQLite (one collector process) the reads run outside a write lock and the writes are a
+short transaction at the end, so analysis never holds up ingest for longer than its writes.
+
+Windows are analysed in order and each exactly once; a backlog (a collector that was
+down, a restart) is worked off ``max_windows`` per transaction, several transactions per
+pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+
+from sqlalchemy import Connection, Engine, func, select
+
+from ..analysis.hangs import check_hang
+from ..analysis.peers import StragglerConfig
+from ..analysis.pipeline import Change, RunAnalysis
+from ..analysis.regressions import Baseline, RegressionConfig
+from ..analysis.types import Finding
+from . import inputs
+from .outputs import (
+    StateConflictError,
+    StoredState,
+    Transition,
+    load_state,
+    open_hangs,
+    save_state,
+    write_findings,
+)
+from .readiness import ready_windows
+
+log = logging.getLogger("stepwatch_server.analysis")
+
+#: High bits of the advisory-lock key ("SWAN"), so stepwatch's locks cannot collide with
+#: another application's small integer keys on a shared database.
+_LOCK_NAMESPACE = 0x5357414E << 32
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Timing and thresholds of the analysis (``STEPWATCH_ANALYSIS_*``, ``STEPWATCH_HANG_*``)."""
+
+    interval_s: float = 5.0
+    grace_s: float = 60.0
+    horizon_s: float = 7 * 86_400.0
+    max_windows: int = 256
+    max_batches_per_run: int = 16
+    hang_k: float = 10.0
+    hang_floor_s: float = 60.0
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    regressions: RegressionConfig = field(default_factory=RegressionConfig)
+
+
+@dataclass
+class PassReport:
+    """What one pass did (for tests, logs and metrics)."""
+
+    runs: int = 0
+    windows: int = 0
+    locked: int = 0
+    conflicts: int = 0
+    errors: int = 0
+    transitions: list[tuple[str, Transition]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _RunResult:
+    windows: int
+    locked: bool
+    transitions: list[Transition]
+
+
+Notify = Callable[[str, Finding], None]
+
+
+class AnalysisWorker:
+    """Runs analysis passes on a daemon thread; :meth:`run_once` runs one synchronously."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: WorkerConfig | None = None,
+        *,
+        notify: Notify | None = None,
+        on_pass: Callable[[PassReport, float], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.config = config or WorkerConfig()
+        self._notify = notify
+        self._on_pass = on_pass
+        self._clock = clock
+        self._postgres = engine.dialect.name == "postgresql"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="stepwatch-analysis", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.config.interval_s):
+            try:
+                self.run_once()
+            except Exception:  # the database may be away; try again next interval
+                log.exception("analysis pass failed")
+
+    # -- one pass ---------------------------------------------------------------------
+    def run_once(self) -> PassReport:
+        """Analyse every active run once (each as far as its complete windows go)."""
+        t0 = time.perf_counter()
+        now = self._clock()
+        report = PassReport()
+        since = datetime.fromtimestamp(now - self.config.horizon_s, timezone.utc)
+        with self.engine.connect() as conn:
+            runs = inputs.active_runs(conn, since)
+        for run in runs:
+            if self._stop.is_set():
+                break
+            report.runs += 1
+            for _ in range(self.config.max_batches_per_run):
+                try:
+                    result = self._analyse(run, now)
+                except StateConflictError:
+                    report.conflicts += 1
+                    break
+                except Exception:
+                    log.exception("analysis of run %s failed", run.name)
+                    report.errors += 1
+                    break
+                report.windows += result.windows
+                report.locked += result.locked
+                report.transitions += [(run.name, t) for t in result.transitions]
+                self._send(run.name, result.transitions)
+                if result.locked or result.windows < self.config.max_windows:
+                    break
+        if self._on_pass is not None:
+            self._on_pass(report, time.perf_counter() - t0)
+        return report
+
+    def _send(self, run: str, transitions: list[Transition]) -> None:
+        if self._notify is None:
+            return
+        for t in transitions:
+            try:
+                self._notify(run, t.finding)
+            except Exception:
+                log.exception("webhook notify failed")
+
+    def _lock(self, conn: Connection, run_id: int) -> bool:
+        if not self._postgres:
+            return True  # SQLite: one collector process; its one worker thread analyses
+        key = _LOCK_NAMESPACE | run_id
+        return bool(conn.execute(select(func.pg_try_advisory_xact_lock(key))).scalar())
+
+    def _analyse(self, run: inputs.RunInfo, now: float) -> _RunResult:
+        cfg = self.config
+        with self.engine.connect() as conn, conn.begin():
+            if not self._lock(conn, run.id):
+                return _RunResult(0, True, [])
+            stored = load_state(conn, run.id)
+            analysis, source = self._analysis(conn, run, stored)
+            next_window = stored.next_window if stored else 0
+            ranks = inputs.rank_rows(conn, run.id)
+            ready = ready_windows(
+                next_window=next_window,
+                window_steps=run.window_steps,
+                world_size=run.world_size,
+                ranks=[r.progress for r in ranks],
+                max_step=inputs.max_step(conn, run.id),
+                pending=stored.pending if stored else {},
+                now=now,
+                grace_s=cfg.grace_s,
+                limit=cfg.max_windows,
+            )
+            changes: list[Change] = []
+            if ready.windows:
+                first, last = ready.windows[0], ready.windows[-1]
+                windows = inputs.rank_windows(conn, run, ranks, first, last)
+                steps = inputs.job_steps(conn, run, first, last)
+                ws = run.window_steps
+                for w in ready.windows:
+                    changes += analysis.feed(
+                        w,
+                        windows.get(w, []),
+                        steps.get(w, []),
+                        first_step=w * ws + 1,
+                        last_step=(w + 1) * ws,
+                        mfu_per_token_rate=run.mfu_per_token_rate,
+                    )
+                next_window = last + 1
+            stamp = datetime.fromtimestamp(now, timezone.utc)
+            # Open flags are refreshed (latest step, evidence, cost) only when windows moved.
+            refresh = analysis.open_findings() if ready.windows else []
+            transitions = write_findings(conn, run.id, changes, refresh, stamp)
+            transitions += self._hangs(conn, run, ranks, now, next_window, stamp)
+            if stored is None or ready.windows or dict(ready.pending) != dict(stored.pending):
+                save_state(
+                    conn,
+                    run.id,
+                    stored,
+                    next_window=next_window,
+                    state=analysis.to_state(),
+                    pending=ready.pending,
+                    baseline_source=source,
+                    now=stamp,
+                )
+        if ready.by_grace:
+            log.info("run %s: windows %s analysed without late ranks (grace)", run.name, ready.by_grace)
+        return _RunResult(len(ready.windows), False, transitions)
+
+    def _analysis(
+        self, conn: Connection, run: inputs.RunInfo, stored: StoredState | None
+    ) -> tuple[RunAnalysis, str]:
+        if stored is not None:
+            return RunAnalysis.from_state(run.name, stored.state), stored.baseline_source
+        baseline, source = self._baseline(conn, run)
+        analysis = RunAnalysis(
+            run.name,
+            stragglers=self.config.stragglers,
+            regressions=self.config.regressions,
+            baseline=baseline,
+            fingerprint=run.config_fingerprint,
+        )
+        return analysis, source
+
+    def _baseline(self, conn: Connection, run: inputs.RunInfo) -> tuple[Baseline | None, str]:
+        """The named baseline run's frozen baseline when the fingerprints match, else own."""
+        if not run.baseline_run:
+            return None, "own"
+        other = inputs.run_by_name(conn, run.baseline_run)
+        stored = None if other is None else load_state(conn, other.id)
+        if other is None or stored is None:
+            return None, f"own (baseline run {run.baseline_run} not found or not analysed)"
+        base = RunAnalysis.from_state(other.name, stored.state).regressions.baseline
+        if base is None:
+            return None, f"own (baseline run {run.baseline_run} has no baseline yet)"
+        if base.fingerprint != run.config_fingerprint:
+            return None, (
+                f"own (baseline run {run.baseline_run} has fingerprint {base.fingerprint}, "
+                f"this run {run.config_fingerprint})"
+            )
+        return base, run.baseline_run
+
+    def _hangs(
+        self,
+        conn: Connection,
+        run: inputs.RunInfo,
+        ranks: list[inputs.RankRow],
+        now: float,
+        window: int,
+        stamp: datetime,
+    ) -> list[Transition]:
+        """Open hang flags for silent ranks (or the run); close those that resolved."""
+        live = [r for r in ranks if not r.progress.finished]
+        current: list[Finding] = []
+        if live:
+            # Finished ranks are not silent: with them in, a rank that never sent its final
+            # batch stays a per-rank flag instead of turning into a hang of the whole run.
+            seen = {r.rank: (r.last_seen if not r.progress.finished else now) for r in ranks}
+            current = check_hang(
+                now,
+                seen,
+                inputs.recent_step_time(conn, run.id),
+                self.config.hang_k,
+                self.config.hang_floor_s,
+                run=run.name,
+                host_by_rank={r.rank: r.host for r in ranks},
+                last_step_by_rank={r.rank: r.last_step for r in ranks},
+            )
+        ids = {(f.key, f.first_step) for f in current}
+        closing = [
+            Change(replace(f, run=run.name, status="closed", message="Resolved: " + f.message), window)
+            for f in open_hangs(conn, run.id)
+            if (f.key, f.first_step) not in ids
+        ]
+        if not current and not closing:
+            return []
+        return write_findings(conn, run.id, closing, current, stamp)

@@ -1,0 +1,201 @@
+"""Writes of the analysis worker: events (upserted by run, key and first step) and state.
+
+An event row is one occurrence of a flag: ``(run_id, key, first_step)``. The worker writes
+it when the flag opens, refreshes it while it stays open (latest step, evidence, cost) and
+closes it; a replayed window cannot duplicate it. The window whose analysis opened a
+flag is kept in its evidence as ``opened_window`` (and ``opened_step``), so "how many
+windows did it take" can be read back later, whatever the flag's later updates.
+
+The state row is written with a compare-and-set on ``version``: a pass that read version
+v writes v + 1 only if the row is still at v, else it raises :class:`StateConflictError`
+and its transaction (events included) rolls back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import Connection, insert, select, update
+
+from ..analysis.pipeline import Change
+from ..analysis.types import Finding
+from ..db.models import AnalysisState, Event
+
+EV = Event.__table__
+STATE = AnalysisState.__table__
+
+
+class StateConflictError(RuntimeError):
+    """Another pass wrote the run's analysis state first; this pass must roll back."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredState:
+    """The analysis state row as read at the start of a pass."""
+
+    version: int
+    next_window: int
+    state: Mapping[str, Any]
+    pending: Mapping[int, float]
+    baseline_source: str
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """An event that was created or changed status in this pass (what a webhook sends)."""
+
+    finding: Finding
+    previous_status: str | None
+
+
+def load_state(conn: Connection, run_id: int) -> StoredState | None:
+    row = conn.execute(select(STATE).where(STATE.c.run_id == run_id)).first()
+    if row is None:
+        return None
+    return StoredState(
+        version=row.version,
+        next_window=row.next_window,
+        state=row.state,
+        pending={int(k): float(v) for k, v in dict(row.pending).items()},
+        baseline_source=row.baseline_source,
+    )
+
+
+def save_state(
+    conn: Connection,
+    run_id: int,
+    previous: StoredState | None,
+    *,
+    next_window: int,
+    state: Mapping[str, Any],
+    pending: Mapping[int, float],
+    baseline_source: str,
+    now: datetime,
+) -> None:
+    values = {
+        "next_window": next_window,
+        "state": dict(state),
+        "pending": {str(k): v for k, v in pending.items()},
+        "baseline_source": baseline_source,
+        "updated_at": now,
+    }
+    if previous is None:
+        conn.execute(insert(AnalysisState).values(run_id=run_id, version=1, **values))
+        return
+    done = conn.execute(
+        update(AnalysisState)
+        .where(STATE.c.run_id == run_id, STATE.c.version == previous.version)
+        .values(version=previous.version + 1, **values)
+    )
+    if done.rowcount != 1:
+        raise StateConflictError(f"analysis state of run id {run_id} changed under this pass")
+
+
+def _merge(
+    changes: Sequence[Change], open_now: Iterable[Finding]
+) -> dict[tuple[str, int], tuple[Finding, int | None, int | None]]:
+    """Latest version of every flag touched in this pass, with the window/step it opened at."""
+    out: dict[tuple[str, int], tuple[Finding, int | None, int | None]] = {}
+    for ch in changes:
+        ident = (ch.finding.key, ch.finding.first_step)
+        opened = out.get(ident, (None, None, None))
+        if ch.finding.status == "open":
+            out[ident] = (ch.finding, ch.window, ch.finding.last_step)
+        else:
+            out[ident] = (ch.finding, opened[1], opened[2])
+    for f in open_now:
+        ident = (f.key, f.first_step)
+        _, window, step = out.get(ident, (None, None, None))
+        out[ident] = (f, window, step)
+    return out
+
+
+def write_findings(
+    conn: Connection,
+    run_id: int,
+    changes: Sequence[Change],
+    open_now: Iterable[Finding],
+    now: datetime,
+) -> list[Transition]:
+    """Upsert the flags touched in this pass; return those created or that changed status."""
+    merged = _merge(changes, open_now)
+    if not merged:
+        return []
+    keys = sorted({k for k, _ in merged})
+    existing = {
+        (r.key, r.first_step): r
+        for r in conn.execute(
+            select(EV.c.id, EV.c.key, EV.c.first_step, EV.c.status, EV.c.evidence).where(
+                EV.c.run_id == run_id, EV.c.key.in_(keys)
+            )
+        )
+    }
+    transitions: list[Transition] = []
+    for ident, (finding, window, step) in sorted(merged.items()):
+        row = existing.get(ident)
+        evidence: dict[str, Any] = dict(finding.evidence)
+        old = dict(row.evidence) if row is not None else {}
+        for name, value in (("opened_window", window), ("opened_step", step)):
+            if name in old:
+                evidence[name] = old[name]
+            elif value is not None:
+                evidence[name] = value
+        values = _row(finding, evidence, now)
+        if row is None:
+            conn.execute(insert(Event).values(run_id=run_id, opened_at=now, **values))
+            transitions.append(Transition(finding, None))
+            continue
+        conn.execute(update(Event).where(EV.c.id == row.id).values(**values))
+        if row.status != finding.status:
+            transitions.append(Transition(finding, row.status))
+    return transitions
+
+
+def _row(f: Finding, evidence: Mapping[str, Any], now: datetime) -> dict[str, Any]:
+    return {
+        "key": f.key,
+        "kind": f.kind,
+        "cause": f.cause,
+        "ranks": list(f.ranks),
+        "hosts": list(f.hosts),
+        "first_step": f.first_step,
+        "last_step": f.last_step,
+        "status": f.status,
+        "evidence": dict(evidence),
+        "cost_seconds": float(f.cost_seconds),
+        "cost_ratio": float(f.cost_ratio),
+        "message": f.message[:1024],
+        "updated_at": now,
+    }
+
+
+def open_hangs(conn: Connection, run_id: int) -> list[Finding]:
+    """Hang events of a run that are open in storage."""
+    rows = conn.execute(
+        select(EV).where(EV.c.run_id == run_id, EV.c.kind == "hang", EV.c.status == "open")
+    ).mappings()
+    return [
+        Finding(
+            kind="hang",
+            run="",
+            key=r["key"],
+            cause=None,
+            ranks=tuple(r["ranks"]),
+            hosts=tuple(r["hosts"]),
+            first_step=r["first_step"],
+            last_step=r["last_step"],
+            status="open",
+            evidence={k: float(v) for k, v in dict(r["evidence"]).items()},
+            cost_seconds=r["cost_seconds"],
+            cost_ratio=r["cost_ratio"],
+            message=r["message"],
+        )
+        for r in rows
+    ]
+
+
+def utcnow_from(unix_s: float) -> datetime:
+    return datetime.fromtimestamp(unix_s, timezone.utc)

@@ -1,0 +1,239 @@
+"""``stepwatch demo`` as a user runs it, then its data on the web page in headless Chromium.
+
+The demo runs as a real process (collector + 4 gloo ranks, rank 2 slowed mid-run). Its
+SQLite file then feeds a collector whose page is loaded by Debian's chromium through
+chromedriver (selenium): the page loads without console errors, the three charts are
+drawn from the run's real series, the per-rank heatmap shows every rank, and a straggler
+event is visible. The screenshot of that page is the README's ``docs/dashboard.png``.
+
+The straggler *event* is inserted by this test when the collector did not raise one (the
+detection that writes events lives in the analysis work, not on every branch); the
+numbers in it are the demo's own measurements.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from stepwatch_server.db.engine import make_engine
+from stepwatch_server.db.models import Run
+
+from ..events import insert_event
+from ..live import serve_in_thread
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The README's picture. Regenerate it with ``STEPWATCH_SCREENSHOT=docs/dashboard.png make test``;
+#: otherwise the screenshot goes to a temporary folder so a test run leaves the tree clean.
+SCREENSHOT = Path(
+    os.environ.get("STEPWATCH_SCREENSHOT") or Path(tempfile.gettempdir()) / "stepwatch-dashboard.png"
+)
+STEPS, SLOW_FROM, SLOW_TO = 60, 18, 39  # the demo slows rank 2 over the middle third
+SLOW_MS = 300  # long enough to stand out of the noise of a loaded 2-core machine
+
+
+@dataclass
+class DemoRun:
+    out: str
+    db_url: str
+    run: str
+    clean_s: float
+    slow_s: float
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "COLUMNS": "160", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    db = tmp_path_factory.mktemp("demo") / "demo.db"
+    cmd = [sys.executable, "-m", "stepwatch", "demo", "--steps", str(STEPS), "--slow-ms", str(SLOW_MS)]
+    cmd += ["--database", str(db)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    out = " ".join(r.stdout.split())
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    cost = re.search(r"step time went from ([\d.]+) s to ([\d.]+) s", out)  # printed only if it rose
+    assert cost, out[-3000:]
+    engine = make_engine(f"sqlite:///{db}")
+    with engine.connect() as conn:
+        (run,) = conn.execute(select(Run.__table__.c.name)).scalars().all()
+    engine.dispose()
+    return DemoRun(r.stdout, f"sqlite:///{db}", run, float(cost[1]), float(cost[2]))
+
+
+@pytest.mark.e2e
+def test_demo_trains_with_a_straggler_and_reports_what_it_cost(demo: DemoRun) -> None:
+    out = " ".join(demo.out.split())
+    assert f"training 4 gloo ranks x {STEPS} steps" in out
+    assert f"rank 2 will be slowed by {SLOW_MS} ms/step in steps {SLOW_FROM}-{SLOW_TO}" in out
+    assert f"run {demo.run} 4/4 ranks step {STEPS}" in out
+    rank_rows = [line for line in demo.out.splitlines() if re.match(r"│\s+[0-3] │", line)]
+    assert len(rank_rows) == 4 and all(f"│ {STEPS} │" in " ".join(row.split()) for row in rank_rows)
+    assert f"straggler: rank 2 ran {SLOW_MS} ms/step slower in steps {SLOW_FROM}-{SLOW_TO}" in out
+    assert demo.slow_s > demo.clean_s * 1.02, "the others waited for rank 2 in the all-reduce"
+    assert "where to look next" in out and "demo finished in" in out
+
+
+def _processes_in_group(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry.name))
+    return found
+
+
+def _until(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.mark.e2e
+def test_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
+    log = tmp_path / "demo.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stepwatch", "demo", "--steps", "2000"],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=tmp_path,
+            start_new_session=True,  # the demo and everything it starts share this process group
+        )
+    pgid = proc.pid
+    try:
+        # The demo itself, the collector and the four ranks, with the ranks already training.
+        _until(lambda: len(_processes_in_group(pgid)) >= 6, 120, "the collector and 4 ranks")
+        _until(lambda: re.search(r"step [1-9]\d*/2000", log.read_text()) is not None, 120, "training steps")
+        os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the demo
+        assert proc.wait(timeout=60) == 130
+        _until(lambda: not _processes_in_group(pgid), 15, "every child of the demo to exit")
+    finally:
+        if proc.poll() is None or _processes_in_group(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+            proc.wait()
+    assert "interrupted; the collector and every rank were stopped" in log.read_text()
+
+
+def _driver(user_dir: str) -> Any:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = "/usr/bin/chromium"
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+        "--hide-scrollbars",
+        "--force-device-scale-factor=1",
+        f"--user-data-dir={user_dir}",
+    ):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    os.environ.setdefault("SE_OFFLINE", "true")  # Debian's chromedriver; never download one
+    with tempfile.TemporaryDirectory() as user_dir:
+        driver = _driver(user_dir)
+        try:
+            driver.set_window_size(1360, 1150)
+            yield driver
+        finally:
+            driver.quit()
+
+
+def _severe(driver: Any) -> list[dict[str, Any]]:
+    return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+@pytest.mark.e2e
+def test_web_page_in_chromium_shows_the_run_and_its_straggler(demo: DemoRun, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    engine = make_engine(demo.db_url)
+    with engine.connect() as conn:
+        has_event = conn.exec_driver_sql("SELECT count(*) FROM events WHERE kind = 'straggler'").scalar()
+    engine.dispose()
+    if not has_event:  # see the module docstring
+        cost = demo.slow_s - demo.clean_s
+        insert_event(
+            demo.db_url,
+            demo.run,
+            first_step=SLOW_FROM,
+            last_step=SLOW_TO,
+            ranks=[2],
+            hosts=[os.uname().nodename],
+            status="closed",
+            cost_seconds=cost,
+            cost_ratio=cost / demo.slow_s,
+            message=f"rank 2 is a compute straggler from step {SLOW_FROM}: every step waits "
+            f"{cost:.3f} s for it in the all-reduce",
+        )
+
+    with serve_in_thread(demo.db_url) as url:
+        browser.get(f"{url}/")
+        link = browser.find_element(By.LINK_TEXT, demo.run)
+        assert browser.find_element(By.ID, "runs").text.count("4/4") == 1
+        link.click()
+        WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.body.dataset.charts"))
+        assert browser.title == f"{demo.run} · stepwatch"
+        assert browser.execute_script("return document.body.dataset.charts") == "3"
+        assert browser.execute_script("return document.body.dataset.errors || ''") == ""
+        for chart in ("chart-mfu", "chart-tps", "chart-step"):
+            el = browser.find_element(By.ID, chart)
+            assert int(el.get_attribute("data-points")) == STEPS, chart
+            inked = browser.execute_script(
+                "const c = arguments[0].querySelector('canvas');"
+                "const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+                "let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n;",
+                el,
+            )
+            assert inked > 2000, f"{chart} drew {inked} pixels"
+        event = browser.find_element(By.CSS_SELECTOR, "#events tr.event.straggler")
+        assert event.is_displayed()
+        assert "straggler / compute" in event.text and f"{SLOW_FROM}–{SLOW_TO}" in event.text
+        labels = browser.find_elements(By.CSS_SELECTOR, "#heatmap svg text:not(.axis)")
+        assert [t.text for t in labels] == ["0", "1", "2", "3"]
+        assert browser.find_element(By.ID, "mfu-latest").text.endswith("%")
+        assert "fp32/cpu" in browser.find_element(By.ID, "convention").text
+        assert "No profiler data yet" in browser.find_element(
+            By.ID, "breakdown"
+        ).text or browser.find_elements(By.CSS_SELECTOR, "#breakdown .stack div")
+        assert _severe(browser) == [], "no console errors, no failed requests"
+
+        SCREENSHOT.parent.mkdir(exist_ok=True)  # the first screen: numbers, events, charts, ranks
+        assert browser.save_screenshot(str(SCREENSHOT))
+    assert 10_000 < SCREENSHOT.stat().st_size < 400_000

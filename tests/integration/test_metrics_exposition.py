@@ -1,0 +1,127 @@
+"""/metrics from the database: values, selection, expiry, caps and failure (both backends)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+from sqlalchemy import Engine
+
+from stepwatch_server.app import create_app
+from stepwatch_server.db.engine import make_engine
+from stepwatch_server.exporter import ExporterConfig, RunStateCollector
+from stepwatch_server.ingest import Ingestor
+from stepwatch_server.settings import Settings
+
+from ..payloads import CONVENTION
+from ..runstate import feed, fill_breakdown, open_straggler
+
+
+def registry(
+    engine: Engine, clock: Callable[[], float] | None = None, **cfg: int | float
+) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=True)
+    kwargs = {"clock": clock} if clock else {}
+    reg.register(RunStateCollector(engine, ExporterConfig(**cfg), **kwargs))  # type: ignore[arg-type]
+    return reg
+
+
+@pytest.fixture
+def ingestor(engine: Engine) -> Ingestor:
+    return Ingestor(engine, window_seconds=2.0)  # 0.5 s steps -> 4 steps per window
+
+
+def test_run_values_match_the_rest_overview(engine: Engine, db_url: str, ingestor: Ingestor) -> None:
+    feed(ingestor, run="r1", world=4, first=1, steps=4, tags=["warmup"] * 4)
+    for w in range(1, 8):
+        feed(ingestor, run="r1", world=4, first=1 + 4 * w, steps=4, wait=lambda r: 0.01 * r, padded=1250)
+    reg = registry(engine)
+    app = create_app(Settings(database_url=db_url), engine=engine)
+    with TestClient(app) as client:
+        ov = client.get("/api/v1/runs/r1").json()
+    v = reg.get_sample_value
+    run = {"run": "r1"}
+    assert v("stepwatch_run_step_time_seconds", run) == pytest.approx(ov["step_time_s"]["latest"])
+    assert v("stepwatch_run_tokens_per_second", run) == pytest.approx(ov["tokens_per_s"]["latest"])
+    assert v("stepwatch_run_mfu_ratio", run) == pytest.approx(ov["mfu"]["latest"])
+    assert v("stepwatch_run_data_wait_seconds", run) == pytest.approx(0.03)
+    assert v("stepwatch_run_padding_ratio", run) == pytest.approx(0.2)
+    assert v("stepwatch_run_steps_total", run) == 32
+    assert v("stepwatch_run_world_size_ranks", run) == 4
+    assert v("stepwatch_run_reporting_ranks", run) == 4
+    # Tokens lag two windows (8 steps) behind the newest step and never go back.
+    assert v("stepwatch_run_tokens_total", run) == pytest.approx(4 * 1000 * (32 - 16))
+    assert v("stepwatch_run_tagged_steps", {"run": "r1", "tag": "warmup"}) == 4
+    assert v("stepwatch_run_baseline_step_time_seconds", run) == pytest.approx(0.5)
+    assert v("stepwatch_run_hang_threshold_seconds", run) == pytest.approx(60.0)
+    info = {"run": "r1", "convention": CONVENTION["id"], "formula": "explicit", "dtype": "bf16"}
+    assert v("stepwatch_run_info", {**info, "device": "test-device", "peak_source": "user"}) == 1
+    feed(ingestor, run="r1", world=4, first=33, steps=8)
+    assert v("stepwatch_run_tokens_total", run) == pytest.approx(4 * 1000 * (40 - 16))
+
+
+def test_flagged_and_slowest_ranks_get_their_own_series(engine: Engine, ingestor: Ingestor) -> None:
+    for w in range(3):
+        feed(ingestor, run="r2", world=16, first=1 + 4 * w, steps=4)
+    # Rank 6 computes longer and waits less (a compute straggler); rank 11 is flagged for data.
+    fill_breakdown(
+        engine, "r2", compute=lambda r: 0.40 if r == 6 else 0.30, comm_wait=lambda r: 0.0 if r == 6 else 0.1
+    )
+    open_straggler(engine, "r2", rank=11, host="node1", cost_seconds=0.05, cost_ratio=0.1, cause="data")
+    reg = registry(engine, top_k=1, max_flagged=4)
+    v = reg.get_sample_value
+    r6 = {"run": "r2", "rank": "6", "Hostname": "node0", "gpu": "6"}
+    r11 = {"run": "r2", "rank": "11", "Hostname": "node1", "gpu": "3"}
+    assert v("stepwatch_rank_compute_seconds", r6) == pytest.approx(0.40)
+    assert v("stepwatch_rank_comm_wait_seconds", r6) == pytest.approx(0.0)
+    assert v("stepwatch_rank_step_time_seconds", r11) == pytest.approx(0.5)
+    assert v("stepwatch_straggler_cost_ratio", {**r11, "cause": "data"}) == pytest.approx(0.1)
+    assert v("stepwatch_run_open_events", {"run": "r2", "kind": "straggler", "cause": "data"}) == 1
+    assert v("stepwatch_run_events_total", {"run": "r2", "kind": "straggler"}) == 1
+    ranks = {
+        s.labels["rank"]
+        for fam in reg.collect()
+        if fam.name == "stepwatch_rank_step_time_seconds"
+        for s in fam.samples
+    }
+    assert ranks == {"6", "11"}  # top-1 by compute, plus the flagged rank; not the other 14
+    # All 16 ranks enter the quantiles.
+    assert v("stepwatch_run_rank_compute_seconds_count", {"run": "r2"}) == 16
+    assert v("stepwatch_run_rank_compute_seconds", {"run": "r2", "quantile": "1.0"}) == pytest.approx(0.40)
+    assert v("stepwatch_run_rank_comm_wait_seconds", {"run": "r2", "quantile": "0.5"}) == pytest.approx(0.1)
+    assert v("stepwatch_run_breakdown_seconds", {"run": "r2", "phase": "comm_exposed"}) == pytest.approx(0.05)
+    assert v("stepwatch_run_overlap_ratio", {"run": "r2"}) == pytest.approx(0.10 / 0.15)
+
+
+def test_runs_expire_and_are_capped(engine: Engine, ingestor: Ingestor) -> None:
+    for name in ("old", "mid", "new"):
+        feed(ingestor, run=name, world=2, first=1, steps=4)
+    import time
+
+    now = [time.time()]
+    reg = registry(engine, clock=lambda: now[0], max_runs=2, run_expiry_s=600)
+    v = reg.get_sample_value
+    exported = {
+        s.labels["run"]
+        for f in reg.collect()
+        if f.name == "stepwatch_run_world_size_ranks"
+        for s in f.samples
+    }
+    assert exported == {"mid", "new"}  # the two most recently reporting
+    assert v("stepwatch_metrics_runs", {"state": "active"}) == 3
+    assert v("stepwatch_metrics_runs", {"state": "exported"}) == 2
+    now[0] += 601
+    assert v("stepwatch_metrics_runs", {"state": "active"}) == 0
+    assert v("stepwatch_run_world_size_ranks", {"run": "new"}) is None
+
+
+def test_database_down_keeps_the_endpoint_up() -> None:
+    engine = make_engine("postgresql://nobody@127.0.0.1:1/none")
+    try:
+        reg = registry(engine)
+        assert reg.get_sample_value("stepwatch_metrics_state_up") == 0
+        assert reg.get_sample_value("stepwatch_metrics_runs", {"state": "exported"}) == 0
+    finally:
+        engine.dispose()

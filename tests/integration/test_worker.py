@@ -1,0 +1,242 @@
+"""The analysis worker over a real database (SQLite and PostgreSQL): windows in, events out.
+
+Batches go in through the real API (in process); the worker's passes are run by the test
+(``run_once``) with an injected clock where time matters (grace, hangs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine, select
+
+from stepwatch_server.analysis.progress import SECONDS_PER_DAY
+from stepwatch_server.app import create_app
+from stepwatch_server.db.models import Rank, RankWindow
+from stepwatch_server.settings import Settings
+from stepwatch_server.worker import AnalysisWorker, WorkerConfig
+
+from ..payloads import payload
+
+W = 8  # ranks
+STEPS = 8  # steps per window (window_seconds 4 / 0.5 s steps)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = time.time()
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def client(db_url: str, engine: Engine) -> Iterator[TestClient]:
+    app = create_app(Settings(database_url=db_url, window_seconds=4.0, analysis_enabled=False), engine=engine)
+    with TestClient(app) as c:
+        yield c
+
+
+def post(client: TestClient, **kw: Any) -> None:
+    r = client.post("/api/v1/ingest", json=payload(**kw))
+    assert r.status_code == 200, r.text
+
+
+def send_windows(
+    client: TestClient,
+    windows: range,
+    *,
+    run: str = "test-run",
+    slow_rank: int | None = None,
+    slow_from: int = 0,
+    slow_to: int = 10**9,
+    final_at: int | None = None,
+    ranks: range = range(W),
+    world: int = W,
+    step_s: float = 0.5,
+    **kw: Any,
+) -> None:
+    """Windows of STEPS steps for each rank; ``slow_rank``'s loader waits 0.1 s more per step."""
+    for w in windows:
+        for r in ranks:
+            slow = r == slow_rank and slow_from <= w < slow_to
+            waits = [0.001 + 0.0001 * ((r * 7 + j) % 5) + (0.1 if slow else 0.0) for j in range(STEPS)]
+            post(
+                client,
+                run=run,
+                rank=r,
+                world=world,
+                first=w * STEPS + 1,
+                times=[step_s] * STEPS,
+                waits=waits,
+                final=w == final_at,
+                **kw,
+            )
+
+
+def worker(engine: Engine, clock: Clock | None = None, **cfg: Any) -> AnalysisWorker:
+    return AnalysisWorker(engine, WorkerConfig(**cfg), clock=clock or time.time)
+
+
+def events(client: TestClient, run: str = "test-run", **params: str) -> list[dict[str, Any]]:
+    return client.get(f"/api/v1/runs/{run}/events", params=params).json()  # type: ignore[no-any-return]
+
+
+def test_straggler_opens_and_closes_once_across_passes_and_replicas(
+    client: TestClient, engine: Engine
+) -> None:
+    send_windows(client, range(0, 9), slow_rank=3, slow_from=4, slow_to=12)
+    first = worker(engine).run_once()
+    assert first.windows == 8  # window 8 holds the newest steps: not complete yet
+    [(run, opened)] = first.transitions
+    assert (run, opened.finding.key, opened.finding.status) == ("test-run", "straggler:data:rank=3", "open")
+    assert worker(engine).run_once().transitions == []  # a replayed pass changes nothing
+
+    # Another worker instance (a replica, or a restart) continues from the stored state.
+    send_windows(client, range(9, 18), slow_rank=3, slow_from=4, slow_to=12, final_at=17)
+    later = worker(engine).run_once()
+    assert later.windows == 10  # 8..17, the last one complete because every rank finished
+    assert [t.finding.status for _, t in later.transitions] == ["closed"]
+    (ev,) = events(client)
+    assert (ev["key"], ev["cause"], ev["ranks"], ev["hosts"], ev["status"]) == (
+        "straggler:data:rank=3",
+        "data",
+        [3],
+        ["node0"],
+        "closed",
+    )
+    assert ev["first_step"] == 4 * STEPS + 1 and ev["last_step"] == 12 * STEPS
+    assert ev["evidence"]["opened_window"] == 6 and ev["evidence"]["windows_flagged"] == 8
+    assert ev["cost_seconds"] == pytest.approx(0.1, rel=0.05)
+    assert ev["cost_ratio"] == pytest.approx(0.2, rel=0.05)
+    assert ev["message"].startswith("Rank 3 (host node0) was a data straggler from step 33 to 96")
+    ov = client.get("/api/v1/runs/test-run").json()
+    assert ov["analysis"]["windows_analysed"] == 18 and ov["analysis"]["analysed_through_step"] == 144
+    assert not events(client, kind="hang")
+
+
+def test_a_late_rank_is_waited_for_then_left_out(client: TestClient, engine: Engine) -> None:
+    clock = Clock()
+    send_windows(client, range(0, 2))
+    send_windows(client, range(2, 7), ranks=range(W - 1))  # rank 7 stopped reporting after window 1
+    w = worker(engine, clock, grace_s=60.0)
+    assert w.run_once().windows == 2
+    clock.t += 30
+    assert w.run_once().windows == 0  # still within the grace period
+    clock.t += 31
+    assert w.run_once().windows == 4  # windows 2-5 without rank 7; window 6 is still open
+    ov = client.get("/api/v1/runs/test-run").json()
+    assert ov["analysis"]["windows_analysed"] == 6
+
+
+def test_hang_opens_and_resolves_and_a_finished_run_is_no_hang(client: TestClient, engine: Engine) -> None:
+    clock = Clock()
+    old = clock.t - 200
+    send_windows(client, range(0, 2), wall_end=old)
+    w = worker(engine, clock, hang_floor_s=60.0)
+    [(_, t)] = w.run_once().transitions
+    assert (t.finding.key, t.finding.status, t.previous_status) == ("hang:run", "open", None)
+    (ev,) = events(client, kind="hang")
+    assert ev["evidence"]["threshold_s"] == 60.0 and ev["evidence"]["silent_s"] == pytest.approx(200, abs=2)
+    assert "has made no step for" in ev["message"] and ev["first_step"] == 16
+    assert w.run_once().transitions == []  # still hung: refreshed, not re-opened
+
+    # Rank 5 resumes alone: the run steps again, the others are silent ranks.
+    send_windows(client, range(2, 3), ranks=range(5, 6), wall_end=clock.t)
+    kinds = sorted((t.finding.key, t.finding.status) for _, t in w.run_once().transitions)
+    assert ("hang:run", "closed") in kinds and ("hang:rank=0", "open") in kinds
+    closed = [e for e in events(client, kind="hang") if e["key"] == "hang:run"]
+    assert closed[0]["status"] == "closed" and closed[0]["message"].startswith("Resolved: ")
+
+    # Every rank finishes (final batches): nothing is hung, however long the silence.
+    send_windows(client, range(3, 4), final_at=3, wall_end=clock.t)
+    w.run_once()
+    clock.t += 10_000
+    assert w.run_once().transitions == []
+    assert not events(client, kind="hang", status="open")
+
+
+def test_a_rank_silent_while_the_others_finish_is_flagged_alone(client: TestClient, engine: Engine) -> None:
+    clock = Clock()
+    send_windows(client, range(0, 2), wall_end=clock.t - 500)
+    send_windows(
+        client, range(2, 4), ranks=range(W - 1), final_at=3, wall_end=clock.t
+    )  # rank 7 never finishes
+    clock.t += 120
+    [(_, t)] = worker(engine, clock, hang_floor_s=60.0).run_once().transitions
+    assert (t.finding.key, t.finding.ranks, t.finding.hosts) == ("hang:rank=7", (7,), ("node0",))
+    assert t.finding.evidence["silent_s"] == pytest.approx(620, abs=2)
+
+
+def test_seed_arithmetic_through_the_api(client: TestClient, engine: Engine) -> None:
+    """635,782 updates at 12 s with 90% calendar efficiency: 98.11 days; a 76-day plan
+    needs 9.30 s per update (DESIGN: the seed run missed its plan by 22 days)."""
+    tokens_per_step, updates = 4_194_304, 635_782
+    deadline = time.time() + 76 * SECONDS_PER_DAY
+    plan = {
+        "target_tokens": (9 + updates) * tokens_per_step,
+        "deadline": deadline,
+        "config_fingerprint": "seed",
+    }
+    # Nine 12 s updates and one 12 s checkpoint: productive 108 s of 120 s wall, 90%.
+    tags: list[str | None] = [None] * 9 + ["checkpoint"]
+    tokens = [tokens_per_step] * 9 + [0]
+    client_settings = client.app.state.settings  # type: ignore[attr-defined]
+    assert client_settings.window_seconds == 4.0
+    post(client, run="seed", times=[12.0] * 10, tokens=tokens, tags=tags, plan=plan, final=True)
+    worker(engine).run_once()
+    ov = client.get("/api/v1/runs/seed").json()
+    p = ov["progress"]
+    assert ov["plan"]["target_tokens"] == plan["target_tokens"]
+    assert ov["plan"]["deadline"] == pytest.approx(deadline, abs=1e-3)
+    assert p["calendar_efficiency"] == pytest.approx(0.9, rel=1e-12)
+    assert p["tokens_done"] == 9 * tokens_per_step
+    assert p["remaining_steps"] == pytest.approx(updates, rel=1e-12)
+    assert round(p["eta_s"] / SECONDS_PER_DAY, 2) == 98.11
+    assert p["finish_at"] - time.time() == pytest.approx(p["eta_s"], abs=5)
+    assert p["finish_early_at"] == p["finish_late_at"] == pytest.approx(p["finish_at"])  # no spread
+    assert round(p["required_step_time_s"], 2) == 9.30
+    assert p["on_track"] is False and p["step_time_s"] == 12.0
+
+
+def test_baseline_run_with_the_same_fingerprint(client: TestClient, engine: Engine) -> None:
+    base_plan = {"config_fingerprint": "cfg-a"}
+    one = {"ranks": range(1), "world": 1}  # regressions need only the job series
+    send_windows(client, range(0, 36), run="base", final_at=35, plan=base_plan, **one)
+    worker(engine).run_once()
+    slower_plan = {**base_plan, "baseline_run": "base"}
+    send_windows(client, range(0, 8), run="slower", step_s=0.55, plan=slower_plan, **one)
+    other_plan = {"config_fingerprint": "cfg-b", "baseline_run": "base"}
+    send_windows(client, range(0, 8), run="other", step_s=0.55, plan=other_plan, **one)
+    worker(engine).run_once()
+    slower = client.get("/api/v1/runs/slower").json()
+    assert slower["analysis"]["baseline"] == "base"
+    regressions = {e["key"]: e for e in events(client, "slower", kind="regression")}
+    step = regressions["regression:step_time"]
+    assert step["status"] == "open" and step["evidence"]["opened_window"] <= 5  # long before 30 own samples
+    assert step["evidence"]["change_ratio"] == pytest.approx(0.10, rel=0.01)
+    assert "regression:mfu" in regressions
+    other = client.get("/api/v1/runs/other").json()
+    assert other["analysis"]["baseline"].startswith("own (baseline run base has fingerprint cfg-a")
+    assert not events(client, "other", kind="regression")
+
+
+def test_profile_merges_into_its_window_and_final_may_be_empty(client: TestClient, engine: Engine) -> None:
+    prof = {"steps": 4, "compute_s": 1.0, "comm_exposed_s": 0.2, "idle_s": 0.1, "comm_wait_s": 0.05}
+    post(client, first=1, times=[0.5] * 4, profile={**prof, "group_transfer_s": {"dp": 0.3}})
+    post(client, first=5, times=[0.5] * 4, profile={**prof, "steps": 2, "compute_s": 2.5})
+    post(client, first=9, times=[], final=True)
+    with engine.connect() as conn:
+        row = conn.execute(select(RankWindow.__table__)).one()
+        rank = conn.execute(select(Rank.__table__)).one()
+    assert (row.window, row.n_steps, row.profiled_steps) == (0, 8, 6)
+    assert row.compute_s == pytest.approx((4 * 1.0 + 2 * 2.5) / 6)
+    assert row.comm_exposed_s == pytest.approx(0.2) and row.comm_transfer_s is None
+    assert row.group_transfer_s == {"dp": 0.3}
+    assert (rank.last_step, rank.final_step) == (8, 8)
+    bad = client.post("/api/v1/ingest", json=payload(first=1, times=[]))
+    assert bad.status_code == 422 and "only a final batch" in bad.json()["detail"]
