@@ -8,6 +8,7 @@ run (``python -m benchmarks ingest query``).
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 import sys
 import time
@@ -33,11 +34,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in wanted:
         print(f"=== benchmarks.{name}", flush=True)
         t0 = time.perf_counter()
+        module = importlib.import_module(f"benchmarks.{name}")
+        saved, sys.argv = sys.argv, [f"benchmarks/{name}.py"]  # each runs with its defaults
         try:
-            rc = importlib.import_module(f"benchmarks.{name}").main([])
+            rc = module.main([]) if inspect.signature(module.main).parameters else module.main()
         except Exception:
             traceback.print_exc()
             rc = 1
+        finally:
+            sys.argv = saved
         print(f"=== benchmarks.{name}: {'ok' if rc == 0 else 'FAILED'} in {time.perf_counter() - t0:.0f} s\n")
         if rc:
             failed.append(name)
