@@ -10,6 +10,8 @@ about 35 million rows a day, ~200 bytes each with the primary key). The policy:
   (counts and sums add, minima and maxima stay extreme, breakdown means are weighted by
   profiled steps), so a rolled-up row is exactly the summary of the steps it covers, and
   rows stay aligned across ranks (``window`` is the first window index of the group).
+  The per-group transfer times (``group_transfer_s``) are not kept for rolled-up rows:
+  the analysis has long finished with windows that old.
 - ``ingested_batches`` (batch ids kept for idempotent retries) older than
   ``batch_id_days`` are deleted: an agent retries within minutes, never after days.
 
