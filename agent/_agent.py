@@ -22,6 +22,7 @@ from . import __version__
 from ._device_clock import CudaEventClock
 from ._env import RankInfo
 from ._payload import build_payload, encode, new_batch_id
+from ._profiler import DATA_WAIT_SPAN, NEVER, ProfilerWindow
 from ._sender import Sender, SenderStats
 from ._window import TAG_CODES, Window
 from .config import AgentConfig
@@ -43,6 +44,7 @@ class Stepwatch:
         start_step: int = 0,
         device_clock: CudaEventClock | None = None,
         sender: Sender | None = None,
+        profiler: ProfilerWindow | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -68,6 +70,9 @@ class Stepwatch:
         self._hot_s = 0.0
         self._hot_n = 0
         self._dev = device_clock
+        # Profiler window: the hot path compares the step number with the next edge only.
+        self._pw = profiler
+        self._prof_at = profiler.next_start(start_step) if profiler is not None else NEVER
         self._enabled = config.enabled
         self._closed = False
         self._rank_dict = rank.to_dict()
@@ -111,6 +116,10 @@ class Stepwatch:
             self._tag = 0
             if self._dev is not None:
                 self._dev.record(i)
+            if self._first_step + i == self._prof_at:  # a profiler-window edge (rare)
+                t_edge = _perf()
+                self._prof_at = self._pw.edge(self._prof_at, self._time, i + 1)  # type: ignore[union-attr]
+                self._hot_s -= _perf() - t_edge  # counted as profiler cost, not hot path
             i += 1
             self._n = i
             if i == self._cap or now - self._window_start >= self._interval:
@@ -150,8 +159,13 @@ class Stepwatch:
         it = iter(iterable)
         while True:
             t0 = _perf()
+            pw = self._pw
             try:
-                item = next(it)
+                if pw is not None and pw.active:  # inside a profiler window: mark the wait
+                    with pw.record_function(DATA_WAIT_SPAN):
+                        item = next(it)
+                else:
+                    item = next(it)
             except StopIteration:
                 return
             self._wait_acc += _perf() - t0
@@ -176,6 +190,7 @@ class Stepwatch:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Close the current window and wait until everything is sent. True if all was."""
         try:
+            self._drain_profiler(timeout_s)
             if self._n and self._enabled:
                 self._close_window(_perf())
             return self._sender.flush(self.config.flush_timeout_s if timeout_s is None else timeout_s)
@@ -189,6 +204,7 @@ class Stepwatch:
             return True
         self._closed = True
         try:
+            self._drain_profiler(timeout_s)
             if self._n and self._enabled:
                 self._close_window(_perf())
             self._enabled = False
@@ -198,6 +214,12 @@ class Stepwatch:
             return False
         finally:
             atexit.unregister(self._atexit)
+
+    def _drain_profiler(self, timeout_s: float | None) -> None:
+        """Let a window that is being parsed finish, so its entry rides on the last batch."""
+        if self._pw is not None:
+            limit = self.config.flush_timeout_s if timeout_s is None else timeout_s
+            self._pw.drain(min(2.0, max(0.0, limit / 2)))
 
     def _atexit(self) -> None:
         self.close()
@@ -217,6 +239,7 @@ class Stepwatch:
             "pending_windows": self._sender.pending(),
             "last_error": s.last_error,
             "hot_path_mean_s": self._hot_s / self._hot_n if self._hot_n else None,
+            "profile": self._pw.stats() if self._pw is not None else None,
         }
 
     # -- sender thread -------------------------------------------------------------
@@ -236,6 +259,8 @@ class Stepwatch:
             "dropped_steps": stats.dropped_steps,
             "hot_path_mean_s": self._hot_s / self._hot_n if self._hot_n else None,
         }
+        if window.profiles is None:
+            window.profiles = self._pw.take() if self._pw is not None else []
         payload = build_payload(
             window,
             run=self.config.run,
@@ -243,6 +268,7 @@ class Stepwatch:
             convention=self.convention,
             agent=agent,
             sent_at=time.time(),
+            profiles=window.profiles,
         )
         return encode(payload)
 

@@ -17,7 +17,8 @@ from typing import Any
 
 from ._window import TAGS, Window
 
-SCHEMA_VERSION = 1
+#: 2 adds the optional ``profiles`` list (profiler-window entries, see ``_profile_entry``).
+SCHEMA_VERSION = 2
 
 
 def new_batch_id() -> str:
@@ -43,6 +44,7 @@ def build_payload(
     agent: Mapping[str, Any],
     step_time_s: Sequence[float] | None = None,
     sent_at: float,
+    profiles: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Assemble the payload dict for one window (sender thread only)."""
     times = step_time_s if step_time_s is not None else window.step_time_s
@@ -56,7 +58,7 @@ def build_payload(
         "tags": [TAGS[t] or None for t in tags] if tags is not None and any(tags) else None,
         "wall_end": window.wall_end,
     }
-    return {
+    out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "batch_id": window.batch_id,
         "run": run,
@@ -66,6 +68,9 @@ def build_payload(
         "convention": dict(convention) if convention is not None else None,
         "steps": steps,
     }
+    if profiles:
+        out["profiles"] = [dict(p) for p in profiles]
+    return out
 
 
 def encode(payload: Mapping[str, Any]) -> bytes:

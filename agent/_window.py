@@ -29,6 +29,9 @@ class Window:
     wall_end: float
     device_events: tuple[Any, list[Any]] | None = None
     batch_id: str = field(default="")
+    #: Profiler-window entries riding on this batch; fixed at its first encoding so that
+    #: a retry sends the same body.
+    profiles: list[dict[str, Any]] | None = None
 
     @property
     def n_steps(self) -> int:

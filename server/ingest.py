@@ -22,6 +22,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
 
 from .db.models import IngestedBatch, JobStep, Rank, RankWindow, Run
+from .profiles import store_profiles
 from .schemas import IngestPayload
 
 TAG_CODES = {"warmup": 1, "checkpoint": 2, "eval": 3}
@@ -34,6 +35,7 @@ class RunKey:
     id: int
     window_steps: int
     dp_size: int
+    world_size: int = 0
 
 
 def choose_window_steps(step_times: list[float], window_seconds: float) -> int:
@@ -80,9 +82,8 @@ class Ingestor:
                 self._runs.move_to_end(p.run)
                 return key
         runs = Run.__table__
-        row = conn.execute(
-            select(runs.c.id, runs.c.window_steps, runs.c.dp_size).where(runs.c.name == p.run)
-        ).first()
+        cols = (runs.c.id, runs.c.window_steps, runs.c.dp_size, runs.c.world_size)
+        row = conn.execute(select(*cols).where(runs.c.name == p.run)).first()
         if row is None:
             stmt = self._insert(runs).values(
                 name=p.run,
@@ -94,10 +95,8 @@ class Ingestor:
                 created_at=datetime.now(timezone.utc),
             )
             conn.execute(stmt.on_conflict_do_nothing(index_elements=["name"]))
-            row = conn.execute(
-                select(runs.c.id, runs.c.window_steps, runs.c.dp_size).where(runs.c.name == p.run)
-            ).one()
-        key = RunKey(id=row.id, window_steps=row.window_steps, dp_size=row.dp_size)
+            row = conn.execute(select(*cols).where(runs.c.name == p.run)).one()
+        key = RunKey(id=row.id, window_steps=row.window_steps, dp_size=row.dp_size, world_size=row.world_size)
         with self._lock:
             self._runs[p.run] = key
             while len(self._runs) > self._cache_size:
@@ -126,6 +125,15 @@ class Ingestor:
             self._store_rank(conn, run, p)
             self._store_windows(conn, run, p)
             self._store_job_steps(conn, run, p)
+            if p.profiles:
+                store_profiles(
+                    conn,
+                    self._insert,
+                    run_id=run.id,
+                    window_steps=run.window_steps,
+                    world_size=run.world_size,
+                    p=p,
+                )
         return True
 
     def _store_rank(self, conn: Connection, run: RunKey, p: IngestPayload) -> None:
