@@ -329,6 +329,65 @@ class Series(BaseModel):
     points: list[SeriesPoint]
 
 
+class Quantiles(BaseModel):
+    """Quantiles in seconds from merged log-bucket sketches (1% relative error)."""
+
+    count: int
+    p50: float | None
+    p99: float | None
+    max: float | None
+
+
+class CollectiveOut(BaseModel):
+    op: str
+    windows: int = Field(description="Profiler windows merged")
+    count: int
+    bytes: int | None = Field(description="Total bytes (nccl-tests convention); null when unknown")
+    duration_s: Quantiles
+    wait_s: Quantiles | None = Field(description="Waiting for the last peer to arrive; null until all peers reported")
+    transfer_s: Quantiles | None = Field(description="From the last arrival to the end")
+
+
+class NvmlOut(BaseModel):
+    gpu_uuid: str | None
+    sm_clock_mhz: float | None
+    power_w: float | None
+    temperature_c: float | None
+    throttle_reasons: list[str] | None
+
+
+class ClockOut(BaseModel):
+    offset_s: float | None = Field(description="Added to this rank's clock to get rank 0's")
+    uncertainty_s: float | None
+    method: str | None
+
+
+class ProfileOut(BaseModel):
+    """The rank's latest profiler window with data: means per profiled step, in seconds.
+
+    compute (only) + comm_overlapped + comm_exposed + data_wait + idle = step.
+    """
+
+    first_step: int
+    n_steps: int
+    device: str | None
+    step_s: float | None
+    compute_s: float | None
+    comm_overlapped_s: float | None
+    comm_exposed_s: float | None
+    data_wait_s: float | None
+    idle_s: float | None
+    overlap_ratio: float | None = Field(description="Overlapped / all communication (0-1)")
+    comm_wait_s: float | None = Field(description="Per step, summed over collectives")
+    comm_transfer_s: float | None = Field(description="Per step, summed over collectives")
+    top_ops: list[dict[str, Any]] | None
+    nvml: NvmlOut | None
+    clock: ClockOut
+    cost_s: float | None = Field(description="The window's self-measured cost")
+    overhead_ratio: float | None = Field(description="cost / (period x step time)")
+    profile_every: int | None
+
+
 class RankSummary(BaseModel):
     rank: int
     host: str
@@ -347,6 +406,13 @@ class RankSummary(BaseModel):
     step_time_max_s: float | None
     data_wait_s: float | None = Field(description="Mean data-loader wait per step, latest window")
     tokens_per_s: float | None
+    profile: ProfileOut | None = None
+    profile_skipped: str | None = Field(
+        default=None, description="Why the rank's newest profiler window has no data, if it has none"
+    )
+    collectives: list[CollectiveOut] = Field(
+        default_factory=list, description="Per op type, merged over the newest profiled windows"
+    )
 
 
 class Problem(BaseModel):
