@@ -8,11 +8,12 @@ best, which is the size of the effect being measured, so the offset is measured.
 How (Cristian's algorithm over the ``torch.distributed`` TCP store, all on a background
 thread, never on the training thread and never as a collective):
 
-* rank 0 publishes its host name and runs a *responder*: it waits for request ``n``
-  (key ``stepwatch/clock/req/<n>``) and answers at once with its ``time.time()``
-  (``.../resp/<n>``);
-* any rank on another host takes a ticket ``n`` (an atomic ``add`` on the store), notes
-  ``t0``, posts the request, blocks on the answer ``T``, notes ``t1``. Then
+* rank 0 publishes its host name and runs a *responder* (:func:`serve`): for each
+  ticket ``n`` it acknowledges (``stepwatch/clock/ack/<n>``), watches for the request
+  (``.../req/<n>``) and answers at once with its ``time.time()`` (``.../resp/<n>``);
+* any rank on another host takes a ticket ``n`` (an atomic ``add`` on the store), waits
+  for the ack, notes ``t0``, posts the request, blocks on the answer ``T``, notes
+  ``t1``. Then
   ``offset = T - (t0 + t1) / 2`` and the error is at most ``(t1 - t0) / 2`` (rank 0
   read its clock somewhere inside the round trip). The round with the shortest round
   trip of a few is kept; the estimate is refreshed every ``interval_s`` (10 minutes).
@@ -46,7 +47,7 @@ class Store(Protocol):
     def set(self, key: str, value: str) -> None: ...
     def get(self, key: str) -> bytes: ...
     def add(self, key: str, value: int) -> int: ...
-    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+    def check(self, keys: list[str]) -> bool: ...
     def delete_key(self, key: str) -> bool: ...
 
 
@@ -63,29 +64,41 @@ class ClockEstimate:
         return {"offset_s": self.offset_s, "uncertainty_s": self.uncertainty_s, "method": self.method}
 
 
-def serve(store: Store, stop: threading.Event, *, clock: Callable[[], float] = time.time) -> None:
+def serve(
+    store: Store,
+    stop: threading.Event,
+    *,
+    clock: Callable[[], float] = time.time,
+    poll_s: float = 0.2,
+    give_up_s: float = 5.0,
+) -> None:
     """Rank 0's responder loop: answer clock requests in ticket order until ``stop``.
 
-    A ticket whose request never comes (its rank died between the two calls) is
-    skipped once a later ticket has been taken, so one dead client blocks nobody.
+    It polls the ticket counter (``poll_s``); for each new ticket it posts an *ack*,
+    then watches for that ticket's request with a tight non-blocking ``check`` loop and
+    answers with its clock at once. Clients start their stopwatch only after the ack,
+    so the responder's polling delay is not part of the measured round trip. Only
+    non-blocking store calls are used: a blocking wait that times out makes c10d log
+    a warning each time, which would spam rank 0's log while it idles. A ticket whose
+    request never comes (its rank died) is given up after ``give_up_s``.
     """
     n = 0
     while not stop.is_set():
-        key = f"{PREFIX}req/{n}"
         try:
-            store.wait([key], timedelta(seconds=1))
-        except Exception:  # timeout (or a store hiccup): skip a dead ticket, else keep waiting
-            try:
-                taken = store.add(f"{PREFIX}seq", 0)
-            except Exception:
-                if stop.wait(1.0):
-                    return
-                continue
-            if taken > n + 1:
-                n += 1
+            taken = store.add(f"{PREFIX}seq", 0)
+        except Exception:
+            taken = n
+        if taken <= n:
+            stop.wait(poll_s)
             continue
-        now = clock()
-        store.set(f"{PREFIX}resp/{n}", repr(now))
+        req = f"{PREFIX}req/{n}"
+        store.set(f"{PREFIX}ack/{n}", "1")
+        deadline = time.monotonic() + give_up_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            if store.check([req]):
+                store.set(f"{PREFIX}resp/{n}", repr(clock()))
+                break
+            time.sleep(0.0002)
         n += 1
 
 
@@ -94,13 +107,14 @@ def measure(store: Store, *, rounds: int = 5, clock: Callable[[], float] = time.
     best: tuple[float, float] | None = None  # (round trip, offset)
     for _ in range(rounds):
         n = store.add(f"{PREFIX}seq", 1) - 1
+        store.get(f"{PREFIX}ack/{n}")  # blocks until rank 0 watches for this request
         t0 = clock()
         store.set(f"{PREFIX}req/{n}", "1")
         theirs = float(store.get(f"{PREFIX}resp/{n}").decode())
         t1 = clock()
-        for k in (f"{PREFIX}req/{n}", f"{PREFIX}resp/{n}"):
+        for k in ("ack", "req", "resp"):
             try:
-                store.delete_key(k)
+                store.delete_key(f"{PREFIX}{k}/{n}")
             except Exception:  # the keys are tiny; a store without delete keeps them
                 pass
         rtt = t1 - t0

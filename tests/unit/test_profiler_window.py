@@ -1,0 +1,144 @@
+"""The profiler window with the real torch.profiler, in one process (no process group).
+
+The sender is replaced by a recorder (the HTTP path is covered in tests/integration and
+tests/e2e); the windows it receives are encoded with the agent's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from array import array
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import stepwatch  # noqa: E402
+from stepwatch._clock_sync import ClockSync  # noqa: E402
+from stepwatch._env import detect  # noqa: E402
+from stepwatch._profiler import ProfilerWindow  # noqa: E402
+from stepwatch._sender import SenderStats  # noqa: E402
+from stepwatch._window import Window  # noqa: E402
+from stepwatch.config import AgentConfig  # noqa: E402
+
+PARTS = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s")
+
+
+class RecordingSender:
+    def __init__(self) -> None:
+        self.windows: list[Window] = []
+        self.stats = SenderStats()
+
+    def submit(self, window: Window) -> None:
+        self.windows.append(window)
+
+    def pending(self) -> int:
+        return 0
+
+    def flush(self, timeout_s: float) -> bool:
+        return True
+
+    def close(self, timeout_s: float) -> bool:
+        return True
+
+
+class CountingWindow(ProfilerWindow):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.edges: list[int] = []
+
+    def edge(self, step: int, times: array[float], n: int) -> int:
+        self.edges.append(step)
+        return super().edge(step, times, n)
+
+
+def _train(sw: stepwatch.Stepwatch, steps: int) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [torch.randn(32, 64) for _ in range(steps)]
+    for x in sw.loader(iter(batches)):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sw.step(tokens=32)
+
+
+def _agent(pw: ProfilerWindow) -> tuple[stepwatch.Stepwatch, RecordingSender]:
+    rec = RecordingSender()
+    cfg = AgentConfig(run="r", send_interval_s=1e9, warmup_steps=0)
+    sw = stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=rec, profiler=pw)  # type: ignore[arg-type]
+    return sw, rec
+
+
+def _encoded(sw: stepwatch.Stepwatch, window: Window) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(sw._encode(window, SenderStats()))
+    return doc
+
+
+def test_windows_profile_the_scheduled_steps_and_ride_on_the_next_batch() -> None:
+    pw = CountingWindow(
+        every=4, steps=2, budget=1.0, warmup_end=0, clock_sync=ClockSync(0, "h", single_host=True)
+    )
+    sw, rec = _agent(pw)
+    _train(sw, 11)
+    assert sw.close()
+    # Edges only: start at 4, step at 5, stop at 6; start at 8, step at 9, stop at 10.
+    assert pw.edges == [4, 5, 6, 8, 9, 10]
+    (window,) = rec.windows
+    doc = _encoded(sw, window)
+    assert doc["schema_version"] == 2
+    profiles = doc["profiles"]
+    assert [(p["first_step"], p["n_steps"], p["device"]) for p in profiles] == [(5, 2, "cpu"), (9, 2, "cpu")]
+    for p in profiles:
+        for j in range(2):
+            assert math.fsum(p[k][j] for k in PARTS) == pytest.approx(p["time_s"][j], rel=0.02)
+            assert p["compute_s"][j] > 0 and p["data_wait_s"][j] > 0  # the loader wrapper's spans
+        # The profiler's step spans match the agent's own step times for those steps.
+        own = window.step_time_s[p["first_step"] - 1 : p["first_step"] + 1]
+        assert p["time_s"] == pytest.approx(list(own), rel=0.5, abs=2e-3)
+        assert any(o["name"] == "aten::addmm" for o in p["top_ops"])
+        cost = p["cost"]
+        assert cost["every"] == 4 and cost["window_s"] >= cost["on_thread_s"] > 0 and cost["parse_cpu_s"] > 0
+        assert p["clock"] == {"offset_s": 0.0, "uncertainty_s": 0.0, "method": "same-host"}
+        assert p["nvml"] is None
+    assert _encoded(sw, window)["profiles"] == profiles, "a retry re-sends the same entries"
+    stats = sw.stats["profile"]
+    assert (stats["windows"], stats["skipped"], stats["dropped"]) == (2, 0, 0)
+
+
+def test_another_active_profiler_skips_the_window_and_says_so() -> None:
+    pw = ProfilerWindow(every=3, steps=1, budget=1.0, warmup_end=0)
+    sw, rec = _agent(pw)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        _train(sw, 4)
+    assert sw.close()
+    (p,) = _encoded(sw, rec.windows[0])["profiles"]
+    assert p == {"first_step": 4, "n_steps": 0, "skipped": "another profiler active"}
+
+
+def test_schedule_is_aligned_to_multiples_of_the_period_after_warmup() -> None:
+    pw = ProfilerWindow(every=10, steps=2, budget=0.01, warmup_end=25)
+    assert [pw.next_start(s) for s in (0, 25, 29, 30, 31)] == [30, 30, 30, 40, 40]
+    with pytest.raises(ValueError, match="profile_steps < profile_every"):
+        ProfilerWindow(every=2, steps=2, budget=0.01, warmup_end=0)
+
+
+@pytest.mark.parametrize(
+    ("costs", "step_s", "every"),
+    [
+        ([0.001], 0.1, 10),  # 0.1% of 10 steps: within budget, no stretch
+        ([0.5], 0.1, 640),  # needs 500 steps: 10 x 64
+        ([0.5, 0.01, 0.02], 0.1, 20),  # the median, so one expensive window does not stretch
+        ([1e9], 0.1, 10 * 1024),  # capped
+    ],
+)
+def test_period_stretches_by_powers_of_two_to_meet_the_budget(
+    costs: list[float], step_s: float, every: int
+) -> None:
+    pw = ProfilerWindow(every=10, steps=2, budget=0.01, warmup_end=0)
+    pw._costs.extend(costs)
+    assert pw._stretch(step_s) == every
