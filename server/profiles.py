@@ -194,8 +194,11 @@ def finalize(conn: Connection, *, run_id: int, first_step: int, window_steps: in
     ).all()
     arrivals: dict[int, list[GroupArrivals]] = {}
     offsets: dict[int, float] = {}
+    # Times relative to the earliest t0: differences of nearby Unix times are exact, so
+    # the split keeps sub-microsecond precision (absolute Unix seconds have ~0.2 µs).
+    ref = min((data.get("t0") or 0.0 for _, data in rows), default=0.0)
     for rank, data in rows:
-        t0 = data.get("t0") or 0.0
+        t0 = (data.get("t0") or ref) - ref
         offsets[rank] = data.get("offset_s") or 0.0
         arrivals[rank] = [
             GroupArrivals(
