@@ -219,7 +219,7 @@ class Stepwatch:
         """Let a window that is being parsed finish, so its entry rides on the last batch."""
         if self._pw is not None:
             limit = self.config.flush_timeout_s if timeout_s is None else timeout_s
-            self._pw.drain(min(2.0, max(0.0, limit / 2)))
+            self._pw.drain(max(0.0, limit / 2))
 
     def _atexit(self) -> None:
         self.close()
