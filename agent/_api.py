@@ -147,7 +147,7 @@ def _profiler(
         warnings.warn("stepwatch: torch is not importable, no profiler window", RuntimeWarning, stacklevel=3)
         return None
     single_host = os.environ.get("LOCAL_WORLD_SIZE") == str(info.world_size) or info.world_size == 1
-    return ProfilerWindow(
+    pw = ProfilerWindow(
         every=cfg.profile_every,
         steps=cfg.profile_steps,
         budget=cfg.profile_budget,
@@ -156,3 +156,5 @@ def _profiler(
         clock_sync=ClockSync(info.rank, info.host, single_host=single_host),
         nvml=for_current_cuda_device() if cuda else None,
     )
+    pw.warm()
+    return pw

@@ -27,6 +27,12 @@ which the median cost of the last four windows is at most ``budget`` (default 1%
 period profiles a subset of the windows of a rank with a shorter one, so the collector
 still finds every rank in the windows that all of them profiled.
 
+One-time cost: the first ``start()`` of ``torch.profiler`` in a process imports
+``torch._inductor`` (via ``hasattr(torch, "_inductor")``, about 1 s of CPU here).
+:meth:`ProfilerWindow.warm` does that import on the profiler thread at ``init``, so it
+lands in the warm-up steps (kept out of baselines) instead of stalling the training
+thread at the first window.
+
 A window is skipped (and the skip is reported in the payload) when another profiler is
 active in the process (CUPTI allows one subscriber), when the previous window is still
 being parsed, or when the profiler fails to start.
@@ -131,6 +137,9 @@ class ProfilerWindow:
         self.dropped = 0
         self.last_cost: dict[str, Any] | None = None
         self._jobs: deque[_Job] = deque()
+        self._warm_pending = False
+        #: CPU seconds of the one-time imports done by :meth:`warm`.
+        self.warm_cpu_s: float | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
@@ -266,6 +275,7 @@ class ProfilerWindow:
             "dropped": self.dropped,
             "every": self.every,
             "last_cost": self.last_cost,
+            "warm_cpu_s": self.warm_cpu_s,
         }
 
     def take(self) -> list[dict[str, Any]]:
@@ -297,8 +307,28 @@ class ProfilerWindow:
             self._thread = threading.Thread(target=self._run, name="stepwatch-profiler", daemon=True)
             self._thread.start()
 
+    def warm(self) -> None:
+        """Start the profiler thread now and let it pay torch.profiler's one-time imports."""
+        self._warm_pending = True
+        self._ensure_thread()
+        self._wake.set()
+
+    def _warm(self) -> None:
+        self._warm_pending = False
+        c0 = time.thread_time()
+        try:
+            import torch
+            import torch.profiler  # noqa: F401
+
+            hasattr(torch, "_inductor")  # what torch.profiler's prepare_trace triggers
+        except Exception:  # a broken optional import must not kill the thread
+            pass
+        self.warm_cpu_s = time.thread_time() - c0
+
     def _run(self) -> None:
         while True:
+            if self._warm_pending:
+                self._warm()
             self._wake.wait()
             self._wake.clear()
             while True:
@@ -311,8 +341,9 @@ class ProfilerWindow:
                 except Exception as exc:  # never let the thread die
                     log.warning("stepwatch: profiler window dropped: %r", exc)
                 finally:
-                    if not self._jobs:
-                        self._idle.set()
+                    self._idle.set()
+                    if self._jobs:  # appended meanwhile: not idle after all
+                        self._idle.clear()
 
     def process(self, job: _Job) -> dict[str, Any]:
         """Export and parse one finished window, account its cost, stretch the period."""

@@ -115,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = SyntheticText(cfg, size=args.steps * args.batch, seed=rank, stall_s=stall_s)
     loader = DataLoader(data, batch_size=args.batch, num_workers=0)
     ends: list[float] = []
+    cpu_ends: list[float] = []  # this process's CPU time (all threads) at each step end
     tokens: list[int] = []
     t_start = time.perf_counter()
     for step, (x, y, n_real) in enumerate(sw.loader(loader), start=1):
@@ -127,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         n_tokens = int(n_real.sum())
         sw.step(tokens=n_tokens, padded_tokens=x.numel())
         ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
         tokens.append(n_tokens)
     t_loop_end = time.perf_counter()
     flushed = sw.close(timeout_s=10.0)
@@ -138,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "start": t_start,
             "close_s": t_closed - t_loop_end,
             "step_ends": ends,
+            "cpu_ends": cpu_ends,
             "tokens": tokens,
             "flushed": flushed,
             "stats": sw.stats,

@@ -54,7 +54,9 @@ class CountingWindow(ProfilerWindow):
         return super().edge(step, times, n)
 
 
-def _train(sw: stepwatch.Stepwatch, steps: int) -> None:
+def _train(sw: stepwatch.Stepwatch, steps: int, pw: ProfilerWindow | None = None) -> None:
+    """A few real steps; with ``pw``, each step also waits for the profiler thread to be
+    idle (so that no window is skipped for "still being parsed": the loop is ~1 ms a step)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -65,6 +67,8 @@ def _train(sw: stepwatch.Stepwatch, steps: int) -> None:
         opt.step()
         opt.zero_grad()
         sw.step(tokens=32)
+        if pw is not None:
+            assert pw._idle.wait(30)
 
 
 def _agent(pw: ProfilerWindow) -> tuple[stepwatch.Stepwatch, RecordingSender]:
@@ -84,7 +88,7 @@ def test_windows_profile_the_scheduled_steps_and_ride_on_the_next_batch() -> Non
         every=4, steps=2, budget=1.0, warmup_end=0, clock_sync=ClockSync(0, "h", single_host=True)
     )
     sw, rec = _agent(pw)
-    _train(sw, 11)
+    _train(sw, 11, pw)
     assert sw.close()
     # Edges only: start at 4, step at 5, stop at 6; start at 8, step at 9, stop at 10.
     assert pw.edges == [4, 5, 6, 8, 9, 10]
@@ -118,6 +122,17 @@ def test_another_active_profiler_skips_the_window_and_says_so() -> None:
     assert sw.close()
     (p,) = _encoded(sw, rec.windows[0])["profiles"]
     assert p == {"first_step": 4, "n_steps": 0, "skipped": "another profiler active"}
+
+
+def test_a_window_is_skipped_while_the_previous_one_is_being_parsed() -> None:
+    pw = ProfilerWindow(every=3, steps=1, budget=1.0, warmup_end=0)
+    sw, rec = _agent(pw)
+    pw._idle.clear()  # as if the profiler thread were still parsing a window
+    _train(sw, 4)
+    pw._idle.set()
+    assert sw.close()
+    (p,) = _encoded(sw, rec.windows[0])["profiles"]
+    assert p == {"first_step": 4, "n_steps": 0, "skipped": "previous window still being parsed"}
 
 
 def test_schedule_is_aligned_to_multiples_of_the_period_after_warmup() -> None:
