@@ -27,6 +27,7 @@ report no offset (``None``), and the collector treats their clock as rank 0's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -113,10 +114,8 @@ def measure(store: Store, *, rounds: int = 5, clock: Callable[[], float] = time.
         theirs = float(store.get(f"{PREFIX}resp/{n}").decode())
         t1 = clock()
         for k in ("ack", "req", "resp"):
-            try:
+            with contextlib.suppress(Exception):  # tiny keys; a store without delete keeps them
                 store.delete_key(f"{PREFIX}{k}/{n}")
-            except Exception:  # the keys are tiny; a store without delete keeps them
-                pass
         rtt = t1 - t0
         if best is None or rtt < best[0]:
             best = (rtt, theirs - (t0 + t1) / 2.0)
@@ -152,7 +151,7 @@ class ClockSync:
 
     def start(self) -> None:
         """Start the thread once (per process: a forked child starts its own)."""
-        if self.single_host or self.rank == 0 and self.estimate is None:
+        if self.single_host or (self.rank == 0 and self.estimate is None):
             self.estimate = ClockEstimate(0.0, 0.0, "same-host", self._clock())
         if self.single_host:
             return
@@ -206,7 +205,7 @@ def connect_from_env(timeout_s: float = 30.0) -> Store | None:
         return None
     import torch.distributed as dist
 
-    store: Store = dist.TCPStore(
+    store: Store = dist.TCPStore(  # type: ignore[attr-defined]
         addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
     return store

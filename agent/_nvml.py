@@ -98,7 +98,10 @@ class Nvml:
 
 
 def _reasons(lib: Any, handle: Any) -> int:
-    fn = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or lib.nvmlDeviceGetCurrentClocksThrottleReasons
+    fn = (
+        getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        or lib.nvmlDeviceGetCurrentClocksThrottleReasons
+    )
     return int(fn(handle))
 
 

@@ -37,7 +37,6 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .breakdown import Interval, breakdown
 from ._trace import (
     CollectiveRecord,
     TraceEvent,
@@ -47,6 +46,7 @@ from ._trace import (
     main_thread,
     unix_base_us,
 )
+from .breakdown import Interval, breakdown
 from .sketch import LogSketch
 
 __all__ = ["MAX_ARRIVALS", "MAX_TOP_OPS", "build_entry", "top_ops"]
@@ -174,11 +174,7 @@ def top_ops(
             acc[1] += 1
     else:
         main = main_thread(events)
-        ops = [
-            e
-            for e in events
-            if e.cat == "cpu_op" and (e.pid, e.tid) == main and lo <= e.start_us < hi
-        ]
+        ops = [e for e in events if e.cat == "cpu_op" and (e.pid, e.tid) == main and lo <= e.start_us < hi]
         totals = _self_times(ops)
     per = max(1, n_steps)
     ranked = sorted(totals.items(), key=lambda kv: (-kv[1][0], kv[0]))[:limit]

@@ -40,6 +40,7 @@ being parsed, or when the profiler fails to start.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
@@ -232,10 +233,8 @@ class ProfilerWindow:
         self.active = False
         self.record_function = None
         if prof is not None:
-            try:
+            with contextlib.suppress(Exception):
                 prof.stop()
-            except Exception:
-                pass
         self._skip(self._first if prof is not None else step + 1, reason)
 
     def _skip(self, first_step: int, reason: str) -> None:
@@ -261,10 +260,8 @@ class ProfilerWindow:
                 prof, self._prof = self._prof, None
                 self.active = False
                 self.record_function = None
-                try:
+                with contextlib.suppress(Exception):
                     prof.stop()
-                except Exception:
-                    pass
         return self._idle.wait(timeout_s)
 
     def stats(self) -> dict[str, Any]:
@@ -318,7 +315,7 @@ class ProfilerWindow:
         c0 = time.thread_time()
         try:
             import torch
-            import torch.profiler  # noqa: F401
+            import torch.profiler
 
             hasattr(torch, "_inductor")  # what torch.profiler's prepare_trace triggers
         except Exception:  # a broken optional import must not kill the thread

@@ -74,7 +74,9 @@ def _stepwatch() -> tuple[Callable[[int], None], Callable[[], None]]:
 
     cfg = AgentConfig(run="bench", warmup_steps=10, send_interval_s=3600.0)
     pw = ProfilerWindow(every=10**9, steps=2, budget=0.01, warmup_end=10)
-    sw = stepwatch.Stepwatch(cfg, detect({}, host="bench"), convention=None, sender=_DropSender(), profiler=pw)  # type: ignore[arg-type]
+    sw = stepwatch.Stepwatch(
+        cfg, detect({}, host="bench"), convention=None, sender=_DropSender(), profiler=pw
+    )  # type: ignore[arg-type]
 
     def step(i: int) -> None:
         sw.step(tokens=4096, padded_tokens=4608)

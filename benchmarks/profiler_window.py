@@ -61,7 +61,9 @@ def run() -> dict[str, Any]:
     stats = [s for pr in pairs for s in pr[True]["profile"] if s]
     costs = [s["last_cost"] for s in stats if s.get("last_cost")]
     return {
-        "pairs": [(pr[True]["loop_s"], pr[False]["loop_s"], pr[True]["cpu_s"], pr[False]["cpu_s"]) for pr in pairs],
+        "pairs": [
+            (pr[True]["loop_s"], pr[False]["loop_s"], pr[True]["cpu_s"], pr[False]["cpu_s"]) for pr in pairs
+        ],
         "median_ratio": statistics.median(ratios),
         "median_cpu_ratio": statistics.median(cpu_ratios),
         "windows_per_run": statistics.fmean(s["windows"] for s in stats) if stats else 0.0,

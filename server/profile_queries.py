@@ -121,14 +121,16 @@ def rank_profiles(
         .order_by(CS.c.rank, CS.c.op, CS.c.first_step)
     ).all()
     newest = (
-        select(PW.c.rank, func.max(PW.c.first_step).label("fs")).where(PW.c.run_id == run_id).group_by(PW.c.rank)
+        select(PW.c.rank, func.max(PW.c.first_step).label("fs"))
+        .where(PW.c.run_id == run_id)
+        .group_by(PW.c.rank)
     ).subquery()
     skipped = {
         r.rank: r.skipped
         for r in conn.execute(
-            select(PW.c.rank, PW.c.skipped).join(
-                newest, and_(PW.c.rank == newest.c.rank, PW.c.first_step == newest.c.fs)
-            ).where(PW.c.run_id == run_id)
+            select(PW.c.rank, PW.c.skipped)
+            .join(newest, and_(PW.c.rank == newest.c.rank, PW.c.first_step == newest.c.fs))
+            .where(PW.c.run_id == run_id)
         )
     }
     by_rank_colls: dict[int, list[Any]] = {}

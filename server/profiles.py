@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Connection, Table, bindparam, delete, func, select, update
 from sqlalchemy.sql.elements import ColumnElement
@@ -37,11 +37,11 @@ from .skew import GroupArrivals, split_wait_transfer
 
 PENDING_KEEP = 16
 SKETCH_ALPHA = 0.01
-PW = ProfileWindow.__table__
-CS = CollectiveStat.__table__
-PP = ProfilePending.__table__
-PA = ProfileArrival.__table__
-RW = RankWindow.__table__
+PW = cast(Table, ProfileWindow.__table__)
+CS = cast(Table, CollectiveStat.__table__)
+PP = cast(Table, ProfilePending.__table__)
+PA = cast(Table, ProfileArrival.__table__)
+RW = cast(Table, RankWindow.__table__)
 BREAKDOWN = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "idle_s")
 
 Insert = Callable[[Table], Any]
@@ -152,12 +152,16 @@ def _store_one(
         ).returning(PP.c.arrivals)
     ).scalar_one()
     if count >= world_size:
-        finalize(conn, run_id=run_id, first_step=prof.first_step, window_steps=window_steps, world_size=world_size)
+        finalize(
+            conn, run_id=run_id, first_step=prof.first_step, window_steps=window_steps, world_size=world_size
+        )
     elif count == 1:
         _prune(conn, run_id)
 
 
-def _update_rank_windows(conn: Connection, run_id: int, rank: int, window_steps: int, prof: ProfileIn) -> None:
+def _update_rank_windows(
+    conn: Connection, run_id: int, rank: int, window_steps: int, prof: ProfileIn
+) -> None:
     by_window: dict[int, list[int]] = {}
     for j in range(prof.n_steps):
         by_window.setdefault(window_of(prof.first_step + j, window_steps), []).append(j)

@@ -243,7 +243,9 @@ class ProfileIn(_Strict):
                 + self.idle_s[j]
             )
             if abs(parts - self.time_s[j]) > 0.02 * self.time_s[j] + 1e-6:
-                raise ValueError(f"step {j}: the parts sum to {parts} s, not the step time {self.time_s[j]} s")
+                raise ValueError(
+                    f"step {j}: the parts sum to {parts} s, not the step time {self.time_s[j]} s"
+                )
         last = self.first_step + n
         for g in self.arrivals:
             if any(not self.first_step <= s < last for s in g.step):
@@ -344,7 +346,9 @@ class CollectiveOut(BaseModel):
     count: int
     bytes: int | None = Field(description="Total bytes (nccl-tests convention); null when unknown")
     duration_s: Quantiles
-    wait_s: Quantiles | None = Field(description="Waiting for the last peer to arrive; null until all peers reported")
+    wait_s: Quantiles | None = Field(
+        description="Waiting for the last peer to arrive; null until all peers reported"
+    )
     transfer_s: Quantiles | None = Field(description="From the last arrival to the end")
 
 

@@ -80,8 +80,8 @@ def split_wait_transfer(
                     (rank, g.op[i], g.step[i], g.enter[i] + shift, g.end[i] + shift)
                 )
     out: dict[int, RankSkew] = {}
-    for (gid, _), rows in table.items():
-        if len({r[0] for r in rows}) != expected[gid] or len(rows) != expected[gid]:
+    for (group_id, _), rows in table.items():
+        if len({r[0] for r in rows}) != expected[group_id] or len(rows) != expected[group_id]:
             continue
         last = max(r[3] for r in rows)
         for rank, op, step, enter, end in rows:

@@ -50,9 +50,7 @@ def _run(tmp_path: Path, run: str, fault: list[str]) -> list[dict[str, Any]]:
         with launch.ranks(RANKS, args, env={"STEPWATCH_URL": col.url}, log_dir=str(tmp_path)) as procs:
             launch.wait_all(procs, timeout_s=120, log_dir=str(tmp_path))
         with httpx.Client(base_url=col.url, timeout=10) as c:
-            ranks: list[dict[str, Any]] = (
-                c.get(f"/api/v1/runs/{run}/ranks").raise_for_status().json()
-            )
+            ranks: list[dict[str, Any]] = c.get(f"/api/v1/runs/{run}/ranks").raise_for_status().json()
     assert [r["rank"] for r in ranks] == list(range(RANKS))
     for r in ranks:
         p = r["profile"]
@@ -79,7 +77,10 @@ def test_compute_straggler_has_the_most_compute_and_the_least_collective_wait(tm
     for peer in (0, 1, 3):
         assert wait[peer] > 0.5 * slow and wait[peer] > 3 * wait[2], wait
     # The merged wait sketches say the same per collective: the straggler's median wait is ~0.
-    p50 = {r["rank"]: next(c for c in r["collectives"] if c["op"] == "all_reduce")["wait_s"]["p50"] for r in ranks}
+    p50 = {
+        r["rank"]: next(c for c in r["collectives"] if c["op"] == "all_reduce")["wait_s"]["p50"]
+        for r in ranks
+    }
     assert p50[2] < min(p50[k] for k in (0, 1, 3)), p50
 
 

@@ -30,7 +30,9 @@ RW = RankWindow.__table__
 
 @pytest.fixture
 def client(db_url: str, engine: Engine) -> Iterator[TestClient]:
-    app = create_app(Settings(database_url=db_url, window_seconds=2.0, max_body_bytes=256 * 1024), engine=engine)
+    app = create_app(
+        Settings(database_url=db_url, window_seconds=2.0, max_body_bytes=256 * 1024), engine=engine
+    )
     with TestClient(app) as c:
         yield c
 
@@ -93,7 +95,9 @@ def test_wait_and_transfer_are_split_once_every_rank_reported(client: TestClient
     assert (p2["first_step"], p2["n_steps"], p2["device"]) == (5, 2, "cpu")
     assert p2["compute_s"] == pytest.approx(0.38) and p2["step_s"] == pytest.approx(0.5)
     assert p2["overlap_ratio"] == pytest.approx(0.5)
-    assert p2["comm_wait_s"] == pytest.approx(0.0) and ranks[0]["profile"]["comm_wait_s"] == pytest.approx(0.05)
+    assert p2["comm_wait_s"] == pytest.approx(0.0) and ranks[0]["profile"]["comm_wait_s"] == pytest.approx(
+        0.05
+    )
     assert p2["clock"] == {"offset_s": 0.0, "uncertainty_s": 0.0, "method": "same-host"}
     assert p2["cost_s"] == pytest.approx(0.05) and p2["profile_every"] == 100
     assert p2["top_ops"] == [{"name": "aten::mm", "self_s": pytest.approx(0.19), "count": 12.0}]
@@ -135,7 +139,9 @@ def test_a_retried_batch_counts_once(client: TestClient, engine: Engine) -> None
         assert conn.execute(select(ProfilePending.__table__.c.arrivals)).scalar_one() == 1
 
 
-def test_a_skipped_window_is_reported_and_still_completes_the_split(client: TestClient, engine: Engine) -> None:
+def test_a_skipped_window_is_reported_and_still_completes_the_split(
+    client: TestClient, engine: Engine
+) -> None:
     for rank in (0, 1, 2):
         _post(client, rank)
     skipped = {"first_step": 5, "n_steps": 0, "skipped": "another profiler active"}
@@ -158,7 +164,9 @@ def test_windows_that_never_complete_are_pruned(client: TestClient, engine: Engi
         assert client.post("/api/v1/ingest", json=p).status_code == 200
     assert _count(engine, ProfilePending) == PENDING_KEEP
     assert _count(engine, ProfileArrival) == PENDING_KEEP
-    assert _count(engine, ProfileWindow) == n and _count(engine, CollectiveStat) == n, "the rank's own data stays"
+    assert _count(engine, ProfileWindow) == n and _count(engine, CollectiveStat) == n, (
+        "the rank's own data stays"
+    )
 
 
 def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -20,9 +19,10 @@ from stepwatch._clock_sync import PREFIX, ClockSync, measure, serve  # noqa: E40
 
 
 @pytest.fixture
-def store() -> Iterator[object]:
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    yield master
+def store() -> object:
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
 
 
 def _client(master: object) -> object:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,10 +39,10 @@ def _fake_pynvml(fail: set[str] | None = None) -> types.ModuleType:
 
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
+def fake(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     m = _fake_pynvml()
     monkeypatch.setitem(sys.modules, "pynvml", m)
-    yield m
+    return m
 
 
 def test_sample_reads_every_field_in_base_units(fake: types.ModuleType) -> None:

@@ -112,4 +112,6 @@ def test_self_time_subtracts_nested_ops() -> None:
         }
     )
     ops = {o["name"]: o["self_s"] for o in top_ops(events, (0, 100), "cpu", 1)}
-    assert ops == pytest.approx({"aten::addmm": 30e-6, "aten::linear": 10e-6, "aten::copy_": 10e-6, "aten::relu": 5e-6})
+    assert ops == pytest.approx(
+        {"aten::addmm": 30e-6, "aten::linear": 10e-6, "aten::copy_": 10e-6, "aten::relu": 5e-6}
+    )

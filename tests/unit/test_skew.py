@@ -95,7 +95,8 @@ def test_wait_plus_transfer_is_the_duration_and_exactly_the_last_arrival_waits_n
     last = max(e for e, _ in ranks)
     members = tuple(range(len(ranks)))
     arrivals = {
-        r: [_g([enter], [last + tail], ranks=members, size=len(ranks))] for r, (enter, tail) in enumerate(ranks)
+        r: [_g([enter], [last + tail], ranks=members, size=len(ranks))]
+        for r, (enter, tail) in enumerate(ranks)
     }
     out = split_wait_transfer(arrivals, world_size=len(ranks))
     for r, (enter, tail) in enumerate(ranks):
