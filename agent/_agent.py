@@ -190,10 +190,10 @@ class Stepwatch:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Close the current window and wait until everything is sent. True if all was."""
         try:
-            self._drain_profiler(timeout_s)
+            left = self._drain_profiler(timeout_s)
             if self._n and self._enabled:
                 self._close_window(_perf())
-            return self._sender.flush(self.config.flush_timeout_s if timeout_s is None else timeout_s)
+            return self._sender.flush(left)
         except Exception as exc:
             self._disable(exc)
             return False
@@ -204,22 +204,26 @@ class Stepwatch:
             return True
         self._closed = True
         try:
-            self._drain_profiler(timeout_s)
+            left = self._drain_profiler(timeout_s)
             if self._n and self._enabled:
                 self._close_window(_perf())
             self._enabled = False
-            return self._sender.close(self.config.flush_timeout_s if timeout_s is None else timeout_s)
+            return self._sender.close(left)
         except Exception as exc:
             self._disable(exc)
             return False
         finally:
             atexit.unregister(self._atexit)
 
-    def _drain_profiler(self, timeout_s: float | None) -> None:
-        """Let a window that is being parsed finish, so its entry rides on the last batch."""
-        if self._pw is not None:
-            limit = self.config.flush_timeout_s if timeout_s is None else timeout_s
-            self._pw.drain(max(0.0, limit / 2))
+    def _drain_profiler(self, timeout_s: float | None) -> float:
+        """Let a window that is being parsed finish (within half the deadline), so its entry
+        rides on the last batch. Returns what is left of the deadline for sending."""
+        limit = max(0.0, self.config.flush_timeout_s if timeout_s is None else timeout_s)
+        if self._pw is None:
+            return limit
+        t0 = time.monotonic()
+        self._pw.drain(limit / 2)
+        return max(0.0, limit - (time.monotonic() - t0))
 
     def _atexit(self) -> None:
         self.close()
@@ -275,6 +279,12 @@ class Stepwatch:
     def _disable(self, exc: BaseException) -> None:
         if self._enabled:
             self._enabled = False
+            self._prof_at = NEVER
+            if self._pw is not None:  # never leave torch.profiler recording behind
+                try:
+                    self._pw.drain(0.0)
+                except Exception:
+                    log.exception("stepwatch: could not stop the profiler window")
             warnings.warn(
                 f"stepwatch disabled itself after an internal error ({exc!r}); training is unaffected",
                 RuntimeWarning,

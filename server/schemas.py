@@ -210,7 +210,7 @@ class ProfileIn(_Strict):
     n_steps: int = Field(ge=0, le=MAX_PROFILE_STEPS)
     skipped: str | None = Field(default=None, max_length=128)
     device: Literal["cpu", "cuda"] | None = None
-    t0: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    t0: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     time_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
     compute_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
     comm_overlapped_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)

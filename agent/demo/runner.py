@@ -93,7 +93,7 @@ def print_summary(url: str, run: str) -> dict[str, Any]:
         for r in profiled:
             p = r["profile"]
             keys = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s")
-            keys += ("comm_wait_s", "comm_transfer_s")
+            keys += ("comm_wait_s", "comm_transfer_s")  # type: ignore[assignment]
             bd.add_row(str(r["rank"]), *(_fmt(p[k]) for k in keys))
         console.print(bd)
     return {"overview": ov, "ranks": ranks}

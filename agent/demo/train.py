@@ -2,10 +2,20 @@
 that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (torchrun, or
 ``stepwatch.demo.launch``).
 
-Faults can be injected for tests and the demo: a slow rank (extra work inside its
-forward, a compute straggler: by default real matmuls, which the profiler counts as
-compute, or a plain sleep with ``--slow-kind sleep``, which it counts as idle) and a
-stalled loader on one rank (a data straggler). Each rank also
+Faults can be injected for tests and the demo: a slow rank (extra time inside its
+forward: a compute straggler) and a stalled loader on one rank (a data straggler).
+
+The slow rank's extra time comes in three kinds (``--slow-kind``):
+
+``op`` (default)
+    A custom ATen op (``stepwatch_demo::throttle``) that holds the host for the time
+    without using the CPU: to the profiler it is an operator that runs longer, as a
+    kernel of a throttled GPU does, and it leaves the cores to the other ranks, so the
+    effect does not drown in CPU contention when ranks outnumber cores.
+``busy``
+    Real matmuls for the time (compute that competes for cores).
+``sleep``
+    A plain ``time.sleep``: the profiler counts it as idle (host time outside operators). Each rank also
 times its own loop, independently of stepwatch, and writes that to ``--out`` so tests
 can compare what the collector reports against what the rank itself measured.
 """
@@ -62,7 +72,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-ms", type=float, default=0.0)
     p.add_argument("--slow-from", type=int, default=0, help="first step (1-based) of the slowdown")
     p.add_argument("--slow-to", type=int, default=1 << 30, help="last step of the slowdown")
-    p.add_argument("--slow-kind", choices=("busy", "sleep"), default="busy", help="matmuls or a sleep")
+    p.add_argument("--slow-kind", choices=("op", "busy", "sleep"), default="op", help="see the docstring")
     p.add_argument("--profile-every", type=int, default=None, help="profiler window period (0: off)")
     p.add_argument("--profile-steps", type=int, default=None, help="steps per profiler window")
     p.add_argument("--profile-budget", type=float, default=None, help="profiler cost budget (0-1)")
@@ -70,6 +80,13 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stall-ms", type=float, default=0.0, help="extra loader time per sample")
     p.add_argument("--out", default=None, help="write this rank's own timings as JSON ({rank} is replaced)")
     return p.parse_args(argv)
+
+
+@torch.library.custom_op("stepwatch_demo::throttle", mutates_args=())
+def throttle(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    """An operator that takes ``seconds`` without using the CPU (see the module docstring)."""
+    time.sleep(seconds)
+    return x.clone()
 
 
 def busy_for(seconds: float) -> None:
@@ -92,9 +109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == args.slow_rank and args.slow_ms > 0:
         slow_s = args.slow_ms / 1000.0
 
-        def slow_forward(_module: torch.nn.Module, _inputs: Any) -> None:
-            if args.slow_from <= step_now[0] <= args.slow_to:  # a compute straggler, inside forward
-                busy_for(slow_s) if args.slow_kind == "busy" else time.sleep(slow_s)
+        def slow_forward(_module: torch.nn.Module, inputs: Any) -> Any:
+            if not args.slow_from <= step_now[0] <= args.slow_to:
+                return None
+            if args.slow_kind == "op":  # a compute straggler, inside forward
+                return (throttle(inputs[0], slow_s), *inputs[1:])
+            busy_for(slow_s) if args.slow_kind == "busy" else time.sleep(slow_s)
+            return None
 
         model.register_forward_pre_hook(slow_forward)
     ddp = DDP(model)
@@ -131,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cpu_ends.append(time.process_time())
         tokens.append(n_tokens)
     t_loop_end = time.perf_counter()
-    flushed = sw.close(timeout_s=10.0)
+    flushed = sw.close(timeout_s=20.0)
     t_closed = time.perf_counter()
     if args.out:
         result: dict[str, Any] = {

@@ -14,6 +14,7 @@ parse, so its entry rides on the last batch.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ def _run(tmp_path: Path, run: str, fault: list[str]) -> list[dict[str, Any]]:
         "2",
         "--profile-budget",
         "1",
+        "--out",
+        str(tmp_path / "rank{rank}.json"),
         *fault,
     ]
     db = f"sqlite:///{tmp_path / 'stepwatch.db'}"
@@ -54,7 +57,9 @@ def _run(tmp_path: Path, run: str, fault: list[str]) -> list[dict[str, Any]]:
     assert [r["rank"] for r in ranks] == list(range(RANKS))
     for r in ranks:
         p = r["profile"]
-        assert p is not None and p["first_step"] == 7 and p["n_steps"] == 2, r
+        own = json.loads((tmp_path / f"rank{r['rank']}.json").read_text())["stats"]
+        why = f"rank {r['rank']}: profile_skipped={r['profile_skipped']!r}, agent stats {own}"
+        assert p is not None and p["first_step"] == 7 and p["n_steps"] == 2, why
         assert math.fsum(p[k] for k in PARTS) == pytest.approx(p["step_s"], rel=0.02)
         assert p["cost_s"] > 0 and p["clock"]["method"] == "same-host"
         assert [c["windows"] for c in r["collectives"] if c["op"] == "all_reduce"] == [1]
@@ -63,16 +68,16 @@ def _run(tmp_path: Path, run: str, fault: list[str]) -> list[dict[str, Any]]:
 
 @pytest.mark.e2e
 def test_compute_straggler_has_the_most_compute_and_the_least_collective_wait(tmp_path: Path) -> None:
-    """Rank 2 does 120 ms of extra matmuls inside its forward (a slow GPU): its compute is the
+    """Rank 2's forward runs an operator that takes 100 ms more (as on a throttled GPU; the
+    demo's ``--slow-kind op``, which leaves the CPU to the other ranks): its compute is the
     highest, it arrives last at the all-reduce so it waits least, and its peers wait for it.
-
-    Margins are loose on purpose: on 2 shared cores every rank's compute stretches with load.
     """
-    slow = 0.12
+    slow = 0.1
     ranks = _run(tmp_path, "e2e-slow-rank", ["--slow-rank", "2", "--slow-ms", str(slow * 1000)])
     compute = {r["rank"]: r["profile"]["compute_s"] for r in ranks}
     wait = {r["rank"]: r["profile"]["comm_wait_s"] for r in ranks}
     assert max(compute, key=compute.__getitem__) == 2, compute
+    assert compute[2] - min(compute.values()) > 0.5 * slow, compute
     assert min(wait, key=wait.__getitem__) == 2, wait
     for peer in (0, 1, 3):
         assert wait[peer] > 0.5 * slow and wait[peer] > 3 * wait[2], wait

@@ -158,3 +158,14 @@ def test_period_stretches_by_powers_of_two_to_meet_the_budget(
     pw = ProfilerWindow(every=10, steps=2, budget=0.01, warmup_end=0)
     pw._costs.extend(costs)
     assert pw._stretch(step_s) == every
+
+
+def test_an_internal_error_mid_window_stops_the_profiler() -> None:
+    pw = ProfilerWindow(every=3, steps=2, budget=1e9, warmup_end=0)
+    sw, _ = _agent(pw)
+    _train(sw, 4)  # the window started at the end of step 3
+    assert pw.active and torch.autograd.profiler._is_profiler_enabled
+    with pytest.warns(RuntimeWarning, match="disabled itself"):
+        sw.step(tokens=object())  # type: ignore[arg-type]  # not a count: an internal error
+    assert not pw.active and not torch.autograd.profiler._is_profiler_enabled
+    sw.close()
