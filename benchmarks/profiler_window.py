@@ -26,7 +26,7 @@ from typing import Any
 from stepwatch.demo import launch
 
 PAIRS = 3
-STEPS = 300
+STEPS = 250
 WARMUP = 10
 BATCH = 4
 
