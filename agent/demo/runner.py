@@ -83,19 +83,6 @@ def print_summary(url: str, run: str) -> dict[str, Any]:
             str(r["dropped_windows"]),
         )
     console.print(per_rank)
-    profiled = [r for r in ranks if r.get("profile")]
-    if profiled:
-        first = profiled[0]["profile"]
-        bd = Table(title=f"where the time goes (profiler window at step {first['first_step']}, s/step)")
-        cols = ("compute", "overlap", "exposed", "data", "idle", "wait", "xfer")
-        for col in ("rank", *cols):
-            bd.add_column(col, justify="right")
-        for r in profiled:
-            p = r["profile"]
-            keys = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s")
-            keys += ("comm_wait_s", "comm_transfer_s")  # type: ignore[assignment]
-            bd.add_row(str(r["rank"]), *(_fmt(p[k]) for k in keys))
-        console.print(bd)
     return {"overview": ov, "ranks": ranks}
 
 
@@ -118,7 +105,6 @@ def run_demo(ranks: int = 4, steps: int = 60, keep: bool = False) -> int:
                 f"training {ranks} gloo ranks x {steps} steps of a tiny GPT, run [bold]{run}[/bold] ..."
             )
             args = ["--run", run, "--steps", str(steps), "--peak-flops", str(peak), "--send-interval", "2"]
-            args += ["--profile-every", "20"]  # a short run: profile sooner than the default 100
             env = {"STEPWATCH_URL": col.url}
             with launch.ranks(ranks, args, env=env, log_dir=workdir) as procs:
                 launch.wait_all(procs, timeout_s=600, log_dir=workdir)
