@@ -122,12 +122,19 @@ class Stepwatch:
                 self._hot_s -= _perf() - t_edge  # counted as profiler cost, not hot path
             i += 1
             self._n = i
-            if i == self._cap or now - self._window_start >= self._interval:
+            if i == self._cap or (now - self._window_start >= self._interval and self._may_close(now)):
                 self._close_window(now)
             self._hot_s += _perf() - now
             self._hot_n += 1
         except Exception as exc:
             self._disable(exc)
+
+    def _may_close(self, now: float) -> bool:
+        """A due window waits (up to one more interval) while a profiler window is being
+        parsed, so that the entry rides on the batch of the steps it profiled; at the last
+        step, ``close()`` waits for it and then sends that window."""
+        pw = self._pw
+        return pw is None or pw.idle or now - self._window_start >= 2 * self._interval
 
     def _close_window(self, now: float) -> None:
         n = self._n

@@ -250,6 +250,11 @@ class ProfilerWindow:
             self.dropped += 1
         self.results.append(entry)
 
+    @property
+    def idle(self) -> bool:
+        """No finished window is waiting for (or being processed by) the profiler thread."""
+        return self._idle.is_set()
+
     def drain(self, timeout_s: float) -> bool:
         """Stop a window in progress (its steps are cut short) and wait up to
         ``timeout_s`` for the profiler thread to finish. True when nothing is left."""
