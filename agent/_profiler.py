@@ -21,9 +21,11 @@ Self-measured cost of a window (seconds), all of it counted against the budget:
 * the profiler thread's CPU time for export and parse (it competes for the GIL and for
   cores with training).
 
-Budget: after each window the period is stretched to the smallest ``base * 2**j`` for
-which the median cost of the last four windows is at most ``budget`` (default 1%) of
-``period x median step time``. Powers of two keep ranks aligned: a rank with a longer
+Budget: the period is stretched to the smallest ``base * 2**j`` for which the median
+cost of the last four windows is at most ``budget`` (default 1%) of ``period x median
+step time``; checked after each window, and once before the first one against a prior
+of :data:`PRIOR_COST_S` (so fast steps, where 100 steps are a few seconds, do not pay
+more than the budget for the first windows either). Powers of two keep ranks aligned: a rank with a longer
 period profiles a subset of the windows of a rank with a shorter one, so the collector
 still finds every rank in the windows that all of them profiled.
 
@@ -64,6 +66,9 @@ NEVER = 1 << 62
 MAX_STRETCH = 1024
 BASELINE_STEPS = 32
 MAX_PENDING = 8
+PRIOR_COST_S = 0.1
+"""Assumed cost of a window before one is measured (measured here: 50-100 ms on a small
+CPU model; pushed out of the median by the first measured windows)."""
 
 
 @dataclass
@@ -131,12 +136,17 @@ class ProfilerWindow:
         self._calls_s = 0.0
         self._idle = threading.Event()  # set while no window waits for the profiler thread
         self._idle.set()
-        self._costs: deque[float] = deque(maxlen=4)
+        # The cost estimate starts from a prior, so that even the first window respects the
+        # budget: the period is checked against it at the first start (see ``_start``).
+        self._costs: deque[float] = deque([PRIOR_COST_S], maxlen=4)
+        self._checked_prior = False
         self.results: deque[dict[str, Any]] = deque()
         self.windows = 0
         self.skipped = 0
         self.dropped = 0
         self.last_cost: dict[str, Any] | None = None
+        #: (first step, period it ran under) of the latest windows (stats and benchmarks).
+        self.recent: deque[tuple[int, int]] = deque(maxlen=16)
         self._jobs: deque[_Job] = deque()
         self._warm_pending = False
         #: CPU seconds of the one-time imports done by :meth:`warm`.
@@ -172,6 +182,9 @@ class ProfilerWindow:
             return self.next_start(step)
 
     def _start(self, step: int, times: array[float], n: int) -> int:
+        if not self._checked_prior and n:  # before the first window: the prior vs the budget
+            self._checked_prior = True
+            self.every = self._stretch(statistics.median(times[max(0, n - BASELINE_STEPS) : n]))
         every = self.every
         if step % every or step <= self.warmup_end:  # the period changed since scheduling
             return self.next_start(step)
@@ -277,6 +290,7 @@ class ProfilerWindow:
             "dropped": self.dropped,
             "every": self.every,
             "last_cost": self.last_cost,
+            "recent_windows": list(self.recent),
             "warm_cpu_s": self.warm_cpu_s,
         }
 
@@ -368,6 +382,7 @@ class ProfilerWindow:
         self._costs.append(total)
         self.every = self._stretch(base_step)
         self.windows += 1
+        self.recent.append((job.first_step, job.every))
         cost = {
             "window_s": total,
             "on_thread_s": on_thread,

@@ -117,7 +117,7 @@ def test_windows_profile_the_scheduled_steps_and_ride_on_the_next_batch() -> Non
 
 
 def test_another_active_profiler_skips_the_window_and_says_so() -> None:
-    pw = ProfilerWindow(every=3, steps=1, budget=1.0, warmup_end=0)
+    pw = ProfilerWindow(every=3, steps=1, budget=1e9, warmup_end=0)
     sw, rec = _agent(pw)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         _train(sw, 4)
@@ -127,7 +127,7 @@ def test_another_active_profiler_skips_the_window_and_says_so() -> None:
 
 
 def test_a_window_is_skipped_while_the_previous_one_is_being_parsed() -> None:
-    pw = ProfilerWindow(every=3, steps=1, budget=1.0, warmup_end=0)
+    pw = ProfilerWindow(every=3, steps=1, budget=1e9, warmup_end=0)
     sw, rec = _agent(pw)
     pw._idle.clear()  # as if the profiler thread were still parsing a window
     _train(sw, 4)
@@ -157,8 +157,20 @@ def test_period_stretches_by_powers_of_two_to_meet_the_budget(
     costs: list[float], step_s: float, every: int
 ) -> None:
     pw = ProfilerWindow(every=10, steps=2, budget=0.01, warmup_end=0)
+    pw._costs.clear()  # drop the prior
     pw._costs.extend(costs)
     assert pw._stretch(step_s) == every
+
+
+def test_the_first_window_already_respects_the_budget_through_the_prior() -> None:
+    """Steps of 10 ms: 100 steps are 1 s, and a window (prior 0.1 s) would cost 10%."""
+    pw = ProfilerWindow(every=100, steps=2, budget=0.01, warmup_end=0)
+    times = array("d", [0.01] * 32)
+    assert pw.edge(100, times, 32) == 1600, "stretched to 100 x 2**j >= 0.1 / (1% x 10 ms) = 1000"
+    assert pw.every == 1600 and not pw.active
+    slow = ProfilerWindow(every=100, steps=2, budget=0.01, warmup_end=0)
+    assert slow.edge(100, array("d", [1.0] * 32), 32) == 100 + 1 and slow.active, "1 s steps: no stretch"
+    slow.drain(5)
 
 
 def test_an_internal_error_mid_window_stops_the_profiler() -> None:
