@@ -32,5 +32,9 @@ lint: venv
 typecheck: venv
 	$(PY) tools/typecheck.py
 
+# Hot path vs Lightning's Throughput and a bare loop; profiler window on 2 gloo ranks.
+bench: venv
+	$(PY) -m benchmarks
+
 clean:
 	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache

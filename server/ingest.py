@@ -22,6 +22,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
 
 from .db.models import IngestedBatch, JobStep, Rank, RankWindow, Run
+from .profiles import store_profiles
 from .schemas import IngestPayload, PlanIn
 
 TAG_CODES = {"warmup": 1, "checkpoint": 2, "eval": 3}
@@ -34,6 +35,7 @@ class RunKey:
     id: int
     window_steps: int
     dp_size: int
+    world_size: int = 0
     #: The plan as last stored: (target_tokens, deadline Unix s, fingerprint, baseline run).
     plan: tuple[Any, ...] | None = None
 
@@ -120,6 +122,7 @@ class Ingestor:
             runs.c.id,
             runs.c.window_steps,
             runs.c.dp_size,
+            runs.c.world_size,
             runs.c.target_tokens,
             runs.c.deadline,
             runs.c.config_fingerprint,
@@ -143,6 +146,7 @@ class Ingestor:
             id=row.id,
             window_steps=row.window_steps,
             dp_size=row.dp_size,
+            world_size=row.world_size,
             plan=_plan_key(row.target_tokens, row.deadline, row.config_fingerprint, row.baseline_run),
         )
 
@@ -171,6 +175,15 @@ class Ingestor:
                 self._store_job_steps(conn, run, p)
                 if p.profile is not None:
                     self._store_profile(conn, run, p)
+            if p.profiles:
+                store_profiles(
+                    conn,
+                    self._insert,
+                    run_id=run.id,
+                    window_steps=run.window_steps,
+                    world_size=run.world_size,
+                    p=p,
+                )
         return True
 
     def _store_rank(self, conn: Connection, run: RunKey, p: IngestPayload) -> None:

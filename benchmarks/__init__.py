@@ -1,0 +1,1 @@
+"""Benchmarks with baselines measured in the same run (``make bench``)."""
