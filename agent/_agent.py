@@ -22,6 +22,7 @@ from . import __version__
 from ._device_clock import CudaEventClock
 from ._env import RankInfo
 from ._payload import build_payload, encode, new_batch_id
+from ._profiler import DATA_WAIT_SPAN, NEVER, ProfilerWindow
 from ._sender import Sender, SenderStats
 from ._window import TAG_CODES, Window
 from .config import AgentConfig
@@ -44,6 +45,7 @@ class Stepwatch:
         device_clock: CudaEventClock | None = None,
         sender: Sender | None = None,
         plan: Mapping[str, Any] | None = None,
+        profiler: ProfilerWindow | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -73,6 +75,9 @@ class Stepwatch:
         self._hot_s = 0.0
         self._hot_n = 0
         self._dev = device_clock
+        # Profiler window: the hot path compares the step number with the next edge only.
+        self._pw = profiler
+        self._prof_at = profiler.next_start(start_step) if profiler is not None else NEVER
         self._enabled = config.enabled
         self._closed = False
         self._rank_dict = rank.to_dict()
@@ -116,14 +121,25 @@ class Stepwatch:
             self._tag = 0
             if self._dev is not None:
                 self._dev.record(i)
+            if self._first_step + i == self._prof_at:  # a profiler-window edge (rare)
+                t_edge = _perf()
+                self._prof_at = self._pw.edge(self._prof_at, self._time, i + 1)  # type: ignore[union-attr]
+                self._hot_s -= _perf() - t_edge  # counted as profiler cost, not hot path
             i += 1
             self._n = i
-            if i == self._cap or now - self._window_start >= self._interval:
+            if i == self._cap or (now - self._window_start >= self._interval and self._may_close(now)):
                 self._close_window(now)
             self._hot_s += _perf() - now
             self._hot_n += 1
         except Exception as exc:
             self._disable(exc)
+
+    def _may_close(self, now: float) -> bool:
+        """A due window waits (up to one more interval) while a profiler window is being
+        parsed, so that the entry rides on the batch of the steps it profiled; at the last
+        step, ``close()`` waits for it and then sends that window."""
+        pw = self._pw
+        return pw is None or pw.idle or now - self._window_start >= 2 * self._interval
 
     def _close_window(self, now: float, final: bool = False) -> None:
         n = self._n
@@ -156,8 +172,13 @@ class Stepwatch:
         it = iter(iterable)
         while True:
             t0 = _perf()
+            pw = self._pw
             try:
-                item = next(it)
+                if pw is not None and pw.active:  # inside a profiler window: mark the wait
+                    with pw.record_function(DATA_WAIT_SPAN):
+                        item = next(it)
+                else:
+                    item = next(it)
             except StopIteration:
                 return
             self._wait_acc += _perf() - t0
@@ -191,9 +212,10 @@ class Stepwatch:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Close the current window and wait until everything is sent. True if all was."""
         try:
+            left = self._drain_profiler(timeout_s)
             if self._n and self._enabled:
                 self._close_window(_perf())
-            return self._sender.flush(self.config.flush_timeout_s if timeout_s is None else timeout_s)
+            return self._sender.flush(left)
         except Exception as exc:
             self._disable(exc)
             return False
@@ -204,17 +226,28 @@ class Stepwatch:
             return True
         self._closed = True
         try:
+            left = self._drain_profiler(timeout_s)
             # The last window is marked final (even with no steps left in it) so that the
             # collector can tell a rank that finished from one that hangs.
             if self._enabled and (self._n or self._first_step > self._start_step + 1):
                 self._close_window(_perf(), final=True)
             self._enabled = False
-            return self._sender.close(self.config.flush_timeout_s if timeout_s is None else timeout_s)
+            return self._sender.close(left)
         except Exception as exc:
             self._disable(exc)
             return False
         finally:
             atexit.unregister(self._atexit)
+
+    def _drain_profiler(self, timeout_s: float | None) -> float:
+        """Let a window that is being parsed finish (within half the deadline), so its entry
+        rides on the last batch. Returns what is left of the deadline for sending."""
+        limit = max(0.0, self.config.flush_timeout_s if timeout_s is None else timeout_s)
+        if self._pw is None:
+            return limit
+        t0 = time.monotonic()
+        self._pw.drain(limit / 2)
+        return max(0.0, limit - (time.monotonic() - t0))
 
     def _atexit(self) -> None:
         self.close()
@@ -234,6 +267,7 @@ class Stepwatch:
             "pending_windows": self._sender.pending(),
             "last_error": s.last_error,
             "hot_path_mean_s": self._hot_s / self._hot_n if self._hot_n else None,
+            "profile": self._pw.stats() if self._pw is not None else None,
         }
 
     # -- sender thread -------------------------------------------------------------
@@ -253,6 +287,8 @@ class Stepwatch:
             "dropped_steps": stats.dropped_steps,
             "hot_path_mean_s": self._hot_s / self._hot_n if self._hot_n else None,
         }
+        if window.profiles is None:
+            window.profiles = self._pw.take() if self._pw is not None else []
         payload = build_payload(
             window,
             run=self.config.run,
@@ -261,12 +297,19 @@ class Stepwatch:
             agent=agent,
             sent_at=time.time(),
             plan=self.plan,
+            profiles=window.profiles,
         )
         return encode(payload)
 
     def _disable(self, exc: BaseException) -> None:
         if self._enabled:
             self._enabled = False
+            self._prof_at = NEVER
+            if self._pw is not None:  # never leave torch.profiler recording behind
+                try:
+                    self._pw.drain(0.0)
+                except Exception:
+                    log.exception("stepwatch: could not stop the profiler window")
             warnings.warn(
                 f"stepwatch disabled itself after an internal error ({exc!r}); training is unaffected",
                 RuntimeWarning,

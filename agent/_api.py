@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from . import _env, config
 from ._agent import Stepwatch
+from ._clock_sync import ClockSync
 from ._device_clock import cuda_clock
+from ._nvml import for_current_cuda_device
 from ._payload import plan_section
+from ._profiler import ProfilerWindow
 
 _FINGERPRINT = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 
@@ -66,6 +71,11 @@ def init(
     deadline: float | datetime | None = None,
     config_fingerprint: str | None = None,
     baseline_run: str | None = None,
+    profile_every: int | None = None,
+    profile_steps: int | None = None,
+    profile_budget: float | None = None,
+    sample_batch: object = None,
+    loss_fn: Callable[[Any], Any] | None = None,
 ) -> Stepwatch:
     """Set up the agent for this process and return its handle.
 
@@ -79,6 +89,11 @@ def init(
     finish and the step time needed to meet it; ``config_fingerprint`` (any short id of
     the configuration that makes two runs comparable) and ``baseline_run`` (the name of
     an earlier run with the same fingerprint) make regressions compare against that run.
+
+    ``formula="measured"`` with ``sample_batch=`` (and optionally ``loss_fn=``) counts the
+    model's FLOPs per token once, here, with ``torch.utils.flop_counter`` (one forward and
+    backward of the real model). ``profile_every``/``profile_steps``/``profile_budget``
+    set the profiler window (see ``stepwatch._profiler``; ``profile_every=0`` turns it off).
     """
     global _current
     plan = _plan(target_tokens, deadline, config_fingerprint, baseline_run)
@@ -89,6 +104,9 @@ def init(
         send_interval_s=send_interval_s,
         warmup_steps=warmup_steps,
         flush_timeout_s=flush_timeout_s,
+        profile_every=profile_every,
+        profile_steps=profile_steps,
+        profile_budget=profile_budget,
     )
     info = _env.detect(
         rank=rank, local_rank=local_rank, world_size=world_size, host=host, tp=tp, pp=pp, cp=cp, ep=ep
@@ -113,6 +131,8 @@ def init(
             device_name=device_name,
             peak_flops=peak_flops,
             recompute=recompute,
+            sample_batch=sample_batch,
+            loss_fn=loss_fn,
         ).to_dict()
     except ValueError:
         raise
@@ -120,13 +140,19 @@ def init(
         warnings.warn(
             f"stepwatch: no FLOPs convention, MFU will be null ({exc!r})", RuntimeWarning, stacklevel=2
         )
-    clock = None
-    if model is not None and _model_on_cuda(model):
-        clock = cuda_clock(cfg.max_window_steps)
+    on_cuda = model is not None and _model_on_cuda(model)
+    clock = cuda_clock(cfg.max_window_steps) if on_cuda else None
+    profiler = _profiler(cfg, info, start_step=start_step, cuda=on_cuda) if cfg.enabled else None
     if _current is not None:
         _current.close()
     _current = Stepwatch(
-        cfg, info, convention=convention, start_step=start_step, device_clock=clock, plan=plan
+        cfg,
+        info,
+        convention=convention,
+        start_step=start_step,
+        device_clock=clock,
+        plan=plan,
+        profiler=profiler,
     )
     return _current
 
@@ -159,3 +185,28 @@ def _plan(
         config_fingerprint=config_fingerprint,
         baseline_run=baseline_run,
     )
+
+
+def _profiler(
+    cfg: config.AgentConfig, info: _env.RankInfo, *, start_step: int, cuda: bool
+) -> ProfilerWindow | None:
+    """The profiler window, or None when it is off or torch is missing (then no breakdown)."""
+    if cfg.profile_every <= 0:
+        return None
+    try:
+        import torch.profiler  # noqa: F401
+    except ImportError:
+        warnings.warn("stepwatch: torch is not importable, no profiler window", RuntimeWarning, stacklevel=3)
+        return None
+    single_host = os.environ.get("LOCAL_WORLD_SIZE") == str(info.world_size) or info.world_size == 1
+    pw = ProfilerWindow(
+        every=cfg.profile_every,
+        steps=cfg.profile_steps,
+        budget=cfg.profile_budget,
+        warmup_end=start_step + cfg.warmup_steps,
+        cuda=cuda,
+        clock_sync=ClockSync(info.rank, info.host, single_host=single_host),
+        nvml=for_current_cuda_device() if cuda else None,
+    )
+    pw.warm()
+    return pw

@@ -17,7 +17,8 @@ from typing import Any
 
 from ._window import TAGS, Window
 
-SCHEMA_VERSION = 1
+#: 2 adds the optional ``profiles`` list (profiler-window entries, see ``_profile_entry``).
+SCHEMA_VERSION = 2
 
 
 def new_batch_id() -> str:
@@ -45,6 +46,7 @@ def build_payload(
     sent_at: float,
     plan: Mapping[str, Any] | None = None,
     profile: Mapping[str, Any] | None = None,
+    profiles: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Assemble the payload dict for one window (sender thread only).
 
@@ -78,6 +80,8 @@ def build_payload(
         payload["plan"] = dict(plan)
     if profile:
         payload["profile"] = dict(profile)
+    if profiles:
+        payload["profiles"] = [dict(p) for p in profiles]
     if window.final:
         payload["final"] = True
     return payload

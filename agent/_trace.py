@@ -84,9 +84,11 @@ __all__ = [
     "events_from_chrome_trace",
     "is_nccl_kernel",
     "load_chrome_trace",
+    "main_thread",
     "normalize_op",
     "parse_chrome_trace",
     "trace_from_profiler",
+    "unix_base_us",
     "window_breakdown",
 ]
 
@@ -391,7 +393,8 @@ def _single_group(distributed_info: object) -> _Group:
     )
 
 
-def _main_thread(events: Sequence[TraceEvent]) -> tuple[int | str, int | str] | None:
+def main_thread(events: Sequence[TraceEvent]) -> tuple[int | str, int | str] | None:
+    """``(pid, tid)`` of the thread that owns the ``ProfilerStep`` spans (else the busiest)."""
     counts: dict[tuple[int | str, int | str], int] = {}
     for ev in events:
         if ev.cat != "gpu_user_annotation" and _STEP_RE.match(ev.name):
@@ -519,7 +522,7 @@ def _device_steps(
 
 def classify_events(events: Sequence[TraceEvent], distributed_info: object = None) -> WindowTrace:
     """Apply the classification rules of the module docstring to parsed events."""
-    main = _main_thread(events)
+    main = main_thread(events)
 
     def on_main(ev: TraceEvent) -> bool:
         return main is not None and (ev.pid, ev.tid) == main
@@ -578,6 +581,19 @@ def classify_events(events: Sequence[TraceEvent], distributed_info: object = Non
         device="cuda",
         step_numbers=step_numbers,
     )
+
+
+def unix_base_us(trace: Mapping[str, object]) -> float:
+    """What to add to a trace's ``ts`` values to get Unix-epoch microseconds.
+
+    Kineto (torch >= 2.0) writes ``ts`` relative to ``baseTimeNanoseconds``, itself a
+    Unix time (measured: their sum is the wall-clock time of the run); older traces
+    carry absolute Unix microseconds and no base. Host and (CUPTI-converted) device
+    timestamps share this clock, which is what lets the collector compare the
+    collective arrival times of ranks that share a host clock.
+    """
+    base = _num(trace.get("baseTimeNanoseconds"))
+    return 0.0 if base is None else base / 1000.0
 
 
 def parse_chrome_trace(trace: Mapping[str, object]) -> WindowTrace:

@@ -32,6 +32,9 @@ class Window:
     #: The rank's last window (``close()``): the collector then knows the rank finished
     #: rather than hung. A final window may hold no steps.
     final: bool = False
+    #: Profiler-window entries riding on this batch; fixed at its first encoding so that
+    #: a retry sends the same body.
+    profiles: list[dict[str, Any]] | None = None
 
     @property
     def n_steps(self) -> int:

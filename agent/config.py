@@ -32,6 +32,12 @@ class AgentConfig:
     #: How long ``close()`` (and the exit hook) may take to send what is queued.
     flush_timeout_s: float = 5.0
     http_timeout_s: float = 5.0
+    #: A profiler window of ``profile_steps`` steps starts every ``profile_every`` steps
+    #: (0 turns it off); the period is stretched (x2, x4, ...) while the window's
+    #: self-measured cost exceeds ``profile_budget`` of training time.
+    profile_every: int = 100
+    profile_steps: int = 2
+    profile_budget: float = 0.01
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -56,6 +62,9 @@ def load(
     send_interval_s: float | None = None,
     warmup_steps: int | None = None,
     flush_timeout_s: float | None = None,
+    profile_every: int | None = None,
+    profile_steps: int | None = None,
+    profile_budget: float | None = None,
     env: Mapping[str, str] | None = None,
 ) -> AgentConfig:
     """Resolve the configuration; a bad value raises ValueError naming the setting."""
@@ -74,6 +83,19 @@ def load(
     warmup = warmup_steps if warmup_steps is not None else int(_env_float(env, "STEPWATCH_WARMUP_STEPS", 10))
     if warmup < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup}")
+    every = (
+        profile_every if profile_every is not None else int(_env_float(env, "STEPWATCH_PROFILE_EVERY", 100))
+    )
+    k = profile_steps if profile_steps is not None else int(_env_float(env, "STEPWATCH_PROFILE_STEPS", 2))
+    budget = (
+        profile_budget if profile_budget is not None else _env_float(env, "STEPWATCH_PROFILE_BUDGET", 0.01)
+    )
+    if every < 0 or (every and not 1 <= k < every) or k > 16:
+        raise ValueError(
+            f"profile_every must be 0 (off) or larger than profile_steps (1-16), got {every} and {k}"
+        )
+    if not 0 < budget <= 1:
+        raise ValueError(f"profile_budget must be in (0, 1], got {budget}")
     return AgentConfig(
         run=name,
         url=url or env.get("STEPWATCH_URL") or DEFAULT_URL,
@@ -86,4 +108,7 @@ def load(
             if flush_timeout_s is not None
             else _env_float(env, "STEPWATCH_FLUSH_TIMEOUT_S", 5.0)
         ),
+        profile_every=every,
+        profile_steps=k,
+        profile_budget=budget,
     )

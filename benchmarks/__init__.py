@@ -1,2 +1,2 @@
-"""Benchmarks: each module with a ``main()`` prints its figures as ratios against a
-baseline measured in the same run. ``python -m benchmarks`` runs them all."""
+"""Benchmarks with baselines measured in the same run (``make bench``): each public module
+has ``run()`` + ``report()`` or a ``main()``; ``python -m benchmarks`` runs them all."""

@@ -163,9 +163,15 @@ def run_series(
 
 
 @router.get("/runs/{run}/ranks", response_model=list[RankSummary], responses=_ERRORS)
-def run_ranks(run: str, request: Request) -> list[RankSummary]:
+def run_ranks(
+    run: str,
+    request: Request,
+    profile_windows: Annotated[
+        int, Query(ge=1, le=64, description="newest profiled windows merged into the collective quantiles")
+    ] = 1,
+) -> list[RankSummary]:
     with _engine(request).connect() as conn:
-        return queries.ranks(conn, run)
+        return queries.ranks(conn, run, profile_windows=profile_windows)
 
 
 @router.get("/runs/{run}/events", response_model=list[EventOut], responses=_ERRORS)

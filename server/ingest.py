@@ -30,6 +30,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from . import aggregate, ingest_pg
 from .aggregate import TAG_CODES, Rows
 from .db.models import IngestedBatch, JobStep, Rank, RankWindow, Run
+from .profiles import store_profiles
 from .schemas import IngestPayload, PlanIn
 
 __all__ = ["TAG_CODES", "Ingestor", "RunKey", "choose_window_steps"]
@@ -42,6 +43,7 @@ class RunKey:
     id: int
     window_steps: int
     dp_size: int
+    world_size: int = 0
     #: The plan as last stored: (target_tokens, deadline Unix s, fingerprint, baseline run).
     plan: tuple[Any, ...] | None = None
 
@@ -149,6 +151,7 @@ class Ingestor:
             runs.c.id,
             runs.c.window_steps,
             runs.c.dp_size,
+            runs.c.world_size,
             runs.c.target_tokens,
             runs.c.deadline,
             runs.c.config_fingerprint,
@@ -173,6 +176,7 @@ class Ingestor:
             id=row.id,
             window_steps=row.window_steps,
             dp_size=row.dp_size,
+            world_size=row.world_size,
             plan=_plan_key(row.target_tokens, row.deadline, row.config_fingerprint, row.baseline_run),
         )
 
@@ -212,6 +216,15 @@ class Ingestor:
                 for p, k in fresh:  # profiler windows: a few batches in a thousand
                     if p.profile is not None and p.steps.time_s:
                         self._store_profile(conn, k, p)
+                    if p.profiles:
+                        store_profiles(
+                            conn,
+                            self._insert,
+                            run_id=k.id,
+                            window_steps=k.window_steps,
+                            world_size=k.world_size,
+                            p=p,
+                        )
         return [i == first[p.batch_id] and p.batch_id in new for i, p in enumerate(payloads)]
 
     def _claim_rows(

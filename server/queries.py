@@ -18,6 +18,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from . import progress_view
 from .db.models import Event, JobStep, Rank, RankWindow, Run
+from .profile_queries import BREAKDOWN_METRICS, rank_profiles, window_series
 from .schemas import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
 
 LATEST_STEPS = 10
@@ -210,7 +211,15 @@ def _metric_expr(run: RunRow, metric: str) -> tuple[str, ColumnElement[Any]]:
     raise NotFoundError(f"unknown metric {metric!r}; one of {', '.join(SERIES_METRICS)}")
 
 
-SERIES_METRICS = ("step_time_s", "step_time_max_s", "tokens_per_s", "mfu", "data_wait_s", "ranks_reporting")
+SERIES_METRICS = (
+    "step_time_s",
+    "step_time_max_s",
+    "tokens_per_s",
+    "mfu",
+    "data_wait_s",
+    "ranks_reporting",
+    *BREAKDOWN_METRICS,
+)
 
 
 def series(
@@ -219,6 +228,10 @@ def series(
     """Per-step metric downsampled into at most ``max_points`` buckets of equal step
     width, each with min, mean and max of the steps inside it (not of a sample)."""
     run = get_run(conn, name)
+    if metric in BREAKDOWN_METRICS:  # per rank window, mean over ranks (profile_queries)
+        return window_series(
+            conn, run.id, name, metric, from_step=from_step, to_step=to_step, max_points=max_points
+        )
     unit, value = _metric_expr(run, metric)
     cond = [JS.c.run_id == run.id, _valid()]
     if from_step is None or to_step is None:
@@ -252,9 +265,11 @@ def series(
     return Series(run=name, metric=metric, unit=unit, points=points)
 
 
-def ranks(conn: Connection, name: str) -> list[RankSummary]:
-    """Each rank's identity and its latest stored window."""
+def ranks(conn: Connection, name: str, *, profile_windows: int = 1) -> list[RankSummary]:
+    """Each rank's identity, its latest stored window, its newest profiler window and its
+    collectives merged over the newest ``profile_windows`` profiled windows."""
     run = get_run(conn, name)
+    profiles = rank_profiles(conn, run.id, profile_windows)
     # The latest window of each rank by a per-rank lookup on the primary key (run, rank,
     # window), not a GROUP BY over every window the run ever stored.
     latest = (
@@ -277,6 +292,7 @@ def ranks(conn: Connection, name: str) -> list[RankSummary]:
     for r in rows:
         n = r[win.c.n_steps]
         st_sum = r[win.c.step_time_sum]
+        prof, skipped, colls = profiles.get(r[RANKS.c.rank], (None, None, []))
         out.append(
             RankSummary(
                 rank=r[RANKS.c.rank],
@@ -296,6 +312,9 @@ def ranks(conn: Connection, name: str) -> list[RankSummary]:
                 step_time_max_s=r[win.c.step_time_max],
                 data_wait_s=r[win.c.data_wait_sum] / n if n else None,
                 tokens_per_s=r[win.c.tokens_sum] / st_sum if n and st_sum else None,
+                profile=prof,
+                profile_skipped=skipped,
+                collectives=colls,
             )
         )
     return out

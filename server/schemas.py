@@ -11,12 +11,16 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SCHEMA_VERSION = 1
+from stepwatch.sketch import LogSketch
+
+#: Newest payload version; 1 (no ``profiles``) is still accepted.
+SCHEMA_VERSION = 2
 RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 HostName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._:-]+$")]
-NonNeg = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+#: Any non-negative measured quantity (seconds, counts, MHz, W); the bound keeps sums finite.
+NonNeg = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, le=2**53)]
 
 
@@ -145,8 +149,10 @@ class PlanIn(_Strict):
     baseline_run: RunName | None = None
 
 
-class ProfileIn(_Strict):
-    """Time breakdown of this batch's profiled steps: means per profiled step, in seconds.
+class ProfileSummaryIn(_Strict):
+    """Time breakdown of this batch's profiled steps, as means (simulators, external agents);
+    the agent's own profiler sends the detailed ``profiles`` instead. Means per profiled
+    step, in seconds.
 
     Stored into the rank window that holds the batch's last step (merged, weighted by
     ``steps``, with what that window already holds). ``group_transfer_s`` is the transfer
@@ -163,8 +169,161 @@ class ProfileIn(_Strict):
     group_transfer_s: dict[Literal["dp", "tp", "pp", "cp"], Seconds] | None = None
 
 
+# -- profiler windows (schema_version 2) ---------------------------------------------
+
+MAX_PROFILES = 8
+MAX_PROFILE_STEPS = 16
+MAX_ARRIVALS = 4096
+OpName = Literal[
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "all_to_all",
+    "broadcast",
+    "send",
+    "recv",
+    "send_recv",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "other",
+]
+RelSeconds = Annotated[float, Field(ge=-1e6, le=1e6, allow_inf_nan=False)]
+RankId = Annotated[int, Field(ge=0, le=1_048_575)]
+
+
+def _sketch(v: dict[str, Any]) -> dict[str, Any]:
+    LogSketch.from_dict(v)  # raises ValueError naming the sketch field
+    return v
+
+
+class TopOpIn(_Strict):
+    name: str = Field(max_length=128)
+    self_s: NonNeg
+    count: NonNeg
+
+
+class CollectiveIn(_Strict):
+    """One operation type of one window: count, bytes and a duration sketch (seconds)."""
+
+    op: OpName
+    count: Count
+    bytes: Count | None = None
+    duration: dict[str, Any]
+
+    _valid_sketch = field_validator("duration")(_sketch)
+
+    @model_validator(mode="after")
+    def _count_matches(self) -> CollectiveIn:
+        if self.duration["count"] != self.count:
+            raise ValueError(f"duration.count {self.duration['count']} is not count {self.count}")
+        return self
+
+
+class ArrivalsIn(_Strict):
+    """Enter/end times (seconds after the profile's ``t0``) of one group's collectives."""
+
+    group: str = Field(max_length=128)
+    ranks: list[RankId] | None = Field(default=None, max_length=1_048_576)
+    size: int | None = Field(default=None, ge=1, le=1_048_576)
+    key_kind: Literal["seq", "order"]
+    step: list[Annotated[int, Field(ge=0, le=2**53)]] = Field(max_length=MAX_ARRIVALS)
+    op: list[OpName] = Field(max_length=MAX_ARRIVALS)
+    key: list[Annotated[int, Field(ge=0, le=2**53)]] = Field(max_length=MAX_ARRIVALS)
+    enter: list[RelSeconds] = Field(max_length=MAX_ARRIVALS)
+    end: list[RelSeconds] = Field(max_length=MAX_ARRIVALS)
+
+    @model_validator(mode="after")
+    def _same_length(self) -> ArrivalsIn:
+        n = len(self.step)
+        for name in ("op", "key", "enter", "end"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} values but step has {n}")
+        return self
+
+
+class ClockIn(_Strict):
+    offset_s: RelSeconds
+    uncertainty_s: NonNeg
+    method: Literal["same-host", "store"]
+
+
+class NvmlIn(_Strict):
+    gpu_uuid: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9-]+$")
+    sm_clock_mhz: NonNeg | None = None
+    power_w: NonNeg | None = None
+    temperature_c: float | None = Field(default=None, ge=-100, le=300, allow_inf_nan=False)
+    throttle_reasons: list[Annotated[str, Field(max_length=32)]] | None = Field(default=None, max_length=16)
+
+
+class CostIn(_Strict):
+    """The window's self-measured cost (seconds) and the period it ran under."""
+
+    window_s: NonNeg
+    on_thread_s: NonNeg
+    slowdown_s: NonNeg
+    parse_cpu_s: NonNeg
+    every: int = Field(ge=1, le=2**40)
+    next_every: int = Field(ge=1, le=2**40)
+    overhead_ratio: NonNeg | None = None
+
+
+class ProfileIn(_Strict):
+    """One profiler window of this rank: per-step breakdown arrays and window summaries.
+
+    A skipped window has ``n_steps`` 0, a ``skipped`` reason and nothing else.
+    """
+
+    first_step: int = Field(ge=0, le=2**53)
+    n_steps: int = Field(ge=0, le=MAX_PROFILE_STEPS)
+    skipped: str | None = Field(default=None, max_length=128)
+    device: Literal["cpu", "cuda"] | None = None
+    t0: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    time_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
+    compute_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
+    comm_overlapped_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
+    comm_exposed_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
+    data_wait_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
+    idle_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
+    top_ops: list[TopOpIn] = Field(default_factory=list, max_length=20)
+    collectives: list[CollectiveIn] = Field(default_factory=list, max_length=16)
+    arrivals: list[ArrivalsIn] = Field(default_factory=list, max_length=32)
+    clock: ClockIn | None = None
+    nvml: NvmlIn | None = None
+    cost: CostIn | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ProfileIn:
+        n = self.n_steps
+        for name in ("time_s", "compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} values but n_steps is {n}")
+        if n and (self.device is None or self.t0 is None):
+            raise ValueError("a profile with steps needs device and t0")
+        if not n and self.skipped is None:
+            raise ValueError("a profile without steps must say why it was skipped")
+        for j in range(n):
+            parts = (
+                self.compute_s[j]
+                + self.comm_overlapped_s[j]
+                + self.comm_exposed_s[j]
+                + self.data_wait_s[j]
+                + self.idle_s[j]
+            )
+            if abs(parts - self.time_s[j]) > 0.02 * self.time_s[j] + 1e-6:
+                raise ValueError(
+                    f"step {j}: the parts sum to {parts} s, not the step time {self.time_s[j]} s"
+                )
+        last = self.first_step + n
+        for g in self.arrivals:
+            if any(not self.first_step <= s < last for s in g.step):
+                raise ValueError(f"arrivals of group {g.group!r} name a step outside the profiled steps")
+        return self
+
+
 class IngestPayload(_Strict):
-    schema_version: Literal[1]
+    schema_version: Literal[1, 2]
     batch_id: str = Field(pattern=r"^[A-Za-z0-9_-]{8,64}$")
     run: RunName
     sent_at: UnixTime
@@ -173,9 +332,16 @@ class IngestPayload(_Strict):
     convention: ConventionIn | None = None
     steps: StepsIn
     plan: PlanIn | None = None
-    profile: ProfileIn | None = None
+    profile: ProfileSummaryIn | None = None
     #: The rank's last batch (``close()``): it finished, so its silence is not a hang.
     final: bool = False
+    profiles: list[ProfileIn] | None = Field(default=None, max_length=MAX_PROFILES)
+
+    @model_validator(mode="after")
+    def _versioned(self) -> IngestPayload:
+        if self.profiles is not None and self.schema_version < 2:
+            raise ValueError("profiles need schema_version 2")
+        return self
 
     @model_validator(mode="after")
     def _steps_or_final(self) -> IngestPayload:
@@ -290,6 +456,67 @@ class Series(BaseModel):
     points: list[SeriesPoint]
 
 
+class Quantiles(BaseModel):
+    """Quantiles in seconds from merged log-bucket sketches (1% relative error)."""
+
+    count: int
+    p50: float | None
+    p99: float | None
+    max: float | None
+
+
+class CollectiveOut(BaseModel):
+    op: str
+    windows: int = Field(description="Profiler windows merged")
+    count: int
+    bytes: int | None = Field(description="Total bytes (nccl-tests convention); null when unknown")
+    duration_s: Quantiles
+    wait_s: Quantiles | None = Field(
+        description="Waiting for the last peer to arrive; null until all peers reported"
+    )
+    transfer_s: Quantiles | None = Field(description="From the last arrival to the end")
+
+
+class NvmlOut(BaseModel):
+    gpu_uuid: str | None
+    sm_clock_mhz: float | None
+    power_w: float | None
+    temperature_c: float | None
+    throttle_reasons: list[str] | None
+
+
+class ClockOut(BaseModel):
+    offset_s: float | None = Field(description="Added to this rank's clock to get rank 0's")
+    uncertainty_s: float | None
+    method: str | None
+
+
+class ProfileOut(BaseModel):
+    """The rank's latest profiler window with data: means per profiled step, in seconds.
+
+    compute (only) + comm_overlapped + comm_exposed + data_wait + idle = step.
+    """
+
+    first_step: int
+    n_steps: int
+    device: str | None
+    step_s: float | None
+    compute_s: float | None
+    comm_overlapped_s: float | None
+    comm_exposed_s: float | None
+    data_wait_s: float | None
+    idle_s: float | None
+    overlap_ratio: float | None = Field(description="Overlapped / all communication (0-1)")
+    comm_wait_s: float | None = Field(description="Per step, summed over collectives")
+    comm_transfer_s: float | None = Field(description="Per step, summed over collectives")
+    top_ops: list[dict[str, Any]] | None
+    nvml: NvmlOut | None
+    clock: ClockOut
+    cost_s: float | None = Field(description="The window's self-measured cost")
+    overhead_ratio: float | None = Field(description="cost / (period x step time)")
+    profile_every: int | None
+
+
 class RankSummary(BaseModel):
     rank: int
     host: str
@@ -308,6 +535,13 @@ class RankSummary(BaseModel):
     step_time_max_s: float | None
     data_wait_s: float | None = Field(description="Mean data-loader wait per step, latest window")
     tokens_per_s: float | None
+    profile: ProfileOut | None = None
+    profile_skipped: str | None = Field(
+        default=None, description="Why the rank's newest profiler window has no data, if it has none"
+    )
+    collectives: list[CollectiveOut] = Field(
+        default_factory=list, description="Per op type, merged over the newest profiled windows"
+    )
 
 
 class Problem(BaseModel):

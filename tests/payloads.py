@@ -54,6 +54,7 @@ def payload(
     final: bool = False,
     plan: dict[str, Any] | None = None,
     profile: dict[str, Any] | None = None,
+    profiles: Sequence[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     n = len(times)
     window = Window(
@@ -83,4 +84,67 @@ def payload(
         sent_at=time.time(),
         plan=plan,
         profile=profile,
+        profiles=profiles,
     )
+
+
+def profile_entry(
+    *,
+    first_step: int,
+    enter: Sequence[float],
+    end: Sequence[float],
+    compute: float = 0.3,
+    overlapped: float = 0.05,
+    exposed: float = 0.05,
+    data_wait: float = 0.01,
+    step_s: float = 0.5,
+    ranks: Sequence[int] | None = (0, 1, 2, 3),
+    t0: float = 1.8e9,
+    offset_s: float = 0.0,
+) -> dict[str, Any]:
+    """A profile entry as the agent builds it: one all-reduce per step, ``enter``/``end``
+    per step (seconds after ``t0``), constant breakdown parts."""
+    from stepwatch.sketch import LogSketch
+
+    n = len(enter)
+    sk = LogSketch(0.01)
+    for a, b in zip(enter, end, strict=True):
+        sk.add(b - a)
+    return {
+        "first_step": first_step,
+        "n_steps": n,
+        "device": "cpu",
+        "t0": t0,
+        "time_s": [step_s] * n,
+        "compute_s": [compute] * n,
+        "comm_overlapped_s": [overlapped] * n,
+        "comm_exposed_s": [exposed] * n,
+        "data_wait_s": [data_wait] * n,
+        "idle_s": [step_s - compute - overlapped - exposed - data_wait] * n,
+        "top_ops": [{"name": "aten::mm", "self_s": compute / 2, "count": 12.0}],
+        "collectives": [{"op": "all_reduce", "count": n, "bytes": 4096 * n, "duration": sk.to_dict()}],
+        "arrivals": [
+            {
+                "group": "0",
+                "ranks": list(ranks) if ranks is not None else None,
+                "size": len(ranks) if ranks is not None else None,
+                "key_kind": "order",
+                "step": [first_step + j for j in range(n)],
+                "op": ["all_reduce"] * n,
+                "key": [0] * n,
+                "enter": list(enter),
+                "end": list(end),
+            }
+        ],
+        "clock": {"offset_s": offset_s, "uncertainty_s": 0.0, "method": "same-host"},
+        "nvml": None,
+        "cost": {
+            "window_s": 0.05,
+            "on_thread_s": 0.02,
+            "slowdown_s": 0.01,
+            "parse_cpu_s": 0.02,
+            "every": 100,
+            "next_every": 100,
+            "overhead_ratio": 0.001,
+        },
+    }

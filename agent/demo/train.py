@@ -2,10 +2,23 @@
 that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (torchrun, or
 ``stepwatch.demo.launch``).
 
-Faults can be injected for tests and the demo: a slow rank (sleeps inside its forward,
-a compute straggler), a stalled loader on one rank (a data straggler) and a hang (one
-rank stops inside a step; the others then block in the next all-reduce). Each rank also
-times its own loop, independently of stepwatch, and writes that to ``--out`` so tests
+Faults can be injected for tests and the demo: a slow rank (extra time inside its
+forward: a compute straggler), a stalled loader on one rank (a data straggler) and a hang (one
+rank stops inside a step; the others then block in the next all-reduce).
+
+The slow rank's extra time comes in three kinds (``--slow-kind``):
+
+``op`` (default)
+    A custom ATen op (``stepwatch_demo::throttle``) that holds the host for the time
+    without using the CPU: to the profiler it is an operator that runs longer, as a
+    kernel of a throttled GPU does, and it leaves the cores to the other ranks, so the
+    effect does not drown in CPU contention when ranks outnumber cores.
+``busy``
+    Real matmuls for the time (compute that competes for cores).
+``sleep``
+    A plain ``time.sleep``: the profiler counts it as idle (host time outside operators).
+
+Each rank also times its own loop, independently of stepwatch, and writes that to ``--out`` so tests
 can compare what the collector reports against what the rank itself measured.
 """
 
@@ -61,6 +74,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-ms", type=float, default=0.0)
     p.add_argument("--slow-from", type=int, default=0, help="first step (1-based) of the slowdown")
     p.add_argument("--slow-to", type=int, default=1 << 30, help="last step of the slowdown")
+    p.add_argument("--slow-kind", choices=("op", "busy", "sleep"), default="op", help="see the docstring")
+    p.add_argument("--profile-every", type=int, default=None, help="profiler window period (0: off)")
+    p.add_argument("--profile-steps", type=int, default=None, help="steps per profiler window")
+    p.add_argument("--profile-budget", type=float, default=None, help="profiler cost budget (0-1)")
     p.add_argument("--stall-rank", type=int, default=-1, help="rank whose loader stalls")
     p.add_argument("--stall-ms", type=float, default=0.0, help="extra loader time per sample")
     p.add_argument("--hang-rank", type=int, default=-1, help="rank that hangs")
@@ -68,6 +85,21 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-s", type=float, default=0.0, help="how long it hangs, seconds")
     p.add_argument("--out", default=None, help="write this rank's own timings as JSON ({rank} is replaced)")
     return p.parse_args(argv)
+
+
+@torch.library.custom_op("stepwatch_demo::throttle", mutates_args=())
+def throttle(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    """An operator that takes ``seconds`` without using the CPU (see the module docstring)."""
+    time.sleep(seconds)
+    return x.clone()
+
+
+def busy_for(seconds: float) -> None:
+    """Real compute for ``seconds``: small matmuls, as a throttled device would take longer."""
+    a = torch.randn(64, 64)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        a = torch.tanh(a @ a)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,6 +110,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(0)
     cfg = GPTConfig()
     model = TinyGPT(cfg)
+    step_now = [0]
+    if rank == args.slow_rank and args.slow_ms > 0:
+        slow_s = args.slow_ms / 1000.0
+
+        def slow_forward(_module: torch.nn.Module, inputs: Any) -> Any:
+            if not args.slow_from <= step_now[0] <= args.slow_to:
+                return None
+            if args.slow_kind == "op":  # a compute straggler, inside forward
+                return (throttle(inputs[0], slow_s), *inputs[1:])
+            busy_for(slow_s) if args.slow_kind == "busy" else time.sleep(slow_s)
+            return None
+
+        model.register_forward_pre_hook(slow_forward)
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4)
     sw = stepwatch.init(
@@ -88,34 +133,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         peak_flops=args.peak_flops,
         send_interval_s=args.send_interval,
         warmup_steps=args.warmup_steps,
+        profile_every=args.profile_every,
+        profile_steps=args.profile_steps,
+        profile_budget=args.profile_budget,
     )
     stall_s = args.stall_ms / 1000.0 / args.batch if rank == args.stall_rank else 0.0
     data = SyntheticText(cfg, size=args.steps * args.batch, seed=rank, stall_s=stall_s)
     loader = DataLoader(data, batch_size=args.batch, num_workers=0)
     ends: list[float] = []
+    cpu_ends: list[float] = []  # this process's CPU time (all threads) at each step end
     tokens: list[int] = []
     t_start = time.perf_counter()
     for step, (x, y, n_real) in enumerate(sw.loader(loader), start=1):
         if rank == args.hang_rank and step == args.hang_step:
             time.sleep(args.hang_s)  # a hang: this rank stops, the others wait in the all-reduce
+        step_now[0] = step
         logits = ddp(x)
         loss = loss_fn(logits, y, PAD_ID)
-        if rank == args.slow_rank and args.slow_from <= step <= args.slow_to:
-            time.sleep(args.slow_ms / 1000.0)  # a compute straggler: busy before its all-reduce
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         opt.zero_grad(set_to_none=True)
         n_tokens = int(n_real.sum())
         sw.step(tokens=n_tokens, padded_tokens=x.numel())
         ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
         tokens.append(n_tokens)
-    flushed = sw.close(timeout_s=10.0)
+    t_loop_end = time.perf_counter()
+    flushed = sw.close(timeout_s=20.0)
+    t_closed = time.perf_counter()
     if args.out:
         result: dict[str, Any] = {
             "rank": rank,
             "world_size": world,
             "start": t_start,
+            "close_s": t_closed - t_loop_end,
             "step_ends": ends,
+            "cpu_ends": cpu_ends,
             "tokens": tokens,
             "flushed": flushed,
             "stats": sw.stats,

@@ -1,7 +1,7 @@
 """runs.created_by: the write token that created a run (runs per token are limited)
 
 Revision ID: 0006
-Revises: 0005
+Revises: 0004
 Create Date: 2026-11-29
 """
 
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0006"
-down_revision: str | None = "0005"
+down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -130,6 +130,10 @@ class RankWindow(Base):
     #: agent reports it: intersecting slow groups names the rank on a slow link.
     group_transfer_s: Mapped[dict[str, float] | None] = mapped_column(JSON, nullable=True)
 
+    #: Profiled steps whose wait/transfer split is known (all peers reported them): the
+    #: weight of the running means ``comm_wait_s`` / ``comm_transfer_s``.
+    skew_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
     # /metrics reads one or two windows of a run (every rank's row of that window) and the
     # newest profiled window; without these, both scan every window the run ever stored.
     __table_args__ = (
@@ -142,6 +146,90 @@ class RankWindow(Base):
             sqlite_where=text("profiled_steps IS NOT NULL"),
         ),
     )
+
+
+class ProfileWindow(Base):
+    """One profiler window of one rank: the detail behind the means in ``rank_windows``.
+
+    One row per rank per profiled window (every ``profile_every`` steps), so it does not
+    count against the per-rank-window budget. ``skipped`` says why a window has no data
+    (another profiler was active, ...). Breakdown parts are means per profiled step.
+    """
+
+    __tablename__ = "profile_windows"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    window: Mapped[int] = mapped_column(BigInteger)
+    n_steps: Mapped[int] = mapped_column(Integer)
+    device: Mapped[str | None] = mapped_column(String(8), nullable=True)
+    skipped: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    step_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    compute_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    comm_overlapped_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    comm_exposed_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    data_wait_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    idle_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    top_ops: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    gpu_uuid: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    sm_clock_mhz: Mapped[float | None] = mapped_column(Float, nullable=True)
+    power_w: Mapped[float | None] = mapped_column(Float, nullable=True)
+    temperature_c: Mapped[float | None] = mapped_column(Float, nullable=True)
+    throttle_reasons: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    clock_offset_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    clock_uncertainty_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    clock_method: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    cost_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    overhead_ratio: Mapped[float | None] = mapped_column(Float, nullable=True)
+    profile_every: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    wall_end: Mapped[float] = mapped_column(Float)
+
+
+class CollectiveStat(Base):
+    """Per rank, profiler window and operation type: count, bytes and three sketches.
+
+    ``duration`` comes with the rank's own batch; ``wait`` and ``transfer`` are filled
+    once every peer has reported the window (``profile_pending``). Sketches are
+    :class:`stepwatch.sketch.LogSketch` dicts; quantiles are computed at query time from
+    merged sketches.
+    """
+
+    __tablename__ = "collective_stats"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    op: Mapped[str] = mapped_column(String(16), primary_key=True)
+    window: Mapped[int] = mapped_column(BigInteger)
+    count: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    duration: Mapped[dict[str, Any]] = mapped_column(JSON)
+    wait: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    transfer: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+class ProfilePending(Base):
+    """A profiler window some ranks have reported: ``arrivals`` counts them. The row lock
+    taken by its increment serialises the ranks, so exactly one ingest sees the count
+    reach the world size and splits wait from transfer for everyone."""
+
+    __tablename__ = "profile_pending"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    arrivals: Mapped[int] = mapped_column(Integer)
+
+
+class ProfileArrival(Base):
+    """One rank's collective enter/end times for a pending window (deleted once used)."""
+
+    __tablename__ = "profile_arrivals"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
 class JobStep(Base):

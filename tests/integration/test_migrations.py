@@ -10,7 +10,17 @@ from stepwatch_server.db import migrate
 from stepwatch_server.db.engine import make_engine
 from stepwatch_server.db.models import Base
 
-TABLES = {"runs", "ranks", "rank_windows", "job_steps", "ingested_batches"}
+TABLES = {
+    "runs",
+    "ranks",
+    "rank_windows",
+    "job_steps",
+    "ingested_batches",
+    "profile_windows",
+    "collective_stats",
+    "profile_pending",
+    "profile_arrivals",
+}
 
 
 def test_upgrade_to_head_then_back_to_base(empty_db_url: str) -> None:

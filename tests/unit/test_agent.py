@@ -183,7 +183,7 @@ def test_payload_is_compact_json_with_identity_and_convention(clock: FakeClock) 
         build_payload(w, run="r", rank=sw.rank.to_dict(), convention={"formula": "6N"}, agent={}, sent_at=1.0)
     )
     doc = json.loads(body)
-    assert doc["schema_version"] == 1 and doc["rank"]["rank"] == 0 and doc["convention"]["formula"] == "6N"
+    assert doc["schema_version"] == 2 and doc["rank"]["rank"] == 0 and doc["convention"]["formula"] == "6N"
     assert doc["steps"]["first"] == 1 and len(doc["steps"]["time_s"]) == 100
     assert len(body) < 2500, "a 100-step window should stay a couple of KB"
 

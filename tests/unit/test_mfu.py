@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import stepwatch
 from stepwatch import _peaks
 from stepwatch.mfu import (
     Convention,
@@ -646,3 +647,49 @@ def test_measured_accepts_mappings_and_model_losses() -> None:
     assert by_mapping == by_tensor
     custom = measure_flops_per_token(model, (tokens,), loss_fn=lambda out: out.square().mean())
     assert custom == by_tensor
+
+
+def test_init_measures_flops_once_on_the_demo_model_and_records_the_convention() -> None:
+    """``stepwatch.init(formula="measured", sample_batch=...)`` on the demo's TinyGPT.
+
+    Measured = 6 x (matmul weights incl. the tied LM head) + 12·L·d·T, exactly, with
+    matmul weights = 2 blocks x (3·d² + d² + 8·d²) = 393,216 and the head d·V = 32,768.
+    PaLM's "6N+12LHQT" (full attention, the counter's convention) uses N = non-embedding
+    parameters = 396,800: it leaves out the head (a matmul, but its weight is the tied
+    token embedding) and counts 3,584 biases and LayerNorm weights (elementwise work the
+    counter ignores). So measured - formula = 6 x (32,768 - 3,584) = 175,104 FLOPs per
+    token, +6.3% on this tiny vocabulary (at LLM sizes the head is ~1-2% of N).
+    """
+    from stepwatch.demo.model import GPTConfig, TinyGPT
+
+    cfg = GPTConfig()
+    model = TinyGPT(cfg)
+    sample = torch.randint(1, cfg.vocab, (1, cfg.seq_len))
+    sw = stepwatch.init(
+        run="measured",
+        model=model,
+        formula="measured",
+        sample_batch=sample,
+        dtype="fp32",
+        device_name="cpu",
+        peak_flops=1e12,
+        url="http://127.0.0.1:9",
+        profile_every=0,
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        host="h",
+    )
+    try:
+        conv = Convention.from_dict(sw.convention or {})
+    finally:
+        sw.close(timeout_s=0.1)
+    palm = resolve_convention(
+        model=model, seq_len=cfg.seq_len, attention="full", dtype="fp32", device_name="cpu", peak_flops=1e12
+    )
+    assert conv.formula == "measured" and conv.id == "measured/fp32/cpu@1TFLOPs[user]"
+    assert palm.n_params == 396_800
+    assert conv.flops_per_token == 6 * (393_216 + 32_768) + 12 * 2 * 128 * 128 == 2_949_120
+    assert conv.flops_per_token - palm.flops_per_token == 6 * (32_768 - 3_584)
+    assert conv.flops_per_token == pytest.approx(palm.flops_per_token, rel=0.07)
+    assert all(p.grad is None for p in model.parameters()), "measuring leaves no gradients behind"

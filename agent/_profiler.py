@@ -1,0 +1,412 @@
+"""The profiler window: a few steps under ``torch.profiler`` every N steps, within a budget.
+
+Schedule (deterministic in the step number, so every rank profiles the same steps):
+a window starts at the end of step ``s`` when ``s`` is a multiple of the period ``every``
+(and past warm-up), profiles steps ``s+1 .. s+k`` (``k = profile_steps``) and stops at the
+end of step ``s+k``. The agent's hot path only compares its step number with the next
+*edge* returned here (one integer compare per step); ``torch.profiler`` is started,
+stepped and stopped only on edge steps.
+
+Off the training thread: exporting the trace, parsing it, NVML and the cost bookkeeping
+run on the ``stepwatch-profiler`` daemon thread; finished entries wait in a bounded
+deque that the sender drains into the next payload.
+
+Self-measured cost of a window (seconds), all of it counted against the budget:
+
+* on the training thread: ``start()`` + ``step()`` calls + ``stop()`` (``stop`` is the
+  big one: Kineto collects its buffers; on CUDA torch also synchronises the device once
+  here, the only device sync stepwatch causes, once per window, never in ``sw.step``);
+* the slowdown of the profiled steps themselves: their time minus ``k`` times the median
+  of the steps just before the window (minus the start/step calls already counted);
+* the profiler thread's CPU time for export and parse (it competes for the GIL and for
+  cores with training).
+
+Budget: the period is stretched to the smallest ``base * 2**j`` for which the median
+cost of the last four windows is at most ``budget`` (default 1%) of ``period x median
+step time``; checked after each window, and once before the first one against a prior
+of :data:`PRIOR_COST_S` (so fast steps, where 100 steps are a few seconds, do not pay
+more than the budget for the first windows either). Powers of two keep ranks aligned: a rank with a longer
+period profiles a subset of the windows of a rank with a shorter one, so the collector
+still finds every rank in the windows that all of them profiled.
+
+One-time cost: the first ``start()`` of ``torch.profiler`` in a process imports
+``torch._inductor`` (via ``hasattr(torch, "_inductor")``, about 1 s of CPU here).
+:meth:`ProfilerWindow.warm` does that import on the profiler thread at ``init``, so it
+lands in the warm-up steps (kept out of baselines) instead of stalling the training
+thread at the first window.
+
+A window is skipped (and the skip is reported in the payload) when another profiler is
+active in the process (CUPTI allows one subscriber), when the previous window is still
+being parsed, or when the profiler fails to start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import statistics
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._clock_sync import ClockSync
+from ._nvml import Nvml
+from ._profile_entry import build_entry
+from ._trace import DATA_WAIT_SPAN, trace_from_profiler
+
+log = logging.getLogger("stepwatch")
+_perf = time.perf_counter
+
+NEVER = 1 << 62
+MAX_STRETCH = 1024
+BASELINE_STEPS = 32
+MAX_PENDING = 8
+PRIOR_COST_S = 0.1
+"""Assumed cost of a window before one is measured (measured here: 50-100 ms on a small
+CPU model; pushed out of the median by the first measured windows)."""
+
+
+@dataclass
+class _Job:
+    prof: Any
+    first_step: int
+    n_steps: int
+    every: int
+    times: list[float]
+    baseline: list[float]
+    start_s: float
+    calls_s: float
+    stop_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _other_profiler_active() -> bool:
+    from torch.autograd import profiler as autograd_profiler
+
+    return bool(autograd_profiler._is_profiler_enabled)
+
+
+class ProfilerWindow:
+    """Drives ``torch.profiler`` from the agent's edges; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        every: int,
+        steps: int,
+        budget: float,
+        warmup_end: int,
+        cuda: bool = False,
+        record_shapes: bool | None = None,
+        clock_sync: ClockSync | None = None,
+        nvml: Nvml | None = None,
+        make_profiler: Callable[[], Any] | None = None,
+        other_profiler_active: Callable[[], bool] = _other_profiler_active,
+    ) -> None:
+        if every < 2 or not (1 <= steps < every):
+            raise ValueError(f"need 1 <= profile_steps < profile_every, got {steps} and {every}")
+        self.base = every
+        #: The period in force; written by the profiler thread, read at start edges.
+        self.every = every
+        self.k = steps
+        self.budget = budget
+        self.warmup_end = warmup_end
+        self.cuda = cuda
+        # Shapes give gloo collectives their byte counts but make stop() ~5x slower on
+        # CPU; on CUDA the NCCL metadata needs them and steps are long.
+        self.record_shapes = cuda if record_shapes is None else record_shapes
+        self.clock_sync = clock_sync
+        self.nvml = nvml
+        self._make = make_profiler or self._torch_profiler
+        self._other_active = other_profiler_active
+        #: True while a window records; the loader wrapper then emits data-wait spans.
+        self.active = False
+        self.record_function: Any = None
+        self._prof: Any = None
+        self._first = 0
+        self._every_used = every
+        self._times: list[float] = []
+        self._baseline: list[float] = []
+        self._start_s = 0.0
+        self._calls_s = 0.0
+        self._idle = threading.Event()  # set while no window waits for the profiler thread
+        self._idle.set()
+        # The cost estimate starts from a prior, so that even the first window respects the
+        # budget: the period is checked against it at the first start (see ``_start``).
+        self._costs: deque[float] = deque([PRIOR_COST_S], maxlen=4)
+        self._checked_prior = False
+        self.results: deque[dict[str, Any]] = deque()
+        self.windows = 0
+        self.skipped = 0
+        self.dropped = 0
+        self.last_cost: dict[str, Any] | None = None
+        #: (first step, period it ran under) of the latest windows (stats and benchmarks).
+        self.recent: deque[tuple[int, int]] = deque(maxlen=16)
+        self._jobs: deque[_Job] = deque()
+        self._warm_pending = False
+        #: CPU seconds of the one-time imports done by :meth:`warm`.
+        self.warm_cpu_s: float | None = None
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    # -- schedule ------------------------------------------------------------------
+    def next_start(self, after: int) -> int:
+        """The first step ``s > after`` (and past warm-up) that starts a window."""
+        every = self.every
+        s = max(after, self.warmup_end)
+        return (s // every + 1) * every
+
+    # -- training thread -----------------------------------------------------------
+    def edge(self, step: int, times: array[float], n: int) -> int:
+        """Called by ``sw.step`` at the end of ``step`` when it equals the last returned
+        edge. ``times[:n]`` are the agent's step times, this step's last. Returns the
+        next edge. Never raises: a failure skips the window."""
+        try:
+            if not self.active:
+                return self._start(step, times, n)
+            self._times.append(times[n - 1])
+            if step >= self._first + self.k - 1:
+                return self._stop(step)
+            t0 = _perf()
+            self._prof.step()
+            self._calls_s += _perf() - t0
+            return step + 1
+        except Exception as exc:
+            self._abandon(step, f"profiler error: {exc!r}")
+            return self.next_start(step)
+
+    def _start(self, step: int, times: array[float], n: int) -> int:
+        if not self._checked_prior and n:  # before the first window: the prior vs the budget
+            self._checked_prior = True
+            self.every = self._stretch(statistics.median(times[max(0, n - BASELINE_STEPS) : n]))
+        every = self.every
+        if step % every or step <= self.warmup_end:  # the period changed since scheduling
+            return self.next_start(step)
+        reason = None
+        if not self._idle.is_set():
+            reason = "previous window still being parsed"
+        elif self._other_active():
+            reason = "another profiler active"
+        if reason is not None:
+            self._skip(step + 1, reason)
+            return self.next_start(step)
+        if self.clock_sync is not None:
+            self.clock_sync.start()
+        t0 = _perf()
+        prof = self._make()
+        prof.step_num = step + 1  # ProfilerStep#N carries the real step number
+        prof.start()
+        self._start_s = _perf() - t0
+        self._prof = prof
+        self._first = step + 1
+        self._every_used = every
+        self._times = []
+        self._calls_s = 0.0
+        self._baseline = list(times[max(0, n - BASELINE_STEPS) : n])
+        from torch.profiler import record_function
+
+        self.record_function = record_function
+        self.active = True
+        return step + 1
+
+    def _stop(self, step: int) -> int:
+        prof = self._prof
+        self.active = False
+        self.record_function = None
+        self._prof = None
+        t0 = _perf()
+        prof.stop()
+        stop_s = _perf() - t0
+        self._idle.clear()
+        self._jobs.append(
+            _Job(
+                prof=prof,
+                first_step=self._first,
+                n_steps=len(self._times),
+                every=self._every_used,
+                times=self._times,
+                baseline=self._baseline,
+                start_s=self._start_s,
+                calls_s=self._calls_s,
+                stop_s=stop_s,
+            )
+        )
+        self._ensure_thread()
+        self._wake.set()
+        return self.next_start(step)
+
+    def _abandon(self, step: int, reason: str) -> None:
+        prof, self._prof = self._prof, None
+        self.active = False
+        self.record_function = None
+        if prof is not None:
+            with contextlib.suppress(Exception):
+                prof.stop()
+        self._skip(self._first if prof is not None else step + 1, reason)
+
+    def _skip(self, first_step: int, reason: str) -> None:
+        self.skipped += 1
+        self._push({"first_step": first_step, "n_steps": 0, "skipped": reason[:128]})
+
+    def _push(self, entry: dict[str, Any]) -> None:
+        while len(self.results) >= MAX_PENDING:
+            try:
+                self.results.popleft()
+            except IndexError:
+                break
+            self.dropped += 1
+        self.results.append(entry)
+
+    @property
+    def idle(self) -> bool:
+        """No finished window is waiting for (or being processed by) the profiler thread."""
+        return self._idle.is_set()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Stop a window in progress (its steps are cut short) and wait up to
+        ``timeout_s`` for the profiler thread to finish. True when nothing is left."""
+        if self.active:
+            if self._times:
+                self._abandon(self._first, "agent closed during the window")
+            else:  # started on the last step: nothing was profiled, nothing to report
+                prof, self._prof = self._prof, None
+                self.active = False
+                self.record_function = None
+                with contextlib.suppress(Exception):
+                    prof.stop()
+        return self._idle.wait(timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        """Windows done, skipped and dropped, the period in force and the last cost."""
+        return {
+            "windows": self.windows,
+            "skipped": self.skipped,
+            "dropped": self.dropped,
+            "every": self.every,
+            "last_cost": self.last_cost,
+            "recent_windows": list(self.recent),
+            "warm_cpu_s": self.warm_cpu_s,
+        }
+
+    def take(self) -> list[dict[str, Any]]:
+        """All finished entries, oldest first (sender thread)."""
+        out = []
+        while True:
+            try:
+                out.append(self.results.popleft())
+            except IndexError:
+                return out
+
+    # -- profiler thread -----------------------------------------------------------
+    def _torch_profiler(self) -> Any:
+        from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(ProfilerActivity.CUDA)
+        # A schedule that always records makes torch emit the ProfilerStep#N spans.
+        return profile(
+            activities=activities,
+            record_shapes=self.record_shapes,
+            schedule=lambda _step: ProfilerAction.RECORD,
+        )
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._run, name="stepwatch-profiler", daemon=True)
+            self._thread.start()
+
+    def warm(self) -> None:
+        """Start the profiler thread now and let it pay torch.profiler's one-time imports."""
+        self._warm_pending = True
+        self._ensure_thread()
+        self._wake.set()
+
+    def _warm(self) -> None:
+        self._warm_pending = False
+        c0 = time.thread_time()
+        try:
+            import torch
+            import torch.profiler
+
+            hasattr(torch, "_inductor")  # what torch.profiler's prepare_trace triggers
+        except Exception:  # a broken optional import must not kill the thread
+            pass
+        self.warm_cpu_s = time.thread_time() - c0
+
+    def _run(self) -> None:
+        while True:
+            if self._warm_pending:
+                self._warm()
+            self._wake.wait()
+            self._wake.clear()
+            while True:
+                try:
+                    job = self._jobs.popleft()
+                except IndexError:
+                    break
+                try:
+                    self._push(self.process(job))
+                except Exception as exc:  # never let the thread die
+                    log.warning("stepwatch: profiler window dropped: %r", exc)
+                finally:
+                    self._idle.set()
+                    if self._jobs:  # appended meanwhile: not idle after all
+                        self._idle.clear()
+
+    def process(self, job: _Job) -> dict[str, Any]:
+        """Export and parse one finished window, account its cost, stretch the period."""
+        c0 = time.thread_time()
+        try:
+            trace = trace_from_profiler(job.prof)
+            job.prof = None
+            entry = build_entry(trace, first_step=job.first_step, n_steps=job.n_steps)
+            del trace
+        except Exception as exc:
+            job.prof = None
+            entry = {"first_step": job.first_step, "n_steps": 0, "skipped": f"parse failed: {exc!r}"[:128]}
+        parse_s = time.thread_time() - c0
+        base_step = statistics.median(job.baseline) if job.baseline else None
+        on_thread = job.start_s + job.calls_s + job.stop_s
+        slowdown = 0.0
+        if base_step is not None and job.times:
+            slowdown = max(0.0, sum(job.times) - len(job.times) * base_step - job.start_s - job.calls_s)
+        total = on_thread + slowdown + parse_s
+        self._costs.append(total)
+        self.every = self._stretch(base_step)
+        self.windows += 1
+        self.recent.append((job.first_step, job.every))
+        cost = {
+            "window_s": total,
+            "on_thread_s": on_thread,
+            "slowdown_s": slowdown,
+            "parse_cpu_s": parse_s,
+            "every": job.every,
+            "next_every": self.every,
+            "overhead_ratio": total / (job.every * base_step) if base_step else None,
+        }
+        self.last_cost = cost
+        entry["cost"] = cost
+        cs = self.clock_sync
+        entry["clock"] = cs.estimate.to_dict() if cs is not None and cs.estimate is not None else None
+        entry["nvml"] = self.nvml.sample() if self.nvml is not None else None
+        return entry
+
+    def _stretch(self, step_s: float | None) -> int:
+        if not step_s or step_s <= 0 or self.budget <= 0 or not self._costs:
+            return self.every
+        need = statistics.median(self._costs) / (self.budget * step_s)
+        mult = 1
+        while self.base * mult < need and mult < MAX_STRETCH:
+            mult *= 2
+        return self.base * mult
+
+
+__all__ = ["DATA_WAIT_SPAN", "NEVER", "ProfilerWindow"]

@@ -1,0 +1,206 @@
+"""The profiler window with the real torch.profiler, in one process (no process group).
+
+The sender is replaced by a recorder (the HTTP path is covered in tests/integration and
+tests/e2e); the windows it receives are encoded with the agent's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from array import array
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import stepwatch  # noqa: E402
+from stepwatch._clock_sync import ClockSync  # noqa: E402
+from stepwatch._env import detect  # noqa: E402
+from stepwatch._profiler import ProfilerWindow  # noqa: E402
+from stepwatch._sender import SenderStats  # noqa: E402
+from stepwatch._window import Window  # noqa: E402
+from stepwatch.config import AgentConfig  # noqa: E402
+
+PARTS = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s")
+
+
+class RecordingSender:
+    def __init__(self) -> None:
+        self.windows: list[Window] = []
+        self.stats = SenderStats()
+
+    def submit(self, window: Window) -> None:
+        self.windows.append(window)
+
+    def pending(self) -> int:
+        return 0
+
+    def flush(self, timeout_s: float) -> bool:
+        return True
+
+    def close(self, timeout_s: float) -> bool:
+        return True
+
+
+class CountingWindow(ProfilerWindow):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.edges: list[int] = []
+
+    def edge(self, step: int, times: array[float], n: int) -> int:
+        self.edges.append(step)
+        return super().edge(step, times, n)
+
+
+def _train(sw: stepwatch.Stepwatch, steps: int, pw: ProfilerWindow | None = None) -> None:
+    """A few real steps; with ``pw``, each step also waits for the profiler thread to be
+    idle (so that no window is skipped for "still being parsed": the loop is ~1 ms a step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [torch.randn(32, 64) for _ in range(steps)]
+    for x in sw.loader(iter(batches)):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sw.step(tokens=32)
+        if pw is not None:
+            assert pw._idle.wait(30)
+
+
+def _agent(pw: ProfilerWindow) -> tuple[stepwatch.Stepwatch, RecordingSender]:
+    rec = RecordingSender()
+    cfg = AgentConfig(run="r", send_interval_s=1e9, warmup_steps=0)
+    sw = stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=rec, profiler=pw)  # type: ignore[arg-type]
+    return sw, rec
+
+
+def _encoded(sw: stepwatch.Stepwatch, window: Window) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(sw._encode(window, SenderStats()))
+    return doc
+
+
+def test_windows_profile_the_scheduled_steps_and_ride_on_the_next_batch() -> None:
+    # A budget no window can exceed, so the period stays 4 although the steps take ~1 ms.
+    pw = CountingWindow(
+        every=4, steps=2, budget=1e9, warmup_end=0, clock_sync=ClockSync(0, "h", single_host=True)
+    )
+    sw, rec = _agent(pw)
+    _train(sw, 11, pw)
+    assert sw.close()
+    # Edges only: start at 4, step at 5, stop at 6; start at 8, step at 9, stop at 10.
+    assert pw.edges == [4, 5, 6, 8, 9, 10]
+    (window,) = rec.windows
+    doc = _encoded(sw, window)
+    assert doc["schema_version"] == 2
+    profiles = doc["profiles"]
+    assert [(p["first_step"], p["n_steps"], p["device"]) for p in profiles] == [(5, 2, "cpu"), (9, 2, "cpu")]
+    for p in profiles:
+        for j in range(2):
+            assert math.fsum(p[k][j] for k in PARTS) == pytest.approx(p["time_s"][j], rel=0.02)
+            assert p["compute_s"][j] > 0 and p["data_wait_s"][j] > 0  # the loader wrapper's spans
+        # The profiler's step spans lie inside the agent's own step intervals (the agent's
+        # first profiled step also holds the profiler's start).
+        own = window.step_time_s[p["first_step"] - 1 : p["first_step"] + 1]
+        assert all(0 < t <= o + 1e-3 for t, o in zip(p["time_s"], own, strict=True)), (p["time_s"], own)
+        assert any(o["name"] == "aten::addmm" for o in p["top_ops"])
+        cost = p["cost"]
+        assert cost["every"] == 4 and cost["window_s"] >= cost["on_thread_s"] > 0 and cost["parse_cpu_s"] > 0
+        assert p["clock"] == {"offset_s": 0.0, "uncertainty_s": 0.0, "method": "same-host"}
+        assert p["nvml"] is None
+    assert _encoded(sw, window)["profiles"] == profiles, "a retry re-sends the same entries"
+    stats = sw.stats["profile"]
+    assert (stats["windows"], stats["skipped"], stats["dropped"]) == (2, 0, 0)
+
+
+def test_another_active_profiler_skips_the_window_and_says_so() -> None:
+    pw = ProfilerWindow(every=3, steps=1, budget=1e9, warmup_end=0)
+    sw, rec = _agent(pw)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        _train(sw, 4)
+    assert sw.close()
+    (p,) = _encoded(sw, rec.windows[0])["profiles"]
+    assert p == {"first_step": 4, "n_steps": 0, "skipped": "another profiler active"}
+
+
+def test_a_window_is_skipped_while_the_previous_one_is_being_parsed() -> None:
+    pw = ProfilerWindow(every=3, steps=1, budget=1e9, warmup_end=0)
+    sw, rec = _agent(pw)
+    pw._idle.clear()  # as if the profiler thread were still parsing a window
+    _train(sw, 4)
+    pw._idle.set()
+    assert sw.close()
+    (p,) = _encoded(sw, rec.windows[0])["profiles"]
+    assert p == {"first_step": 4, "n_steps": 0, "skipped": "previous window still being parsed"}
+
+
+def test_schedule_is_aligned_to_multiples_of_the_period_after_warmup() -> None:
+    pw = ProfilerWindow(every=10, steps=2, budget=0.01, warmup_end=25)
+    assert [pw.next_start(s) for s in (0, 25, 29, 30, 31)] == [30, 30, 30, 40, 40]
+    with pytest.raises(ValueError, match="profile_steps < profile_every"):
+        ProfilerWindow(every=2, steps=2, budget=0.01, warmup_end=0)
+
+
+@pytest.mark.parametrize(
+    ("costs", "step_s", "every"),
+    [
+        ([0.001], 0.1, 10),  # 0.1% of 10 steps: within budget, no stretch
+        ([0.5], 0.1, 640),  # needs 500 steps: 10 x 64
+        ([0.5, 0.01, 0.02], 0.1, 20),  # the median, so one expensive window does not stretch
+        ([1e9], 0.1, 10 * 1024),  # capped
+    ],
+)
+def test_period_stretches_by_powers_of_two_to_meet_the_budget(
+    costs: list[float], step_s: float, every: int
+) -> None:
+    pw = ProfilerWindow(every=10, steps=2, budget=0.01, warmup_end=0)
+    pw._costs.clear()  # drop the prior
+    pw._costs.extend(costs)
+    assert pw._stretch(step_s) == every
+
+
+def test_the_first_window_already_respects_the_budget_through_the_prior() -> None:
+    """Steps of 10 ms: 100 steps are 1 s, and a window (prior 0.1 s) would cost 10%."""
+    pw = ProfilerWindow(every=100, steps=2, budget=0.01, warmup_end=0)
+    times = array("d", [0.01] * 32)
+    assert pw.edge(100, times, 32) == 1600, "stretched to 100 x 2**j >= 0.1 / (1% x 10 ms) = 1000"
+    assert pw.every == 1600 and not pw.active
+    slow = ProfilerWindow(every=100, steps=2, budget=0.01, warmup_end=0)
+    assert slow.edge(100, array("d", [1.0] * 32), 32) == 100 + 1 and slow.active, "1 s steps: no stretch"
+    slow.drain(5)
+
+
+def test_an_internal_error_mid_window_stops_the_profiler() -> None:
+    pw = ProfilerWindow(every=3, steps=2, budget=1e9, warmup_end=0)
+    sw, _ = _agent(pw)
+    _train(sw, 4)  # the window started at the end of step 3
+    assert pw.active and torch.autograd.profiler._is_profiler_enabled
+    with pytest.warns(RuntimeWarning, match="disabled itself"):
+        sw.step(tokens=object())  # type: ignore[arg-type]  # not a count: an internal error
+    assert not pw.active and not torch.autograd.profiler._is_profiler_enabled
+    sw.close()
+
+
+def test_a_due_window_waits_for_the_entry_of_its_profiled_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch interval ends at the very step that stops a profiler window: the batch waits
+    (the parse is still running), so the entry rides on the batch of the steps it profiled,
+    also when that step is the last one of the run."""
+    from stepwatch import _agent
+
+    clock = [1000.0]
+    monkeypatch.setattr(_agent, "_perf", lambda: clock[0])
+    pw = ProfilerWindow(every=2, steps=1, budget=1e9, warmup_end=0)
+    rec = RecordingSender()
+    cfg = AgentConfig(run="r", send_interval_s=1.0, warmup_steps=0)
+    sw = stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=rec, profiler=pw)  # type: ignore[arg-type]
+    for _ in range(3):  # the window starts after step 2 and stops at step 3
+        clock[0] += 0.4
+        sw.step(tokens=1)
+    assert not rec.windows, "1.2 s elapsed, but the parse of step 3 is pending: the batch waits"
+    assert sw.close()
+    assert [w.n_steps for w in rec.windows] == [3]
+    (p,) = _encoded(sw, rec.windows[0])["profiles"]
+    assert (p["first_step"], p["n_steps"]) == (3, 1)
