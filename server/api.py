@@ -123,7 +123,7 @@ async def _within_limits(request: Request, payload: IngestPayload, owner: str | 
         )
     ingestor: Ingestor = request.app.state.ingestor
     if not ingestor.knows_run(payload.run):  # a new run: count the token's runs (rare, off-loop)
-        used = await asyncio.to_thread(ingestor.admits_run, payload.run, owner, settings.max_runs_per_token)
+        used = await _admission(request, ingestor, payload.run, owner, settings.max_runs_per_token)
         if used is not None:
             who = f"token {owner!r}" if owner else "anonymous writers"
             raise HTTPException(
@@ -131,6 +131,21 @@ async def _within_limits(request: Request, payload: IngestPayload, owner: str | 
                 detail=f"run {payload.run!r} refused: {who} created {used} runs, the limit is "
                 f"{settings.max_runs_per_token} (STEPWATCH_MAX_RUNS_PER_TOKEN)",
             )
+
+
+async def _admission(
+    request: Request, ingestor: Ingestor, run: str, owner: str | None, limit: int
+) -> int | None:
+    """One quota check per new run at a time: the first batches of a new run arrive from
+    all its ranks at once, and one database check answers them all."""
+    checks: dict[tuple[str, str | None], asyncio.Future[int | None]] = request.app.state.run_checks
+    key = (run, owner)
+    check = checks.get(key)
+    if check is None:
+        check = asyncio.ensure_future(asyncio.to_thread(ingestor.admits_run, run, owner, limit))
+        checks[key] = check
+        check.add_done_callback(lambda _: checks.pop(key, None))
+    return await asyncio.shield(check)
 
 
 def _invalid(loc: tuple[str, ...], msg: str) -> RequestValidationError:

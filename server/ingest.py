@@ -88,6 +88,7 @@ class Ingestor:
         self.window_seconds = window_seconds
         self._dialect = engine.dialect.name
         self._runs: OrderedDict[str, RunKey] = OrderedDict()
+        self._admitted: OrderedDict[str, None] = OrderedDict()  # new runs past the quota check
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
@@ -104,9 +105,10 @@ class Ingestor:
 
     # -- runs ----------------------------------------------------------------------
     def knows_run(self, name: str) -> bool:
-        """True if the run is in the cache (it exists); never touches the database."""
+        """True if the run is in the cache (it exists) or was admitted; never touches the
+        database."""
         with self._lock:
-            return name in self._runs
+            return name in self._runs or name in self._admitted
 
     def admits_run(self, name: str, owner: str | None, limit: int) -> int | None:
         """None if a batch of run ``name`` from ``owner`` may be stored; else how many runs
@@ -120,7 +122,13 @@ class Ingestor:
                 return None
             mine = runs.c.created_by.is_(None) if owner is None else runs.c.created_by == owner
             count = int(conn.execute(select(func.count()).select_from(runs).where(mine)).scalar_one())
-        return count if count >= limit else None
+        if count >= limit:
+            return count
+        with self._lock:  # its next batches need no check (until the run is cached)
+            self._admitted[name] = None
+            while len(self._admitted) > self._cache_size:
+                self._admitted.popitem(last=False)
+        return None
 
     def _run_key(self, conn: Connection, p: IngestPayload, owner: str | None = None) -> RunKey:
         with self._lock:

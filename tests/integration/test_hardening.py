@@ -174,3 +174,34 @@ def test_cors_is_off_unless_configured(sqlite_url: str) -> None:
             "access-control-allow-origin"
             not in c.get("/api/v1/runs", headers={"origin": "https://x"}).headers
         )
+
+
+def test_a_new_runs_first_batches_share_one_quota_check(sqlite_url: str) -> None:
+    """All ranks of a starting job post at once: one database check admits the run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    app = create_app(Settings(database_url=sqlite_url, write_tokens=f"a={WRITE}"))
+    ingestor = app.state.ingestor
+    calls: list[str] = []
+    check = ingestor.admits_run
+
+    def counted(name: str, owner: str | None, limit: int) -> int | None:
+        calls.append(name)
+        return check(name, owner, limit)
+
+    ingestor.admits_run = counted
+    with TestClient(app) as c, ThreadPoolExecutor(16) as pool:
+        codes = list(
+            pool.map(
+                lambda r: (
+                    c.post(
+                        "/api/v1/ingest",
+                        json=payload(run="starting", rank=r, world=16),
+                        headers=_bearer(WRITE),
+                    ).status_code
+                ),
+                range(16),
+            )
+        )
+    assert codes == [200] * 16
+    assert calls == ["starting"]
