@@ -30,6 +30,9 @@ from . import launch
 #: The collector closes a stored rank window about every this many seconds, so that the
 #: straggler detection (3 windows to open a flag, 3 clean ones to close it) fits the demo.
 WINDOW_SECONDS = 1.0
+#: The demo profiles 2 steps in every 8 (about one window per stored 1 s window).
+PROFILE_EVERY = 8
+PROFILE_BUDGET = 0.5
 WARMUP_STEPS = 5
 
 
@@ -77,6 +80,10 @@ class Plan:
     def train_args(self, run: str, peak: float) -> list[str]:
         args = ["--run", run, "--steps", str(self.steps), "--peak-flops", str(peak)]
         args += ["--send-interval", "1", "--warmup-steps", str(WARMUP_STEPS)]
+        # A short run needs frequent profiler windows to show its breakdown and to name a
+        # compute straggler (production default: every 100 steps within a 1% budget).
+        args += ["--profile-every", str(PROFILE_EVERY), "--profile-steps", "2"]
+        args += ["--profile-budget", str(PROFILE_BUDGET)]
         if self.has_straggler:
             args += ["--slow-rank", str(self.slow_rank), "--slow-ms", str(self.slow_ms)]
             args += ["--slow-from", str(self.slow_from), "--slow-to", str(self.slow_to)]

@@ -86,9 +86,10 @@ def sparkline(values: Sequence[float | None]) -> str:
 
 
 def breakdown_of(rank: Mapping[str, Any]) -> dict[str, float] | None:
-    """A rank's time breakdown, from a nested ``breakdown`` object or top-level fields;
-    ``None`` while no profiler window has reported for it."""
-    src = rank.get("breakdown")
+    """A rank's time breakdown from its newest profiler window (``profile`` in
+    ``/ranks``), or a nested ``breakdown`` object, or top-level fields; ``None`` while no
+    profiler window has reported for it."""
+    src = rank.get("profile") or rank.get("breakdown")
     if not isinstance(src, Mapping):
         src = rank
     if src.get("compute_s") is None:
@@ -108,7 +109,7 @@ def job_breakdown(ranks: Iterable[Mapping[str, Any]]) -> dict[str, float] | None
 
 
 def _value(rank: Mapping[str, Any], key: str) -> float | None:
-    bd = rank.get("breakdown")
+    bd = rank.get("profile") or rank.get("breakdown")
     v = bd.get(key) if isinstance(bd, Mapping) and key in bd else rank.get(key)
     return None if v is None else float(v)
 
