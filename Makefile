@@ -32,7 +32,9 @@ lint: venv
 typecheck: venv
 	$(PY) tools/typecheck.py
 
-# Hot path vs Lightning's Throughput and a bare loop; profiler window on 2 gloo ranks.
+# Every benchmark, printing ratios against baselines measured in the same run: hot path
+# vs Lightning's Throughput, profiler window, agent overhead on gloo training, ingest at
+# 4,096 ranks, queries over 30 days, /metrics scrape; needs PostgreSQL like the tests.
 bench: venv
 	$(PY) -m benchmarks
 

@@ -17,13 +17,30 @@ from .config import DEFAULT_URL
 def _serve(args: argparse.Namespace) -> int:
     from stepwatch_server.cli import serve
 
-    return serve(host=args.host, port=args.port, database_url=args.database_url, log_level=args.log_level)
+    return serve(
+        host=args.host,
+        port=args.port,
+        database_url=args.database_url,
+        log_level=args.log_level,
+        workers=args.workers,
+    )
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
     from stepwatch_server.cli import db_upgrade
 
     return db_upgrade(database_url=args.database_url, revision=args.revision)
+
+
+def _db_prune(args: argparse.Namespace) -> int:
+    from stepwatch_server.cli import db_prune
+
+    return db_prune(
+        database_url=args.database_url,
+        full_days=args.full_days,
+        factor=args.factor,
+        batch_id_days=args.batch_id_days,
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -85,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="port (default 8321, or STEPWATCH_PORT)")
     serve.add_argument("--database-url", default=None, help="SQLAlchemy URL (or STEPWATCH_DATABASE_URL)")
     serve.add_argument(
+        "--workers", type=int, default=None, help="worker processes (default 1, or STEPWATCH_WORKERS)"
+    )
+    serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     serve.set_defaults(func=_serve)
@@ -99,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("revision", nargs="?", default="head")
     up.add_argument("--database-url", default=None, help="SQLAlchemy URL (or STEPWATCH_DATABASE_URL)")
     up.set_defaults(func=_db_upgrade)
+    pr = db_sub.add_parser(
+        "prune", help="retention: roll up old per-rank windows, forget old batch ids (run daily)"
+    )
+    pr.add_argument("--database-url", default=None, help="SQLAlchemy URL (or STEPWATCH_DATABASE_URL)")
+    pr.add_argument(
+        "--full-days", type=float, default=2.0, help="keep per-rank windows this long (default 2)"
+    )
+    pr.add_argument(
+        "--factor", type=int, default=360, help="windows per rolled-up row (default 360: an hour of 10 s)"
+    )
+    pr.add_argument("--batch-id-days", type=float, default=7.0, help="forget batch ids after (default 7)")
+    pr.set_defaults(func=_db_prune)
 
     demo = sub.add_parser(
         "demo",

@@ -1,1 +1,2 @@
-"""Benchmarks with baselines measured in the same run (``make bench``)."""
+"""Benchmarks with baselines measured in the same run (``make bench``): each public module
+has ``run()`` + ``report()`` or a ``main()``; ``python -m benchmarks`` runs them all."""

@@ -5,10 +5,13 @@ never at import."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import Engine, text
@@ -16,10 +19,12 @@ from sqlalchemy import Engine, text
 import stepwatch
 
 from . import errors, web
-from .api import router
+from .api import INGEST_SCHEMAS, router
+from .auth import Authenticator, require_read
 from .db.engine import make_engine
 from .db.migrate import current_revision, head_revision
 from .exporter import ExporterConfig, RunStateCollector
+from .group_commit import GroupCommitter
 from .ingest import Ingestor
 from .limits import BodyLimit
 from .metrics import CollectorMetrics
@@ -84,17 +89,30 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.auth = Authenticator.from_specs(settings.write_tokens, settings.read_tokens)
     app.state.engine = engine
-    app.state.ingestor = Ingestor(engine, window_seconds=settings.window_seconds)
+    app.state.ingestor = ingestor = Ingestor(engine, window_seconds=settings.window_seconds)
     app.state.metrics = metrics
+    app.state.run_checks = {}  # quota checks of new runs in flight (api._admission)
+    app.state.group_commit = GroupCommitter(ingestor.store_many, on_group=metrics.group_batches.observe)
     # Run, rank and flag series, read from the database at each scrape (bounded cardinality).
     metrics.registry.register(RunStateCollector(engine, ExporterConfig.from_settings(settings)))
     app.state.worker = worker
     app.state.notifier = notifier
-    errors.install(app)
+    errors.install(app, retry_after_s=settings.retry_after_s)
     app.include_router(router)
-    web.install(app)  # the built-in web page at / and its /static files
+    _publish_schemas(app, INGEST_SCHEMAS)
+    # The built-in web page at / and its /static files; its pages read runs like the API.
+    web.install(app, dependencies=[Depends(require_read)])
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
+    if origins:  # off unless configured: the API is for agents, Grafana and scripts
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["GET"],
+            allow_headers=["authorization"],
+        )
 
     @app.get("/healthz", tags=["ops"], summary="The process is up")
     def healthz() -> dict[str, str]:
@@ -110,7 +128,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             return JSONResponse(
                 status_code=503,
                 content={"status": "unavailable", "detail": f"database: {exc.__class__.__name__}"},
-                headers={"Retry-After": str(errors.RETRY_AFTER_S)},
+                headers={"Retry-After": str(settings.retry_after_s)},
             )
         head = head_revision()
         if current != head:
@@ -120,13 +138,50 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             )
         return JSONResponse({"status": "ready", "schema": current})
 
-    @app.get("/metrics", tags=["ops"], summary="Prometheus exposition", response_class=Response)
+    metrics_auth = [Depends(require_read)] if settings.metrics_require_token else []
+
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        summary="Prometheus exposition",
+        response_class=Response,
+        dependencies=metrics_auth,
+    )
     def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
+def _publish_schemas(app: FastAPI, schemas: dict[str, Any]) -> None:
+    """Add schemas that routes reference by hand (a body parsed by the route itself)
+    to the generated OpenAPI document's components."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = generate()
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def app_from_env() -> FastAPI:
-    """Factory for ``uvicorn --factory stepwatch_server.app:app_from_env``."""
-    return create_app(Settings())
+    """Factory for ``uvicorn --factory stepwatch_server.app:app_from_env`` (what ``stepwatch
+    serve`` runs in each worker process)."""
+    app = create_app(Settings())
+    tune_gc()
+    return app
+
+
+def tune_gc() -> None:
+    """Process-wide GC tuning for a collector process (never applied by ``create_app``).
+
+    A group of thousands of validated batches is a lot of short-lived containers: with
+    the default thresholds the cyclic collector ran every few requests and took about a
+    sixth of the worker's time. Objects that live as long as the process (modules, the
+    app) are frozen out of collection, and young collections run less often."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 100)

@@ -20,15 +20,71 @@ def db_upgrade(*, database_url: str | None, revision: str = "head") -> int:
     return 0
 
 
-def serve(*, host: str | None, port: int | None, database_url: str | None, log_level: str = "info") -> int:
-    import uvicorn
+def db_prune(*, database_url: str | None, full_days: float, factor: int, batch_id_days: float) -> int:
+    from .db.engine import make_engine
+    from .retention import prune
 
-    from .app import create_app
+    settings = _settings(database_url=database_url)
+    engine = make_engine(settings.database_url)
+    try:
+        r = prune(engine, full_days=full_days, factor=factor, batch_id_days=batch_id_days)
+    finally:
+        engine.dispose()
+    print(
+        f"{r.runs} run(s): {r.windows_rolled_up} rank windows older than {full_days:g} days rolled up "
+        f"into {r.rows_written} rows ({factor} windows each); {r.batch_ids_deleted} batch ids older "
+        f"than {batch_id_days:g} days deleted"
+    )
+    return 0
 
-    settings = _settings(host=host, port=port, database_url=database_url)
+
+def serve(
+    *,
+    host: str | None,
+    port: int | None,
+    database_url: str | None,
+    log_level: str = "info",
+    workers: int | None = None,
+) -> int:
+    settings = _settings(host=host, port=port, database_url=database_url, workers=workers)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.migrate_on_start:
         migrate.upgrade(settings.database_url)
-    app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False)
+    run_uvicorn("stepwatch_server.app:app_from_env", settings, log_level=log_level)
     return 0
+
+
+def run_uvicorn(factory: str, settings: Settings, *, log_level: str = "info") -> None:
+    """Serve ``factory`` (an import string of an app factory) the way production does:
+    uvloop + httptools, ``settings.workers`` processes. The settings reach each worker
+    through the environment, since workers import the factory afresh."""
+    import os
+
+    import uvicorn
+
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            os.environ[f"STEPWATCH_{name.upper()}"] = _env_value(value)
+    uvicorn.run(
+        factory,
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.workers,
+        loop="uvloop",
+        http="httptools",
+        log_level=log_level,
+        access_log=False,
+    )
+
+
+def _env_value(value: object) -> str:
+    import json
+
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    return json.dumps(value)

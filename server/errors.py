@@ -39,7 +39,7 @@ def _clean(errors: Sequence[Any]) -> list[dict[str, Any]]:
     return [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in errors[:100]]
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, *, retry_after_s: int = RETRY_AFTER_S) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
@@ -57,7 +57,7 @@ def install(app: FastAPI) -> None:
         return JSONResponse(
             status_code=503,
             content={"detail": "database unavailable; retry later"},
-            headers={"Retry-After": str(RETRY_AFTER_S)},
+            headers={"Retry-After": str(retry_after_s)},
         )
 
     async def _dbapi(request: Request, exc: Exception) -> JSONResponse:

@@ -5,6 +5,11 @@ stores nothing), then the rank's latest state, its window summaries and the job-
 per-step rows. Per-step and per-window rows are merged with additive upserts, so a
 window split across batches, or ranks arriving in any order, add up to the same rows.
 The caller answers 2xx only after this commits.
+
+``store_many`` writes a group of batches in one transaction (the group commit that
+``group_commit.py`` feeds): the group is folded into one row per key (``aggregate.py``)
+and merged with one statement per table on PostgreSQL (``ingest_pg.py``), or with
+executemany of the same upserts on SQLite.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import math
 import statistics
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -21,11 +27,13 @@ from sqlalchemy import Connection, Engine, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
 
+from . import aggregate, ingest_pg
+from .aggregate import TAG_CODES, Rows
 from .db.models import IngestedBatch, JobStep, Rank, RankWindow, Run
 from .profiles import store_profiles
 from .schemas import IngestPayload, PlanIn
 
-TAG_CODES = {"warmup": 1, "checkpoint": 2, "eval": 3}
+__all__ = ["TAG_CODES", "Ingestor", "RunKey", "choose_window_steps"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ class Ingestor:
         self.window_seconds = window_seconds
         self._dialect = engine.dialect.name
         self._runs: OrderedDict[str, RunKey] = OrderedDict()
+        self._admitted: OrderedDict[str, None] = OrderedDict()  # new runs past the quota check
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
@@ -95,7 +104,33 @@ class Ingestor:
         return func.least(a, b) if self._dialect == "postgresql" else func.min(a, b)
 
     # -- runs ----------------------------------------------------------------------
-    def _run_key(self, conn: Connection, p: IngestPayload) -> RunKey:
+    def knows_run(self, name: str) -> bool:
+        """True if the run is in the cache (it exists) or was admitted; never touches the
+        database."""
+        with self._lock:
+            return name in self._runs or name in self._admitted
+
+    def admits_run(self, name: str, owner: str | None, limit: int) -> int | None:
+        """None if a batch of run ``name`` from ``owner`` may be stored; else how many runs
+        ``owner`` has created already (at or past ``limit``). Only a new run is counted."""
+        with self._lock:
+            if name in self._runs:
+                return None
+        runs = Run.__table__
+        with self.engine.connect() as conn:
+            if conn.execute(select(runs.c.id).where(runs.c.name == name)).first() is not None:
+                return None
+            mine = runs.c.created_by.is_(None) if owner is None else runs.c.created_by == owner
+            count = int(conn.execute(select(func.count()).select_from(runs).where(mine)).scalar_one())
+        if count >= limit:
+            return count
+        with self._lock:  # its next batches need no check (until the run is cached)
+            self._admitted[name] = None
+            while len(self._admitted) > self._cache_size:
+                self._admitted.popitem(last=False)
+        return None
+
+    def _run_key(self, conn: Connection, p: IngestPayload, owner: str | None = None) -> RunKey:
         with self._lock:
             key = self._runs.get(p.run)
             if key is not None:
@@ -105,7 +140,7 @@ class Ingestor:
         if key is not None and (wanted is None or key.plan == wanted):
             return key
         if key is None:
-            key = self._load_run(conn, p, plan)
+            key = self._load_run(conn, p, plan, owner)
         if plan is not None and key.plan != wanted:
             # Written only when it changes (once per run and replica), not per batch.
             conn.execute(update(Run).where(Run.id == key.id).values(**plan))
@@ -116,7 +151,9 @@ class Ingestor:
                 self._runs.popitem(last=False)
         return key
 
-    def _load_run(self, conn: Connection, p: IngestPayload, plan: dict[str, Any] | None) -> RunKey:
+    def _load_run(
+        self, conn: Connection, p: IngestPayload, plan: dict[str, Any] | None, owner: str | None
+    ) -> RunKey:
         runs = Run.__table__
         cols = (
             runs.c.id,
@@ -138,6 +175,7 @@ class Ingestor:
                 convention=p.convention.model_dump() if p.convention else None,
                 window_steps=choose_window_steps(p.steps.time_s, self.window_seconds),
                 created_at=datetime.now(timezone.utc),
+                created_by=owner,
                 **(plan or {}),
             )
             conn.execute(stmt.on_conflict_do_nothing(index_elements=["name"]))
@@ -153,61 +191,89 @@ class Ingestor:
     # -- the batch -----------------------------------------------------------------
     def store(self, p: IngestPayload) -> bool:
         """Store one batch; False if its id was already stored. Raises on DB errors."""
+        return self.store_many([p])[0]
+
+    def store_many(
+        self, payloads: Sequence[IngestPayload], owners: Sequence[str | None] | None = None
+    ) -> list[bool]:
+        """Store a group of batches in one transaction. For each batch: True if stored,
+        False if its id was stored before (or earlier in the same group). Raises on DB
+        errors, and then nothing of the group is stored. ``owners`` names the write token
+        of each batch (recorded on a run the batch creates)."""
+        first: dict[str, int] = {}
+        for i, p in enumerate(payloads):
+            first.setdefault(p.batch_id, i)
+        unique = [payloads[i] for i in first.values()]
+        owner_of = [owners[i] if owners is not None else None for i in first.values()]
         with self.engine.begin() as conn:
-            run = self._run_key(conn, p)
-            batches = IngestedBatch.__table__
+            keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
+            run_ids = [k.id for k in keys]
+            if self._dialect == "postgresql":
+                new = ingest_pg.claim(conn, unique, run_ids)
+            else:
+                new = self._claim_rows(conn, unique, keys)
+            fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if p.batch_id in new]
+            if fresh:
+                rows = aggregate.fold(
+                    [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
+                )
+                if self._dialect == "postgresql":
+                    ingest_pg.write(conn, rows)
+                else:
+                    self._write_rows(conn, rows)
+                for p, k in fresh:  # profiler windows: a few batches in a thousand
+                    if p.profile is not None and p.steps.time_s:
+                        self._store_profile(conn, k, p)
+                    if p.profiles:
+                        store_profiles(
+                            conn,
+                            self._insert,
+                            run_id=k.id,
+                            window_steps=k.window_steps,
+                            world_size=k.world_size,
+                            p=p,
+                        )
+        return [i == first[p.batch_id] and p.batch_id in new for i, p in enumerate(payloads)]
+
+    def _claim_rows(
+        self, conn: Connection, payloads: Sequence[IngestPayload], keys: Sequence[RunKey]
+    ) -> set[str]:
+        """The row path of the claim (SQLite): one insert per batch id."""
+        batches = IngestedBatch.__table__
+        now = datetime.now(timezone.utc)
+        new: set[str] = set()
+        for p, run in zip(payloads, keys, strict=True):
             claimed = conn.execute(
                 self._insert(batches)
-                .values(
-                    batch_id=p.batch_id,
-                    run_id=run.id,
-                    rank=p.rank.rank,
-                    received_at=datetime.now(timezone.utc),
-                )
+                .values(batch_id=p.batch_id, run_id=run.id, rank=p.rank.rank, received_at=now)
                 .on_conflict_do_nothing(index_elements=["batch_id"])
                 .returning(batches.c.batch_id)
             ).first()
-            if claimed is None:
-                return False
-            self._store_rank(conn, run, p)
-            if p.steps.time_s:  # a final batch may carry no step
-                self._store_windows(conn, run, p)
-                self._store_job_steps(conn, run, p)
-                if p.profile is not None:
-                    self._store_profile(conn, run, p)
-            if p.profiles:
-                store_profiles(
-                    conn,
-                    self._insert,
-                    run_id=run.id,
-                    window_steps=run.window_steps,
-                    world_size=run.world_size,
-                    p=p,
-                )
-        return True
+            if claimed is not None:
+                new.add(p.batch_id)
+        return new
 
-    def _store_rank(self, conn: Connection, run: RunKey, p: IngestPayload) -> None:
+    def _write_rows(self, conn: Connection, rows: Rows) -> None:
+        """The row path of the merge (SQLite): executemany of the same upserts."""
+        for stmt, cols in (
+            (self._rank_upsert(), rows.ranks),
+            (self._window_upsert(), rows.windows),
+            (self._job_step_upsert(), rows.job_steps),
+        ):
+            if cols:
+                names = list(cols)
+                columns = [v.tolist() if hasattr(v, "tolist") else v for v in cols.values()]
+                conn.execute(
+                    stmt,
+                    [dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True)],
+                )
+
+    def _rank_upsert(self) -> Any:
         t = Rank.__table__
-        last_step = p.steps.first + len(p.steps.time_s) - 1
-        values = {
-            "run_id": run.id,
-            "rank": p.rank.rank,
-            "host": p.rank.host,
-            "local_rank": p.rank.local_rank,
-            "coords": dict(p.rank.coords),
-            "last_step": last_step,
-            "last_seen": datetime.fromtimestamp(p.steps.wall_end, timezone.utc),
-            "agent_version": p.agent.version,
-            "clock": p.agent.clock,
-            "dropped_windows": p.agent.dropped_windows,
-            "dropped_steps": p.agent.dropped_steps,
-            "hot_path_mean_s": p.agent.hot_path_mean_s,
-            "final_step": last_step if p.final else None,
-        }
-        stmt = self._insert(t).values(**values)
+        stmt = self._insert(t)
         ex = stmt.excluded
         # Batches of one rank can arrive out of order (retries): counters only grow.
-        stmt = stmt.on_conflict_do_update(
+        return stmt.on_conflict_do_update(
             index_elements=["run_id", "rank"],
             set_={
                 "host": ex.host,
@@ -223,7 +289,6 @@ class Ingestor:
                 "final_step": func.coalesce(ex.final_step, t.c.final_step),
             },
         )
-        conn.execute(stmt)
 
     def _store_profile(self, conn: Connection, run: RunKey, p: IngestPayload) -> None:
         """Merge the batch's time breakdown into the window of its last step.
@@ -261,44 +326,11 @@ class Ingestor:
             .values(**values)
         )
 
-    def _store_windows(self, conn: Connection, run: RunKey, p: IngestPayload) -> None:
-        s = p.steps
-        w_steps = run.window_steps
-        padded = s.padded_tokens
-        rows: dict[int, dict[str, Any]] = {}
-        for j, dt in enumerate(s.time_s):
-            step = s.first + j
-            w = (step - 1) // w_steps if step > 0 else 0
-            row = rows.get(w)
-            if row is None:
-                row = rows[w] = {
-                    "run_id": run.id,
-                    "rank": p.rank.rank,
-                    "window": w,
-                    "first_step": step,
-                    "last_step": step,
-                    "n_steps": 0,
-                    "step_time_sum": 0.0,
-                    "step_time_min": dt,
-                    "step_time_max": dt,
-                    "data_wait_sum": 0.0,
-                    "tokens_sum": 0,
-                    "padded_tokens_sum": 0 if padded is not None else None,
-                    "wall_end": s.wall_end,
-                }
-            row["last_step"] = step
-            row["n_steps"] += 1
-            row["step_time_sum"] += dt
-            row["step_time_min"] = min(row["step_time_min"], dt)
-            row["step_time_max"] = max(row["step_time_max"], dt)
-            row["data_wait_sum"] += s.data_wait_s[j]
-            row["tokens_sum"] += s.tokens[j]
-            if padded is not None:
-                row["padded_tokens_sum"] += padded[j]
+    def _window_upsert(self) -> Any:
         t = RankWindow.__table__
         stmt = self._insert(t)
         ex = stmt.excluded
-        stmt = stmt.on_conflict_do_update(
+        return stmt.on_conflict_do_update(
             index_elements=["run_id", "rank", "window"],
             set_={
                 "first_step": self._least(t.c.first_step, ex.first_step),
@@ -315,39 +347,12 @@ class Ingestor:
                 "wall_end": self._greatest(t.c.wall_end, ex.wall_end),
             },
         )
-        conn.execute(stmt, list(rows.values()))
 
-    def _store_job_steps(self, conn: Connection, run: RunKey, p: IngestPayload) -> None:
-        s = p.steps
-        counts = p.rank.counts_tokens
-        padded = s.padded_tokens
-        tags = s.tags
-        # Wall-clock end of each step, from the batch's end and the step durations.
-        ends = [0.0] * len(s.time_s)
-        t_end = s.wall_end
-        for j in range(len(s.time_s) - 1, -1, -1):
-            ends[j] = t_end
-            t_end -= s.time_s[j]
-        rows = [
-            {
-                "run_id": run.id,
-                "step": s.first + j,
-                "ranks": 1,
-                "token_ranks": 1 if counts else 0,
-                "step_time_sum": dt,
-                "step_time_max": dt,
-                "data_wait_max": s.data_wait_s[j],
-                "tokens": s.tokens[j] if counts else 0,
-                "padded_tokens": (padded[j] if counts else 0) if padded is not None else None,
-                "tag": TAG_CODES.get(tags[j] or "", 0) if tags is not None else 0,
-                "wall_end": ends[j],
-            }
-            for j, dt in enumerate(s.time_s)
-        ]
+    def _job_step_upsert(self) -> Any:
         t = JobStep.__table__
         stmt = self._insert(t)
         ex = stmt.excluded
-        stmt = stmt.on_conflict_do_update(
+        return stmt.on_conflict_do_update(
             index_elements=["run_id", "step"],
             set_={
                 "ranks": t.c.ranks + ex.ranks,
@@ -363,4 +368,3 @@ class Ingestor:
                 "wall_end": self._greatest(t.c.wall_end, ex.wall_end),
             },
         )
-        conn.execute(stmt, rows)

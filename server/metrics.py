@@ -28,6 +28,12 @@ class CollectorMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=self.registry,
         )
+        self.group_batches = Histogram(
+            "stepwatch_ingest_group_batches",
+            "Batches written together in one transaction (group commit).",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=self.registry,
+        )
         self.analysis_seconds = Histogram(
             "stepwatch_analysis_pass_duration_seconds",
             "Time of one analysis pass over all active runs.",

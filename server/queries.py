@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timezone
 from typing import Any
 
-from sqlalchemy import Connection, Float, Select, and_, cast, func, select
+from sqlalchemy import Connection, Float, Select, and_, case, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
 from . import progress_view
@@ -120,7 +120,10 @@ def overview(conn: Connection, name: str) -> RunOverview:
     run = get_run(conn, name)
     where_run = JS.c.run_id == run.id
     st, tok = _step_time(), _tokens_est(run)
-    totals = conn.execute(
+    # One pass over the run's steps for the totals and the untagged (steady) means: at
+    # 30 days of 10 s steps this scan is most of the overview's time.
+    untagged = JS.c.tag == 0
+    row = conn.execute(
         select(
             func.count(),
             func.min(JS.c.step),
@@ -128,13 +131,13 @@ def overview(conn: Connection, name: str) -> RunOverview:
             func.coalesce(func.sum(tok), 0.0),
             func.sum(JS.c.tokens),
             func.sum(JS.c.padded_tokens),
+            func.sum(case((untagged, st))),
+            func.count(case((untagged, 1))),
+            func.sum(case((untagged, tok))),
+            func.avg(case((untagged, JS.c.data_wait_max))),
         ).where(where_run, _valid())
     ).one()
-    steady = conn.execute(
-        select(func.sum(st), func.count(), func.sum(tok), func.avg(JS.c.data_wait_max)).where(
-            where_run, _valid(), JS.c.tag == 0
-        )
-    ).one()
+    totals, steady = row[:6], row[6:]
     recent_q = (
         select(st.label("st"), tok.label("tok"), JS.c.data_wait_max.label("dw"))
         .where(where_run, _valid())
@@ -267,21 +270,21 @@ def ranks(conn: Connection, name: str, *, profile_windows: int = 1) -> list[Rank
     collectives merged over the newest ``profile_windows`` profiled windows."""
     run = get_run(conn, name)
     profiles = rank_profiles(conn, run.id, profile_windows)
+    # The latest window of each rank by a per-rank lookup on the primary key (run, rank,
+    # window), not a GROUP BY over every window the run ever stored.
     latest = (
-        select(RW.c.rank, func.max(RW.c.window).label("window"))
-        .where(RW.c.run_id == run.id)
-        .group_by(RW.c.rank)
-        .subquery()
+        select(func.max(RW.c.window))
+        .where(RW.c.run_id == RANKS.c.run_id, RW.c.rank == RANKS.c.rank)
+        .scalar_subquery()
     )
-    win = (
-        select(RW)
-        .join(latest, and_(RW.c.rank == latest.c.rank, RW.c.window == latest.c.window))
-        .where(RW.c.run_id == run.id)
-        .subquery()
-    )
+    win = RW.alias("win")
     rows = conn.execute(
         select(RANKS, win)
-        .select_from(RANKS.outerjoin(win, win.c.rank == RANKS.c.rank))
+        .select_from(
+            RANKS.outerjoin(
+                win, and_(win.c.run_id == RANKS.c.run_id, win.c.rank == RANKS.c.rank, win.c.window == latest)
+            )
+        )
         .where(RANKS.c.run_id == run.id)
         .order_by(RANKS.c.rank)
     ).mappings()

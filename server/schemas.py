@@ -8,9 +8,10 @@ rejected with a 422 naming the field and nothing of it is stored.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stepwatch.sketch import LogSketch
 
@@ -18,8 +19,26 @@ from stepwatch.sketch import LogSketch
 SCHEMA_VERSION = 2
 RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
 HostName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._:-]+$")]
-NonNeg = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+#: Any non-negative measured quantity (seconds, counts, MHz, W); the bound keeps sums finite.
+NonNeg = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, le=2**53)]
+
+
+def _resolvable(v: float) -> float:
+    return 0.0 if v < 1e-9 else v
+
+
+#: A step or wait longer than 11 days is a broken clock; one under a nanosecond is below
+#: any clock's resolution and counts as 0 (not a reason to refuse a batch). Both keep every
+#: sum and rate derived from them finite.
+Seconds = Annotated[float, Field(ge=0.0, le=1e6, allow_inf_nan=False), AfterValidator(_resolvable)]
+#: Tokens of one step on one rank (2**40 is about 10**12): sums over a million ranks and
+#: a group of batches stay inside a 64-bit integer.
+Tokens = Annotated[int, Field(ge=0, le=2**40)]
+#: Unix time up to the year 9999 (what a timestamp column can hold).
+UnixTime = Annotated[float, Field(gt=0, le=253_402_300_799, allow_inf_nan=False)]
+#: Hard cap on one batch's steps (the configurable limit is STEPWATCH_MAX_STEPS_PER_BATCH).
+MAX_STEPS = 100_000
 Tag = Literal["warmup", "checkpoint", "eval"] | None
 
 
@@ -41,7 +60,9 @@ class RankIn(_Strict):
     world_size: int = Field(ge=1, le=1_048_576)
     host: HostName
     layout: Layout
-    coords: dict[Literal["tp", "cp", "dp", "pp"], Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    coords: dict[Literal["tp", "cp", "dp", "pp"], Annotated[int, Field(ge=0, le=1_048_575)]] = Field(
+        default_factory=dict
+    )
     counts_tokens: bool = True
 
     @model_validator(mode="after")
@@ -58,11 +79,11 @@ class RankIn(_Strict):
 
 
 class AgentIn(_Strict):
-    version: str = Field(max_length=32)
+    version: str = Field(max_length=32, pattern=r"^[A-Za-z0-9._+-]+$")
     clock: Literal["host", "cuda_events"] = "host"
     dropped_windows: Count = 0
     dropped_steps: Count = 0
-    hot_path_mean_s: NonNeg | None = None
+    hot_path_mean_s: Seconds | None = None
 
 
 class ConventionIn(BaseModel):
@@ -71,24 +92,43 @@ class ConventionIn(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     formula: str = Field(max_length=64)
-    flops_per_token: float = Field(gt=0, allow_inf_nan=False)
-    hfu_flops_per_token: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    flops_per_token: float = Field(gt=0, le=1e18, allow_inf_nan=False)
+    hfu_flops_per_token: float | None = Field(default=None, gt=0, le=1e18, allow_inf_nan=False)
     dtype: str = Field(max_length=16)
-    peak_flops: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    peak_flops: float | None = Field(default=None, ge=1e6, le=1e20, allow_inf_nan=False)
     peak_source: str | None = Field(default=None, max_length=256)
     device_name: str | None = Field(default=None, max_length=128)
     id: str | None = Field(default=None, max_length=512)
+
+    @model_validator(mode="after")
+    def _bounded_extras(self) -> ConventionIn:
+        # Extra keys are kept with the run: bound how many and what they hold.
+        extra = self.model_extra or {}
+        if len(extra) > 32:
+            raise ValueError(f"{len(extra)} extra convention fields; at most 32")
+        for key, value in extra.items():
+            if len(key) > 64:
+                raise ValueError(f"extra convention field name longer than 64 characters: {key[:64]!r}...")
+            if not (value is None or isinstance(value, (bool, int, float, str))):
+                raise ValueError(f"extra convention field {key!r} must be a number, string, boolean or null")
+            if isinstance(value, str) and len(value) > 256:
+                raise ValueError(f"extra convention field {key!r} is longer than 256 characters")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"extra convention field {key!r} must be finite")
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**53:
+                raise ValueError(f"extra convention field {key!r} is out of range")
+        return self
 
 
 class StepsIn(_Strict):
     first: int = Field(ge=0, le=2**53)
     #: Empty only in a rank's final batch (``final: true``), which may carry no step.
-    time_s: list[NonNeg]
-    data_wait_s: list[NonNeg]
-    tokens: list[Count]
-    padded_tokens: list[Count] | None = None
-    tags: list[Tag] | None = None
-    wall_end: float = Field(gt=0, allow_inf_nan=False)
+    time_s: list[Seconds] = Field(max_length=MAX_STEPS)
+    data_wait_s: list[Seconds] = Field(max_length=MAX_STEPS)
+    tokens: list[Tokens] = Field(max_length=MAX_STEPS)
+    padded_tokens: list[Tokens] | None = Field(default=None, max_length=MAX_STEPS)
+    tags: list[Tag] | None = Field(default=None, max_length=MAX_STEPS)
+    wall_end: UnixTime
 
     @model_validator(mode="after")
     def _same_length(self) -> StepsIn:
@@ -104,7 +144,7 @@ class PlanIn(_Strict):
     """Run-level plan from ``stepwatch.init`` (all optional); every rank may send it."""
 
     target_tokens: int | None = Field(default=None, gt=0, le=2**62)
-    deadline: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="Unix seconds")
+    deadline: UnixTime | None = Field(default=None, description="Unix seconds")
     config_fingerprint: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:/+=-]{1,128}$")
     baseline_run: RunName | None = None
 
@@ -120,13 +160,13 @@ class ProfileSummaryIn(_Strict):
     """
 
     steps: int = Field(ge=1, le=1_000_000)
-    compute_s: NonNeg
-    comm_overlapped_s: NonNeg | None = None
-    comm_exposed_s: NonNeg | None = None
-    idle_s: NonNeg | None = None
-    comm_wait_s: NonNeg | None = None
-    comm_transfer_s: NonNeg | None = None
-    group_transfer_s: dict[Literal["dp", "tp", "pp", "cp"], NonNeg] | None = None
+    compute_s: Seconds
+    comm_overlapped_s: Seconds | None = None
+    comm_exposed_s: Seconds | None = None
+    idle_s: Seconds | None = None
+    comm_wait_s: Seconds | None = None
+    comm_transfer_s: Seconds | None = None
+    group_transfer_s: dict[Literal["dp", "tp", "pp", "cp"], Seconds] | None = None
 
 
 # -- profiler windows (schema_version 2) ---------------------------------------------
@@ -286,7 +326,7 @@ class IngestPayload(_Strict):
     schema_version: Literal[1, 2]
     batch_id: str = Field(pattern=r"^[A-Za-z0-9_-]{8,64}$")
     run: RunName
-    sent_at: float = Field(gt=0, allow_inf_nan=False)
+    sent_at: UnixTime
     agent: AgentIn
     rank: RankIn
     convention: ConventionIn | None = None

@@ -49,35 +49,76 @@ def _pg_bin(name: str) -> str | None:
     return None
 
 
+class Cluster:
+    """A private PostgreSQL cluster that a test can stop and start (a database restart)."""
+
+    def __init__(self, port: int) -> None:
+        initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+        if not initdb or not pg_ctl:
+            raise RuntimeError(INSTALL_HINT)
+        self.port, self._pg_ctl = port, pg_ctl
+        self.root = tempfile.mkdtemp(prefix="stepwatch-pg-")
+        self.data, sock = os.path.join(self.root, "data"), os.path.join(self.root, "sock")
+        os.makedirs(sock)
+        self._run_as: list[str] = []
+        if os.geteuid() == 0:  # initdb refuses to run as root
+            user = pwd.getpwnam("postgres")
+            for path in (self.root, sock):
+                os.chown(path, user.pw_uid, user.pw_gid)
+            self._run_as = ["runuser", "-u", "postgres", "--"]
+        subprocess.run(
+            [*self._run_as, initdb, "-D", self.data, "-A", "trust", "-U", "postgres"],
+            check=True,
+            capture_output=True,
+        )
+        self._opts = f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=on"
+        self.url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+
+    def start(self) -> None:
+        subprocess.run(
+            [
+                *self._run_as,
+                self._pg_ctl,
+                "-D",
+                self.data,
+                "-o",
+                self._opts,
+                "-w",
+                "-l",
+                os.path.join(self.root, "log"),
+                "start",
+            ],
+            check=True,
+            capture_output=True,
+        )
+
+    def stop(self, mode: str = "fast") -> None:
+        """``immediate`` is a crash: no checkpoint, recovery from the WAL at the next start."""
+        subprocess.run(
+            [*self._run_as, self._pg_ctl, "-D", self.data, "-m", mode, "-w", "stop"], capture_output=True
+        )
+
+    def remove(self) -> None:
+        self.stop("immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextmanager
+def cluster(port: int) -> Iterator[Cluster]:
+    """A started private cluster on ``port``, removed afterwards."""
+    c = Cluster(port)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.remove()
+
+
 @contextmanager
 def throwaway_cluster(port: int) -> Iterator[str]:
     """Start a private cluster on ``port``; stop it (by its own pg_ctl) afterwards."""
-    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    if not initdb or not pg_ctl:
-        raise RuntimeError(INSTALL_HINT)
-    root = tempfile.mkdtemp(prefix="stepwatch-pg-")
-    data, sock = os.path.join(root, "data"), os.path.join(root, "sock")
-    os.makedirs(sock)
-    run_as: list[str] = []
-    if os.geteuid() == 0:  # initdb refuses to run as root
-        user = pwd.getpwnam("postgres")
-        for path in (root, sock):
-            os.chown(path, user.pw_uid, user.pw_gid)
-        run_as = ["runuser", "-u", "postgres", "--"]
-    subprocess.run(
-        [*run_as, initdb, "-D", data, "-A", "trust", "-U", "postgres"], check=True, capture_output=True
-    )
-    opts = f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=on"
-    subprocess.run(
-        [*run_as, pg_ctl, "-D", data, "-o", opts, "-w", "-l", os.path.join(root, "log"), "start"],
-        check=True,
-        capture_output=True,
-    )
-    try:
-        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
-    finally:
-        subprocess.run([*run_as, pg_ctl, "-D", data, "-m", "immediate", "stop"], capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
+    with cluster(port) as c:
+        yield c.url
 
 
 @contextmanager

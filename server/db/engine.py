@@ -42,4 +42,12 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         kwargs.setdefault("pool_size", 8)
         kwargs.setdefault("max_overflow", 8)
     kwargs.setdefault("connect_args", {"connect_timeout": 5})
-    return create_engine(url, **kwargs)
+    engine = create_engine(url, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _binary_arrays(dbapi_conn: Any, _record: Any) -> None:
+        from .pg_arrays import register
+
+        register(dbapi_conn.adapters)  # numpy columns as binary array parameters (ingest)
+
+    return engine

@@ -63,6 +63,9 @@ class Run(Base):
     #: Steps per stored rank window, fixed at the run's first batch.
     window_steps: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    #: Name of the write token that created the run (null: writes were open); runs per
+    #: token are limited (``STEPWATCH_MAX_RUNS_PER_TOKEN``).
+    created_by: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     # The plan, from ``stepwatch.init`` (all optional): progress and the finish date are
     # projected against it; regressions compare with ``baseline_run`` when the
     # fingerprints match.

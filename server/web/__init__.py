@@ -7,7 +7,9 @@ adds the pages and ``/static`` to an app made by the factory.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
@@ -17,8 +19,8 @@ from .routes import router
 STATIC_DIR = Path(__file__).parent / "static"
 
 
-def install(app: FastAPI) -> None:
-    app.include_router(router)
+def install(app: FastAPI, dependencies: Sequence[Any] = ()) -> None:
+    app.include_router(router, dependencies=list(dependencies))
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
 

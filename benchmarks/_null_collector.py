@@ -1,0 +1,50 @@
+"""The do-nothing baseline of the ingest benchmark: the collector's own app, web stack
+and payload validation, served exactly as ``stepwatch serve`` serves it, with storage
+replaced by a no-op. The ratio real/null is the share of the web stack's rate that the
+database path keeps."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from fastapi import FastAPI
+
+from stepwatch_server.app import create_app, tune_gc
+from stepwatch_server.cli import run_uvicorn
+from stepwatch_server.schemas import IngestPayload
+from stepwatch_server.settings import Settings
+
+
+class NullCommitter:
+    async def submit(self, payload: IngestPayload, owner: str | None = None) -> bool:
+        return True
+
+
+class NullIngestor:
+    def knows_run(self, name: str) -> bool:
+        return True  # as the real collector's run cache does after a run's first batch
+
+
+def app_factory() -> FastAPI:
+    app = create_app(Settings())
+    app.state.group_commit = NullCommitter()
+    app.state.ingestor = NullIngestor()
+    tune_gc()  # as app_from_env does for the real collector
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--workers", type=int, default=1)
+    args = p.parse_args(argv)
+    settings = Settings(
+        database_url="sqlite://", port=args.port, workers=args.workers, migrate_on_start=False
+    )
+    run_uvicorn("benchmarks._null_collector:app_factory", settings, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

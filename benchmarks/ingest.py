@@ -1,0 +1,119 @@
+"""Ingest at 4,096 simulated ranks: rank-steps/s into PostgreSQL against the same
+collector with storage replaced by a no-op (same web stack, same payloads, same run),
+POST latency at the budget rate, and the agent-side cost of building one payload.
+
+    python -m benchmarks.ingest [--ranks 4096] [--steps-per-window 64] [--workers 2]
+
+Throughput is the closed-loop peak (``--concurrency`` connections, each posting its next
+window as soon as the last is answered); phases alternate no-op / PostgreSQL and the
+medians are compared. Latency is measured open-loop: windows offered at the budget rate
+(100,000 rank-steps/s) over 256 connections, timed from when each was due.
+Budgets (DESIGN §7): >= 100,000 rank-steps/s on 2 cores and >= 50% of the no-op rate;
+POST p99 <= 100 ms at 4,096 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import psycopg
+
+from . import loadgen
+from ._harness import median, pg_database, server
+
+RATE_BUDGET = 100_000  # rank-steps/s
+RATIO_BUDGET = 0.5
+P99_BUDGET_S = 0.100
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--ranks", type=int, default=4096)
+    p.add_argument("--steps-per-window", type=int, default=64)
+    p.add_argument("--windows", type=int, default=2, help="windows per rank in each throughput phase")
+    p.add_argument("--rounds", type=int, default=3, help="no-op/PostgreSQL phase pairs")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=128)
+    args = p.parse_args(argv)
+    n = args.steps_per_window
+
+    enc_s = loadgen.encoding_cost(loadgen.Fleet("enc", args.ranks, n), samples=2000)
+    phases = []
+    for i in range(args.rounds):
+        for kind in ("null", "pg"):
+            fleet = loadgen.Fleet(f"bench-{kind}-{i}", args.ranks, n, seed=i)
+            phases.append((kind, fleet.run, list(fleet.payloads(args.windows))))
+    paced = loadgen.Fleet("bench-paced", args.ranks, n, seed=99)
+    paced_bodies = list(paced.payloads(1))
+
+    results: dict[str, list[loadgen.LoadResult]] = {"null": [], "pg": []}
+    workers = ["--workers", str(args.workers)]
+    with pg_database() as db_url:
+        null_cmd = ["benchmarks._null_collector", *workers]
+        pg_cmd = ["stepwatch", "serve", "--database-url", db_url, "--log-level", "warning", *workers]
+        with server(null_cmd, "/healthz") as null_url, server(pg_cmd, "/readyz") as pg_url:
+            for kind, _, bodies in phases:
+                url = null_url if kind == "null" else pg_url
+                res = loadgen.post_all(url, bodies, n, concurrency=args.concurrency)
+                _check(kind, res, len(bodies))
+                results[kind].append(res)
+            paced_res = loadgen.post_at_rate(pg_url, paced_bodies, n, rate=RATE_BUDGET / n)
+            _check("paced", paced_res, len(paced_bodies))
+        # Every acknowledged rank-step was stored, once.
+        with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
+            for kind, run, bodies in [*phases, ("pg", paced.run, paced_bodies)]:
+                if kind != "pg":
+                    continue
+                stored = conn.execute(
+                    "SELECT sum(ranks), count(*) FROM job_steps JOIN runs ON runs.id = run_id "
+                    "WHERE name = %s",
+                    (run,),
+                ).fetchone()
+                windows = len(bodies) // args.ranks
+                assert stored == (args.ranks * windows * n, windows * n), (run, stored)
+
+    def rate(kind: str) -> float:
+        return median([r.steps_acked / r.seconds for r in results[kind]])
+
+    def lat_ms(kind: str, q: float) -> float:
+        return median([r.quantile(q) for r in results[kind]]) * 1e3
+
+    pg_rate, null_rate = rate("pg"), rate("null")
+    ratio = pg_rate / null_rate
+    p99 = paced_res.quantile(0.99)
+    print(
+        f"ingest: {args.ranks} simulated ranks, {n}-step windows, {args.workers} uvicorn workers, "
+        f"{args.rounds} rounds of {args.ranks * args.windows} POSTs per phase"
+    )
+    print(f"  agent payload build+encode   {enc_s * 1e6:9.1f} us/window ({enc_s / n * 1e9:.0f} ns/step)")
+    print(
+        f"  no-op endpoint (peak)        {null_rate:11,.0f} rank-steps/s"
+        f"   POST p50 {lat_ms('null', 0.5):5.1f} ms  p99 {lat_ms('null', 0.99):5.1f} ms"
+    )
+    print(
+        f"  PostgreSQL (peak)            {pg_rate:11,.0f} rank-steps/s"
+        f"   POST p50 {lat_ms('pg', 0.5):5.1f} ms  p99 {lat_ms('pg', 0.99):5.1f} ms"
+    )
+    print(
+        f"  PostgreSQL at {RATE_BUDGET:,} rank-steps/s offered: achieved "
+        f"{paced_res.steps_acked / paced_res.seconds:,.0f}, POST p50 {paced_res.quantile(0.5) * 1e3:.1f} ms"
+        f"  p99 {p99 * 1e3:.1f} ms"
+    )
+    print(f"  ratio PostgreSQL / no-op     {ratio:9.2f}")
+    checks = {
+        f"rate >= {RATE_BUDGET:,}/s": pg_rate >= RATE_BUDGET,
+        f"ratio >= {RATIO_BUDGET}": ratio >= RATIO_BUDGET,
+        "p99 <= 100 ms": p99 <= P99_BUDGET_S,
+    }
+    print("  budgets: " + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in checks.items()))
+    return 0
+
+
+def _check(kind: str, res: loadgen.LoadResult, expected: int) -> None:
+    if res.ok != expected:
+        raise SystemExit(f"{kind}: only {res.ok}/{expected} answered 2xx: {res.statuses}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""Retention and downsampling: ``stepwatch db prune``.
+
+Per-rank windows are the bulk of the storage (one row per rank per ~10 s: at 4,096 ranks
+about 35 million rows a day, ~200 bytes each with the primary key). The policy:
+
+- ``job_steps`` (one row per step for the whole job) is kept: 259,200 rows for a month
+  of 10 s steps, tens of megabytes; every job-level series stays exact.
+- ``rank_windows`` older than ``full_days`` are rolled up: ``factor`` consecutive windows
+  of a rank become one row (360 windows of 10 s = one hour). The columns are mergeable
+  (counts and sums add, minima and maxima stay extreme, breakdown means are weighted by
+  profiled steps), so a rolled-up row is exactly the summary of the steps it covers, and
+  rows stay aligned across ranks (``window`` is the first window index of the group).
+  The per-group transfer times (``group_transfer_s``) are not kept for rolled-up rows:
+  the analysis has long finished with windows that old.
+- ``ingested_batches`` (batch ids kept for idempotent retries) older than
+  ``batch_id_days`` are deleted: an agent retries within minutes, never after days.
+
+Run it daily (cron, a Kubernetes CronJob). Each run's windows are rolled up in chunks,
+each chunk in one transaction, so a prune can be stopped and run again at any time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from sqlalchemy import Connection, Engine, delete, func, select, text
+
+from .db.models import IngestedBatch, JobStep
+
+JS = JobStep.__table__
+IB = IngestedBatch.__table__
+
+_BREAKDOWN = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "idle_s", "comm_wait_s", "comm_transfer_s")
+#: A window that spans at most ``window_steps`` steps has not been rolled up yet.
+_UNROLLED = 'run_id = :run AND "window" >= :lo AND "window" < :hi AND last_step - first_step < :ws'
+
+
+@dataclass
+class PruneReport:
+    runs: int = 0
+    windows_rolled_up: int = 0
+    rows_written: int = 0
+    batch_ids_deleted: int = 0
+
+
+def prune(
+    engine: Engine,
+    *,
+    full_days: float = 2.0,
+    factor: int = 360,
+    batch_id_days: float = 7.0,
+    now: float | None = None,
+    chunk_rows: int = 1_000_000,
+) -> PruneReport:
+    """Apply the retention policy to every run; returns what it did."""
+    if factor < 2:
+        raise ValueError(f"factor must be at least 2, got {factor}")
+    now = time.time() if now is None else now
+    report = PruneReport()
+    with engine.connect() as conn:
+        runs = conn.execute(text("SELECT id, window_steps, world_size FROM runs ORDER BY id")).all()
+    for run_id, ws, world in runs:
+        report.runs += 1
+        with engine.begin() as conn:
+            cut = _cut_window(conn, run_id, ws, factor, now - full_days * 86400)
+        span = max(factor, (chunk_rows // max(1, world)) // factor * factor)
+        lo = 0
+        while lo < cut:
+            hi = min(cut, lo + span)
+            with engine.begin() as conn:
+                rolled, written = _roll_up(conn, run_id, ws, factor, lo, hi)
+            report.windows_rolled_up += rolled
+            report.rows_written += written
+            lo = hi
+        old = datetime.fromtimestamp(now - batch_id_days * 86400, timezone.utc)
+        with engine.begin() as conn:
+            report.batch_ids_deleted += conn.execute(
+                delete(IngestedBatch).where(IB.c.run_id == run_id, IB.c.received_at < old)
+            ).rowcount
+    return report
+
+
+def _cut_window(conn: Connection, run_id: int, ws: int, factor: int, cutoff: float) -> int:
+    """First window index (aligned down to ``factor``) that must stay at full resolution."""
+    last_old = conn.execute(
+        select(func.max(JS.c.step)).where(JS.c.run_id == run_id, JS.c.wall_end < cutoff)
+    ).scalar_one()
+    if last_old is None:
+        return 0
+    return int(((max(int(last_old), 1) - 1) // ws + 1) // factor * factor)
+
+
+def _roll_up(conn: Connection, run_id: int, ws: int, factor: int, lo: int, hi: int) -> tuple[int, int]:
+    params = {"run": run_id, "ws": ws, "lo": lo, "hi": hi, "f": factor}
+    weighted = ", ".join(
+        f"sum({c} * profiled_steps) / "
+        f"nullif(sum(CASE WHEN {c} IS NULL THEN 0 ELSE profiled_steps END), 0) AS {c}"
+        for c in _BREAKDOWN
+    )
+    conn.execute(text("DROP TABLE IF EXISTS sw_rollup"))
+    conn.execute(
+        text(
+            f"""CREATE TEMPORARY TABLE sw_rollup AS
+            SELECT run_id, rank, ("window" / :f) * :f AS "window", min(first_step) AS first_step,
+                   max(last_step) AS last_step, sum(n_steps) AS n_steps, sum(step_time_sum) AS step_time_sum,
+                   min(step_time_min) AS step_time_min, max(step_time_max) AS step_time_max,
+                   sum(data_wait_sum) AS data_wait_sum, sum(tokens_sum) AS tokens_sum,
+                   sum(padded_tokens_sum) AS padded_tokens_sum, max(wall_end) AS wall_end,
+                   sum(profiled_steps) AS profiled_steps, {weighted}
+            FROM rank_windows WHERE {_UNROLLED}
+            GROUP BY run_id, rank, "window" / :f"""
+        ),
+        params,
+    )
+    rolled = conn.execute(text(f"DELETE FROM rank_windows WHERE {_UNROLLED}"), params).rowcount
+    cols = (
+        'run_id, rank, "window", first_step, last_step, n_steps, step_time_sum, step_time_min, '
+        "step_time_max, data_wait_sum, tokens_sum, padded_tokens_sum, wall_end, profiled_steps, "
+        + ", ".join(_BREAKDOWN)
+    )
+    keep = ", ".join(
+        f"{c} = coalesce(excluded.{c}, rank_windows.{c})" for c in ("profiled_steps", *_BREAKDOWN)
+    )
+    written = conn.execute(
+        text(
+            f"""INSERT INTO rank_windows ({cols}) SELECT {cols} FROM sw_rollup WHERE true
+            ON CONFLICT (run_id, rank, "window") DO UPDATE SET
+                first_step = min_of(rank_windows.first_step, excluded.first_step),
+                last_step = max_of(rank_windows.last_step, excluded.last_step),
+                n_steps = rank_windows.n_steps + excluded.n_steps,
+                step_time_sum = rank_windows.step_time_sum + excluded.step_time_sum,
+                step_time_min = min_of(rank_windows.step_time_min, excluded.step_time_min),
+                step_time_max = max_of(rank_windows.step_time_max, excluded.step_time_max),
+                data_wait_sum = rank_windows.data_wait_sum + excluded.data_wait_sum,
+                tokens_sum = rank_windows.tokens_sum + excluded.tokens_sum,
+                padded_tokens_sum = coalesce(rank_windows.padded_tokens_sum + excluded.padded_tokens_sum,
+                                             rank_windows.padded_tokens_sum, excluded.padded_tokens_sum),
+                wall_end = max_of(rank_windows.wall_end, excluded.wall_end),
+                {keep}""".replace("min_of", "least" if conn.dialect.name == "postgresql" else "min").replace(
+                "max_of", "greatest" if conn.dialect.name == "postgresql" else "max"
+            )
+        )
+    ).rowcount
+    conn.execute(text("DROP TABLE sw_rollup"))
+    return int(rolled), int(written)
