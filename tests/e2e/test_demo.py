@@ -6,9 +6,10 @@ chromedriver (selenium): the page loads without console errors, the three charts
 drawn from the run's real series, the per-rank heatmap shows every rank, and a straggler
 event is visible. The screenshot of that page is the README's ``docs/dashboard.png``.
 
-The straggler *event* is inserted by this test when the collector did not raise one (the
-detection that writes events lives in the analysis work, not on every branch); the
-numbers in it are the demo's own measurements.
+The straggler event normally comes from the collector's own detection (the demo profiles
+2 steps in 8, so rank 2's compute time names it). Only if a loaded machine hid the
+slowdown from the detector does this test insert the event itself, from the demo's own
+measurements, so that the page's rendering is still checked.
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ def test_web_page_in_chromium_shows_the_run_and_its_straggler(demo: DemoRun, bro
             status="closed",
             cost_seconds=cost,
             cost_ratio=cost / demo.slow_s,
-            message=f"rank 2 is a compute straggler from step {SLOW_FROM}: every step waits "
+            message=f"Rank 2 is a compute straggler from step {SLOW_FROM}: every step waits "
             f"{cost:.3f} s for it in the all-reduce",
         )
 
@@ -224,7 +225,9 @@ def test_web_page_in_chromium_shows_the_run_and_its_straggler(demo: DemoRun, bro
             assert inked > 2000, f"{chart} drew {inked} pixels"
         event = browser.find_element(By.CSS_SELECTOR, "#events tr.event.straggler")
         assert event.is_displayed()
-        assert "straggler / compute" in event.text and f"{SLOW_FROM}–{SLOW_TO}" in event.text
+        assert "straggler / compute" in event.text and "Rank 2" in event.text
+        first, last = (int(x) for x in re.search(r"(\d+)–(\d+)", event.text).groups())  # type: ignore[union-attr]
+        assert first <= SLOW_TO and last >= SLOW_FROM, f"the flag's steps {first}-{last} miss the slowdown"
         labels = browser.find_elements(By.CSS_SELECTOR, "#heatmap svg text:not(.axis)")
         assert [t.text for t in labels] == ["0", "1", "2", "3"]
         assert browser.find_element(By.ID, "mfu-latest").text.endswith("%")
