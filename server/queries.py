@@ -20,6 +20,7 @@ from . import progress_view
 from .db.models import Event, JobStep, Rank, RankWindow, Run
 from .profile_queries import BREAKDOWN_METRICS, rank_profiles, window_series
 from .schemas import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
+from .utilization import per_token_rate
 
 LATEST_STEPS = 10
 JS = JobStep.__table__
@@ -46,11 +47,7 @@ class RunRow:
     @property
     def mfu_scale(self) -> float | None:
         """MFU per token/s: flops_per_token / (devices x peak). None if peak unknown."""
-        conv = self.convention or {}
-        fpt, peak = conv.get("flops_per_token"), conv.get("peak_flops")
-        if not fpt or not peak:
-            return None
-        return float(fpt) / (self.world_size * float(peak))
+        return per_token_rate(self.convention, self.world_size)
 
 
 def get_run(conn: Connection, name: str) -> RunRow:

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..analysis.hangs import hang_threshold_s
 from ..analysis.robust import median
+from ..utilization import per_token_rate
 
 #: Quantiles across ranks exported for each per-rank quantity (0 and 1 are min and max).
 QUANTILES: tuple[float, ...] = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
@@ -207,14 +208,8 @@ class Snapshot:
 
 
 def convention_of(conv: Mapping[str, Any] | None, world_size: int) -> Convention:
-    """Labels and scales from the stored convention (MFU scale as in ``queries.RunRow``)."""
+    """Labels and scales from the stored convention (``utilization.per_token_rate``)."""
     conv = conv or {}
-
-    def scale(key: str) -> float | None:
-        fpt, peak = conv.get(key), conv.get("peak_flops")
-        if not fpt or not peak or world_size <= 0:
-            return None
-        return float(fpt) / (world_size * float(peak))
 
     return Convention(
         id=str(conv.get("id") or ""),
@@ -222,8 +217,8 @@ def convention_of(conv: Mapping[str, Any] | None, world_size: int) -> Convention
         dtype=str(conv.get("dtype") or ""),
         device=str(conv.get("device_name") or ""),
         peak_source=str(conv.get("peak_source") or ""),
-        mfu_scale=scale("flops_per_token"),
-        hfu_scale=scale("hfu_flops_per_token"),
+        mfu_scale=per_token_rate(conv, world_size),
+        hfu_scale=per_token_rate(conv, world_size, "hfu_flops_per_token"),
     )
 
 

@@ -23,6 +23,7 @@ from ..db.models import IngestedBatch, Rank, Run
 from ..db.models import JobStep as JobStepRow
 from ..db.models import RankWindow as RankWindowRow
 from ..ingest import TAG_CODES
+from ..utilization import per_token_rate
 from .readiness import RankProgress
 
 RUNS = Run.__table__
@@ -61,11 +62,7 @@ class RunInfo:
     @property
     def mfu_per_token_rate(self) -> float | None:
         """MFU per token/s: flops_per_token / (devices x peak); None when the peak is unknown."""
-        conv = self.convention or {}
-        fpt, peak = conv.get("flops_per_token"), conv.get("peak_flops")
-        if not fpt or not peak:
-            return None
-        return float(fpt) / (self.world_size * float(peak))
+        return per_token_rate(self.convention, self.world_size)
 
 
 @dataclass(frozen=True, slots=True)
