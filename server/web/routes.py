@@ -14,6 +14,7 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy import Engine
 
 import stepwatch
+from stepwatch.views.terminal import duration
 
 from .. import queries
 from . import data
@@ -43,23 +44,11 @@ def _pct(v: Any, digits: int = 2) -> str:
     return "–" if v is None else f"{100 * v:.{digits}f}%"
 
 
-def _duration(s: float | None) -> str:
-    if s is None:
-        return "–"
-    if s < 120:
-        return f"{s:.0f} s"
-    if s < 7200:
-        return f"{s / 60:.0f} min"
-    if s < 172_800:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86_400:.1f} days"
-
-
 def _date(ts: float | None) -> str:
     return "–" if ts is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
 
 
-templates.env.filters.update(ago=_ago, num=_num, pct=_pct, duration=_duration, date=_date)
+templates.env.filters.update(ago=_ago, num=_num, pct=_pct, duration=duration, date=_date)
 templates.env.globals["version"] = stepwatch.__version__
 
 
