@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import httpx
 
 from stepwatch.demo.launch import free_port
-from stepwatch_server.db import migrate
+from stepwatch_server.storage import migrate
 from tests import pg
 
 

@@ -43,7 +43,7 @@ def _target(config: str, workdir: Path) -> Iterator[dict[str, str]]:
         with SlowServer(delay_s=10.0) as slow:
             yield {"STEPWATCH_URL": slow.url}
     else:
-        from stepwatch_server.db import migrate
+        from stepwatch_server.storage import migrate
 
         db = f"sqlite:///{workdir / 'bench.db'}"
         migrate.upgrade(db)

@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))  # the tests' payload builders and detector bridge
 
 from stepwatch_server.analysis.stragglers import StragglerDetector  # noqa: E402
 from stepwatch_server.app import create_app  # noqa: E402
-from stepwatch_server.db import migrate  # noqa: E402
 from stepwatch_server.exporter.catalog import series_per_run  # noqa: E402
 from stepwatch_server.settings import Settings  # noqa: E402
+from stepwatch_server.storage import migrate  # noqa: E402
 from tests.runstate import detect_stragglers, feed, fill_breakdown  # noqa: E402
 
 

@@ -1,12 +1,12 @@
-"""Alembic environment: runs migrations with the URL set by stepwatch_server.db.migrate."""
+"""Alembic environment: runs migrations with the URL set by stepwatch_server.storage.migrate."""
 
 from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import pool
 
-from stepwatch_server.db.engine import make_engine
-from stepwatch_server.db.models import Base
+from stepwatch_server.storage.engine import make_engine
+from stepwatch_server.storage.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -25,7 +25,7 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     url = config.get_main_option("sqlalchemy.url")
-    assert url is not None, "sqlalchemy.url must be set by stepwatch_server.db.migrate"
+    assert url is not None, "sqlalchemy.url must be set by stepwatch_server.storage.migrate"
     engine = make_engine(url, poolclass=pool.NullPool)
     with engine.connect() as connection:
         # render_as_batch: SQLite cannot ALTER most things; batch mode copies the table.

@@ -18,19 +18,20 @@ from sqlalchemy import Engine, text
 
 import stepwatch
 
-from . import errors, web
-from .api import INGEST_SCHEMAS, router
-from .auth import Authenticator, require_read
-from .db.engine import make_engine
-from .db.migrate import current_revision, head_revision
+from . import web
+from .api import errors
+from .api.auth import Authenticator, require_read
+from .api.limits import BodyLimit
+from .api.routes import INGEST_SCHEMAS, router
 from .exporter import ExporterConfig, RunStateCollector
-from .group_commit import GroupCommitter
-from .ingest import Ingestor
-from .limits import BodyLimit
-from .metrics import CollectorMetrics
+from .exporter.registry import CollectorMetrics
+from .ingest.group_commit import GroupCommitter
+from .ingest.store import Ingestor
 from .settings import Settings
-from .webhook import WebhookNotifier
+from .storage.engine import make_engine
+from .storage.migrate import current_revision, head_revision
 from .worker import AnalysisWorker, WorkerConfig
+from .worker.webhook import WebhookNotifier
 
 
 def _worker_config(settings: Settings) -> WorkerConfig:

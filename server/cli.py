@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from .db import migrate
 from .settings import Settings
+from .storage import migrate
 
 
 def _settings(**overrides: object) -> Settings:
@@ -21,8 +21,8 @@ def db_upgrade(*, database_url: str | None, revision: str = "head") -> int:
 
 
 def db_prune(*, database_url: str | None, full_days: float, factor: int, batch_id_days: float) -> int:
-    from .db.engine import make_engine
-    from .retention import prune
+    from .storage.engine import make_engine
+    from .storage.retention import prune
 
     settings = _settings(database_url=database_url)
     engine = make_engine(settings.database_url)

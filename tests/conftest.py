@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from stepwatch_server.db import migrate
-from stepwatch_server.db.engine import make_engine
+from stepwatch_server.storage import migrate
+from stepwatch_server.storage.engine import make_engine
 
 from . import pg
 

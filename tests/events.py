@@ -14,8 +14,8 @@ from typing import Any
 
 from sqlalchemy import insert, select
 
-from stepwatch_server.db.engine import make_engine
-from stepwatch_server.db.models import Event, Run
+from stepwatch_server.storage.engine import make_engine
+from stepwatch_server.storage.models import Event, Run
 
 
 def insert_event(

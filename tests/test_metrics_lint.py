@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stepwatch_server.analysis.stragglers import StragglerDetector
 from stepwatch_server.app import create_app
-from stepwatch_server.db import migrate
 from stepwatch_server.exporter.catalog import FAMILIES, exposed_names
-from stepwatch_server.metrics import CollectorMetrics
+from stepwatch_server.exporter.registry import CollectorMetrics
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage import migrate
 
 from .payloads import CONVENTION
 from .runstate import detect_stragglers, fill_breakdown, store

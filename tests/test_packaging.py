@@ -95,6 +95,6 @@ def test_built_wheel_carries_everything_and_works(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    from stepwatch_server.db.migrate import head_revision
+    from stepwatch_server.storage.migrate import head_revision
 
     assert f"database at {head_revision()}" in r.stdout

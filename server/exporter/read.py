@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Float, and_, cast, func, or_, select
 
-from ..db.models import Event, IngestedBatch, JobStep, Rank, RankWindow, Run
+from ..storage.models import Event, IngestedBatch, JobStep, Rank, RankWindow, Run
 from .state import EventRow, RankRow, StepRow
 
 RUNS = Run.__table__

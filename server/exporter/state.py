@@ -5,7 +5,7 @@ functions turn the rows into a :class:`RunSnapshot`, and ``families.py`` turns s
 into Prometheus families. Nothing here touches a database or a registry, so every number
 can be checked on hand-made rows.
 
-Definitions match the REST overview (``queries.py``): a step's time is the mean over the
+Definitions match the REST overview (``reads/queries.py``): a step's time is the mean over the
 ranks that reported it, its global tokens are the reporting data-parallel replicas'
 tokens scaled to all replicas, and MFU is tokens/s x FLOPs per token / (devices x peak).
 "Current" values use the newest untagged steps, so a checkpoint or evaluation step never
@@ -21,7 +21,7 @@ from typing import Any
 
 from ..analysis.hangs import hang_threshold_s
 from ..analysis.robust import median
-from ..utilization import per_token_rate
+from ..reads.utilization import per_token_rate
 
 #: Quantiles across ranks exported for each per-rank quantity (0 and 1 are min and max).
 QUANTILES: tuple[float, ...] = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)

@@ -1,6 +1,6 @@
 """What the web page shows, read from the database as plain dicts.
 
-The page reuses the API's queries (``queries.py``) so that the page and the API never
+The page reuses the API's queries (``reads/queries.py``) so that the page and the API never
 disagree, and adds two reads of its own that only a picture needs: the per-rank heatmap
 over recent windows and the latest profiled breakdown. Both are bounded (ranks shown,
 windows shown) so that a 4,096-rank run renders as fast as a 4-rank one.
@@ -15,8 +15,8 @@ from typing import Any
 from sqlalchemy import Connection, Float, and_, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from .. import queries
-from ..db.models import Event, RankWindow
+from ..reads import queries
+from ..storage.models import Event, RankWindow
 
 RW = RankWindow.__table__
 EV = Event.__table__

@@ -16,7 +16,7 @@ from sqlalchemy import Engine
 import stepwatch
 from stepwatch.views.terminal import duration
 
-from .. import queries
+from ..reads import queries
 from . import data
 
 router = APIRouter(include_in_schema=False)

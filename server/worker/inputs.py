@@ -19,11 +19,11 @@ from sqlalchemy import Connection, exists, func, select
 from ..analysis.pipeline import StepRow, tag_of
 from ..analysis.robust import median
 from ..analysis.types import RankWindow
-from ..db.models import IngestedBatch, Rank, Run
-from ..db.models import JobStep as JobStepRow
-from ..db.models import RankWindow as RankWindowRow
-from ..ingest import TAG_CODES
-from ..utilization import per_token_rate
+from ..ingest.store import TAG_CODES
+from ..reads.utilization import per_token_rate
+from ..storage.models import IngestedBatch, Rank, Run
+from ..storage.models import JobStep as JobStepRow
+from ..storage.models import RankWindow as RankWindowRow
 from .readiness import RankProgress
 
 RUNS = Run.__table__

@@ -22,7 +22,7 @@ from sqlalchemy import Connection, insert, select, update
 
 from ..analysis.pipeline import Change
 from ..analysis.types import Finding
-from ..db.models import AnalysisState, Event
+from ..storage.models import AnalysisState, Event
 
 EV = Event.__table__
 STATE = AnalysisState.__table__

@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from stepwatch_server.db.engine import make_engine
-from stepwatch_server.db.models import Run
+from stepwatch_server.storage.engine import make_engine
+from stepwatch_server.storage.models import Run
 
 from ..events import insert_event
 from ..live import serve_in_thread

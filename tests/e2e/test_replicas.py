@@ -17,7 +17,7 @@ import pytest
 
 from stepwatch.demo import launch
 from stepwatch.simulate import Simulation, TimingModel, Topology, parse_fault
-from stepwatch_server.db import migrate
+from stepwatch_server.storage import migrate
 
 from .. import pg
 

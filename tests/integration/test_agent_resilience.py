@@ -230,7 +230,7 @@ def test_repeated_init_closes_the_previous_agent(sqlite_db: str) -> None:
 
 @pytest.fixture
 def sqlite_db(tmp_path: Path) -> str:
-    from stepwatch_server.db import migrate
+    from stepwatch_server.storage import migrate
 
     url = f"sqlite:///{tmp_path / 'agent.db'}"
     migrate.upgrade(url)

@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, func, select
 
 from stepwatch_server.app import create_app
-from stepwatch_server.db.models import IngestedBatch, JobStep, RankWindow
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage.models import IngestedBatch, JobStep, RankWindow
 
 from ..payloads import CONVENTION, payload
 
@@ -187,7 +187,7 @@ def test_health_ready_metrics_openapi(client: TestClient) -> None:
 def test_events_are_served_newest_first_and_filtered(client: TestClient, engine: Engine) -> None:
     from datetime import datetime, timezone
 
-    from stepwatch_server.db.models import Event, Run
+    from stepwatch_server.storage.models import Event, Run
 
     client.post("/api/v1/ingest", json=payload(world=4, rank=2))
     now = datetime.now(timezone.utc)

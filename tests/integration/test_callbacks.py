@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from stepwatch_server.db import migrate
+from stepwatch_server.storage import migrate
 
 from ..live import serve_in_thread
 

@@ -26,9 +26,9 @@ from stepwatch._env import detect
 from stepwatch._sender import Sender
 from stepwatch.config import AgentConfig
 from stepwatch.demo.launch import free_port
-from stepwatch_server.db import migrate
-from stepwatch_server.db.engine import make_engine
-from stepwatch_server.db.models import IngestedBatch, JobStep, Rank, RankWindow
+from stepwatch_server.storage import migrate
+from stepwatch_server.storage.engine import make_engine
+from stepwatch_server.storage.models import IngestedBatch, JobStep, Rank, RankWindow
 
 from .. import pg
 from ..live import CollectorProcess, serve_in_thread

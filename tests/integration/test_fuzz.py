@@ -28,7 +28,7 @@ from schemathesis.specs.openapi.checks import (
 from sqlalchemy import Engine
 
 from stepwatch_server.app import create_app
-from stepwatch_server.queries import SERIES_METRICS
+from stepwatch_server.reads.queries import SERIES_METRICS
 from stepwatch_server.settings import Settings
 
 from ..payloads import payload

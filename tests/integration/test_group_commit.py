@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select
 
-from stepwatch_server.db import migrate
-from stepwatch_server.db.engine import make_engine
-from stepwatch_server.db.models import IngestedBatch, Rank, RankWindow
-from stepwatch_server.group_commit import GroupCommitter
-from stepwatch_server.ingest import Ingestor
+from stepwatch_server.ingest.group_commit import GroupCommitter
+from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.schemas import IngestPayload
+from stepwatch_server.storage import migrate
+from stepwatch_server.storage.engine import make_engine
+from stepwatch_server.storage.models import IngestedBatch, Rank, RankWindow
 
 from .. import pg
 from ..payloads import payload
@@ -101,7 +101,7 @@ def test_binary_array_parameters_round_trip(pg_admin: str) -> None:
     import numpy as np
     import psycopg
 
-    from stepwatch_server.db import pg_arrays
+    from stepwatch_server.storage import pg_arrays
 
     floats = np.array([0.0, 1.5, -2.25, 1e-300, 1e300, 0.1 + 0.2])
     ints = np.ma.array([1, -2, 2**62, 0, 1024], mask=[False, True, False, True, False])

@@ -13,12 +13,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, func, select
 
+from stepwatch_server.api.auth import parse_tokens
 from stepwatch_server.app import create_app
-from stepwatch_server.auth import parse_tokens
-from stepwatch_server.db import migrate
-from stepwatch_server.db.engine import make_engine
-from stepwatch_server.db.models import IngestedBatch, Run
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage import migrate
+from stepwatch_server.storage.engine import make_engine
+from stepwatch_server.storage.models import IngestedBatch, Run
 
 from ..payloads import payload
 

@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 
 from stepwatch_server.exporter import ExporterConfig, RunStateCollector
 from stepwatch_server.exporter.catalog import series_per_run
-from stepwatch_server.ingest import Ingestor
+from stepwatch_server.ingest.store import Ingestor
 
 from ..runstate import feed, fill_breakdown, open_straggler
 

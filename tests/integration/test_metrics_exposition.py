@@ -10,10 +10,10 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 
 from stepwatch_server.app import create_app
-from stepwatch_server.db.engine import make_engine
 from stepwatch_server.exporter import ExporterConfig, RunStateCollector
-from stepwatch_server.ingest import Ingestor
+from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage.engine import make_engine
 
 from ..payloads import CONVENTION
 from ..runstate import feed, fill_breakdown, open_straggler

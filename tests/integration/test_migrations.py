@@ -6,9 +6,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from stepwatch_server.db import migrate
-from stepwatch_server.db.engine import make_engine
-from stepwatch_server.db.models import Base
+from stepwatch_server.storage import migrate
+from stepwatch_server.storage.engine import make_engine
+from stepwatch_server.storage.models import Base
 
 TABLES = {
     "runs",

@@ -11,7 +11,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, func, select
 
 from stepwatch_server.app import create_app
-from stepwatch_server.db.models import (
+from stepwatch_server.ingest.profiles import PENDING_KEEP
+from stepwatch_server.settings import Settings
+from stepwatch_server.storage.models import (
     CollectiveStat,
     IngestedBatch,
     ProfileArrival,
@@ -19,8 +21,6 @@ from stepwatch_server.db.models import (
     ProfileWindow,
     RankWindow,
 )
-from stepwatch_server.profiles import PENDING_KEEP
-from stepwatch_server.settings import Settings
 
 from ..payloads import payload, profile_entry
 

@@ -14,9 +14,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, func, select, update
 
 from stepwatch_server.app import create_app
-from stepwatch_server.db.models import IngestedBatch, JobStep, RankWindow
-from stepwatch_server.retention import prune
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage.models import IngestedBatch, JobStep, RankWindow
+from stepwatch_server.storage.retention import prune
 
 from ..payloads import payload
 

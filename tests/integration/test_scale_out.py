@@ -17,9 +17,9 @@ import httpx
 import pytest
 from sqlalchemy import Engine, select
 
-from stepwatch_server.db import migrate
-from stepwatch_server.db.engine import make_engine
-from stepwatch_server.db.models import JobStep, Rank, RankWindow, Run
+from stepwatch_server.storage import migrate
+from stepwatch_server.storage.engine import make_engine
+from stepwatch_server.storage.models import JobStep, Rank, RankWindow, Run
 
 from .. import pg
 from ..live import collector_process

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from stepwatch.demo.launch import free_port
-from stepwatch_server.db import migrate
+from stepwatch_server.storage import migrate
 
 from ..events import insert_event
 from ..live import serve_in_thread

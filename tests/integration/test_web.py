@@ -15,8 +15,8 @@ from html import unescape
 import httpx
 from sqlalchemy import update
 
-from stepwatch_server.db.engine import make_engine
-from stepwatch_server.db.models import RankWindow
+from stepwatch_server.storage.engine import make_engine
+from stepwatch_server.storage.models import RankWindow
 
 from ..events import insert_event
 from ..live import serve_in_thread

@@ -22,7 +22,7 @@ from stepwatch.demo.launch import free_port
 from stepwatch_server.analysis.types import Finding
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
-from stepwatch_server.webhook import WebhookNotifier
+from stepwatch_server.worker.webhook import WebhookNotifier
 
 from ..payloads import payload
 
@@ -179,7 +179,7 @@ def test_notify_never_waits_for_the_receiver() -> None:
 
 def test_the_collector_notifies_when_its_worker_flags(tmp_path: Path) -> None:
     """Through the app: STEPWATCH_WEBHOOK_URL set, a data straggler found by the worker."""
-    from stepwatch_server.db import migrate
+    from stepwatch_server.storage import migrate
 
     db = f"sqlite:///{tmp_path / 'w.db'}"
     migrate.upgrade(db)

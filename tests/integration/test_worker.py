@@ -16,8 +16,8 @@ from sqlalchemy import Engine, select
 
 from stepwatch_server.analysis.progress import SECONDS_PER_DAY
 from stepwatch_server.app import create_app
-from stepwatch_server.db.models import Rank, RankWindow
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage.models import Rank, RankWindow
 from stepwatch_server.worker import AnalysisWorker, WorkerConfig
 
 from ..payloads import payload

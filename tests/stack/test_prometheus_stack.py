@@ -37,8 +37,8 @@ from sqlalchemy import Engine
 from dashboards import generate
 from dashboards.config import DEFAULT, Config
 from stepwatch_server.analysis.stragglers import StragglerDetector
-from stepwatch_server.db import migrate
-from stepwatch_server.db.engine import make_engine
+from stepwatch_server.storage import migrate
+from stepwatch_server.storage.engine import make_engine
 
 from .. import pg
 from ..live import serve_in_thread

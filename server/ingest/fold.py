@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .schemas import IngestPayload
+from ..schemas import IngestPayload
 
 TAG_CODES = {"warmup": 1, "checkpoint": 2, "eval": 3}
 #: Column name -> values: a list (``ranks``) or a numpy array (masked where NULL).

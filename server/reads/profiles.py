@@ -22,8 +22,8 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from stepwatch.sketch import LogSketch
 
-from .db.models import CollectiveStat, ProfileWindow, RankWindow
-from .schemas import ClockOut, CollectiveOut, NvmlOut, ProfileOut, Quantiles, Series, SeriesPoint
+from ..schemas import ClockOut, CollectiveOut, NvmlOut, ProfileOut, Quantiles, Series, SeriesPoint
+from ..storage.models import CollectiveStat, ProfileWindow, RankWindow
 
 PW = ProfileWindow.__table__
 CS = CollectiveStat.__table__

@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 
 from sqlalchemy import Connection, Engine, delete, func, select, text
 
-from .db.models import IngestedBatch, JobStep
+from .models import IngestedBatch, JobStep
 
 JS = JobStep.__table__
 IB = IngestedBatch.__table__

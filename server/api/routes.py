@@ -11,12 +11,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from . import queries
-from .auth import Credentials, authenticator
-from .group_commit import GroupCommitter
-from .ingest import Ingestor
-from .metrics import CollectorMetrics
-from .schemas import (
+from ..exporter.registry import CollectorMetrics
+from ..ingest.group_commit import GroupCommitter
+from ..ingest.store import Ingestor
+from ..reads import queries
+from ..schemas import (
     EventOut,
     IngestPayload,
     IngestResult,
@@ -26,7 +25,8 @@ from .schemas import (
     RunSummary,
     Series,
 )
-from .settings import Settings
+from ..settings import Settings
+from .auth import Credentials, authenticator
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": Problem, "description": "A bearer token is required, or the one sent is unknown"},
@@ -38,7 +38,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 async def _authorize(request: Request, credentials: Credentials) -> None:
     """Every route of the API: POST needs a write token, the rest a read token (when
-    configured, ``auth.py``). The token's name is kept for quotas."""
+    configured, ``api/auth.py``). The token's name is kept for quotas."""
     request.state.token = authenticator(request).check(
         credentials, "write" if request.method == "POST" else "read"
     )

@@ -15,11 +15,11 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
-from .analysis.pipeline import RunAnalysis
-from .analysis.progress import calendar_efficiency, project
-from .db.models import AnalysisState, Run
-from .schemas import AnalysisOut, PlanOut, ProgressOut
-from .worker.inputs import unix
+from ..analysis.pipeline import RunAnalysis
+from ..analysis.progress import calendar_efficiency, project
+from ..schemas import AnalysisOut, PlanOut, ProgressOut
+from ..storage.models import AnalysisState, Run
+from ..worker.inputs import unix
 
 STATE = AnalysisState.__table__
 RUNS = Run.__table__

@@ -16,10 +16,10 @@ from typing import Any
 from sqlalchemy import Connection, Float, Select, and_, case, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from . import progress_view
-from .db.models import Event, JobStep, Rank, RankWindow, Run
-from .profile_queries import BREAKDOWN_METRICS, rank_profiles, window_series
-from .schemas import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
+from ..schemas import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
+from ..storage.models import Event, JobStep, Rank, RankWindow, Run
+from . import progress
+from .profiles import BREAKDOWN_METRICS, rank_profiles, window_series
 from .utilization import per_token_rate
 
 LATEST_STEPS = 10
@@ -157,7 +157,7 @@ def overview(conn: Connection, name: str) -> RunOverview:
         mean=tps.mean * scale if scale and tps.mean is not None else None,
     )
     padded_sum = totals[5]
-    extra = progress_view.sections(conn, run.id, run.window_steps, float(totals[3]))
+    extra = progress.sections(conn, run.id, run.window_steps, float(totals[3]))
     return RunOverview(
         name=run.name,
         world_size=run.world_size,

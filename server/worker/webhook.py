@@ -37,9 +37,9 @@ from typing import Any, Literal
 
 import httpx
 
-from .analysis.types import Finding
+from ..analysis.types import Finding
 
-log = logging.getLogger("stepwatch_server.webhook")
+log = logging.getLogger("stepwatch_server.worker.webhook")
 
 Format = Literal["slack", "alertmanager"]
 _RETRYABLE = frozenset({408, 425, 429, 500, 502, 503, 504})

@@ -4,9 +4,9 @@ The statements are fixed driver SQL (``exec_driver_sql``: no compilation, but
 SQLAlchemy still translates errors and invalidates a dead connection). Each column
 travels as one array parameter and ``unnest`` turns the arrays back into rows, so a
 table costs one round trip whatever the group's size: numeric columns as binary arrays
-built from numpy (``db/pg_arrays.py``), the few others as literals (psycopg would adapt
+built from numpy (``pg_arrays.py``), the few others as literals (psycopg would adapt
 a list element by element in Python). Rows arrive folded (one per key,
-``aggregate.py``) and sorted by key, and the tables are written in a fixed order (claims,
+``ingest/fold.py``) and sorted by key, and the tables are written in a fixed order (claims,
 ranks, rank windows, job steps), so two collectors writing the same steps wait for each
 other but cannot deadlock.
 """
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection
 
-from .aggregate import Columns, Rows
-from .db import pg_arrays
-from .schemas import IngestPayload
+from ..ingest.fold import Columns, Rows
+from ..schemas import IngestPayload
+from . import pg_arrays
 
 _CLAIM = """
     INSERT INTO ingested_batches (batch_id, run_id, rank, received_at)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from .queries import NotFoundError
+from ..reads.queries import NotFoundError
 
 log = logging.getLogger("stepwatch_server")
 RETRY_AFTER_S = 5

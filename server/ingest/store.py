@@ -7,8 +7,8 @@ window split across batches, or ranks arriving in any order, add up to the same 
 The caller answers 2xx only after this commits.
 
 ``store_many`` writes a group of batches in one transaction (the group commit that
-``group_commit.py`` feeds): the group is folded into one row per key (``aggregate.py``)
-and merged with one statement per table on PostgreSQL (``ingest_pg.py``), or with
+``group_commit.py`` feeds): the group is folded into one row per key (``fold.py``)
+and merged with one statement per table on PostgreSQL (``storage/postgres.py``), or with
 executemany of the same upserts on SQLite.
 """
 
@@ -27,11 +27,12 @@ from sqlalchemy import Connection, Engine, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
 
-from . import aggregate, ingest_pg
-from .aggregate import TAG_CODES, Rows
-from .db.models import IngestedBatch, JobStep, Rank, RankWindow, Run
+from ..schemas import IngestPayload, PlanIn
+from ..storage import postgres
+from ..storage.models import IngestedBatch, JobStep, Rank, RankWindow, Run
+from . import fold
+from .fold import TAG_CODES, Rows
 from .profiles import store_profiles
-from .schemas import IngestPayload, PlanIn
 
 __all__ = ["TAG_CODES", "Ingestor", "RunKey", "choose_window_steps"]
 
@@ -209,16 +210,16 @@ class Ingestor:
             keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
             run_ids = [k.id for k in keys]
             if self._dialect == "postgresql":
-                new = ingest_pg.claim(conn, unique, run_ids)
+                new = postgres.claim(conn, unique, run_ids)
             else:
                 new = self._claim_rows(conn, unique, keys)
             fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if p.batch_id in new]
             if fresh:
-                rows = aggregate.fold(
+                rows = fold.fold(
                     [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
                 )
                 if self._dialect == "postgresql":
-                    ingest_pg.write(conn, rows)
+                    postgres.write(conn, rows)
                 else:
                     self._write_rows(conn, rows)
                 for p, k in fresh:  # profiler windows: a few batches in a thousand

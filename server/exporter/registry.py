@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from .worker import PassReport
+from ..worker import PassReport
 
 
 class CollectorMetrics:

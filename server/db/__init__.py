@@ -1,1 +1,0 @@
-"""Storage: SQLAlchemy models, engine construction and migrations."""

@@ -1,0 +1,1 @@
+"""Reads: runs, overview, series, ranks and profiler views, derived from the stored rows."""

@@ -1,0 +1,1 @@
+"""Storage: SQLAlchemy models, engine construction, backend statements, retention and migrations glue."""
