@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Annotated, Any, Literal
 
@@ -10,6 +11,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from sqlalchemy import Engine
+from sqlalchemy.exc import DataError
 
 from ..exporter.registry import CollectorMetrics
 from ..ingest.group_commit import GroupCommitter
@@ -27,7 +29,9 @@ from ..schemas import (
 )
 from ..settings import Settings
 from .auth import Credentials, authenticator
+from .edge import RunPath, refuse_nul
 
+log = logging.getLogger("stepwatch_server")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": Problem, "description": "A bearer token is required, or the one sent is unknown"},
     403: {"model": Problem, "description": "The token may not do this"},
@@ -87,16 +91,27 @@ async def ingest(request: Request) -> IngestResult:
     # The body is parsed and validated in one pass by pydantic-core
     # (``model_validate_json``), three times cheaper than FastAPI's json.loads followed
     # by validation of the Python objects; errors still answer 422 naming each field.
+    body = await request.body()
     try:
-        payload = IngestPayload.model_validate_json(await request.body())
+        payload = IngestPayload.model_validate_json(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
+    refuse_nul(body, payload)
     owner: str | None = request.state.token
     await _within_limits(request, payload, owner)
     committer: GroupCommitter = request.app.state.group_commit
     metrics: CollectorMetrics = request.app.state.metrics
     t0 = time.perf_counter()
-    stored = await committer.submit(payload, owner)
+    try:
+        stored = await committer.submit(payload, owner)
+    except DataError as exc:
+        # The schema should make this impossible (every bound is a column's bound); if a
+        # value still slips through, the batch is refused (its neighbours in the group
+        # were stored one by one) rather than answered 500 and retried for ever.
+        metrics.batches.labels("unstorable").inc()
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "value out of range"
+        log.warning("batch %s of run %r refused by the database: %s", payload.batch_id, payload.run, reason)
+        raise _invalid(("body",), f"the database cannot store this batch: {reason}") from None
     metrics.ingest_seconds.observe(time.perf_counter() - t0)
     metrics.batches.labels("stored" if stored else "duplicate").inc()
     n = len(payload.steps.time_s)
@@ -159,14 +174,14 @@ def list_runs(request: Request) -> list[RunSummary]:
 
 
 @router.get("/runs/{run}", response_model=RunOverview, responses=_ERRORS)
-def run_overview(run: str, request: Request) -> RunOverview:
+def run_overview(run: RunPath, request: Request) -> RunOverview:
     with _engine(request).connect() as conn:
         return queries.overview(conn, run)
 
 
 @router.get("/runs/{run}/series", response_model=Series, responses=_ERRORS)
 def run_series(
-    run: str,
+    run: RunPath,
     request: Request,
     metric: Annotated[str, Query(description=f"one of {', '.join(queries.SERIES_METRICS)}")] = "step_time_s",
     from_step: Annotated[int | None, Query(ge=0)] = None,
@@ -179,7 +194,7 @@ def run_series(
 
 @router.get("/runs/{run}/ranks", response_model=list[RankSummary], responses=_ERRORS)
 def run_ranks(
-    run: str,
+    run: RunPath,
     request: Request,
     profile_windows: Annotated[
         int, Query(ge=1, le=64, description="newest profiled windows merged into the collective quantiles")
@@ -191,7 +206,7 @@ def run_ranks(
 
 @router.get("/runs/{run}/events", response_model=list[EventOut], responses=_ERRORS)
 def run_events(
-    run: str,
+    run: RunPath,
     request: Request,
     status: Annotated[Literal["open", "closed"] | None, Query()] = None,
     kind: Annotated[Literal["straggler", "regression", "hang"] | None, Query()] = None,

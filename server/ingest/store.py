@@ -23,13 +23,13 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select, update
+from sqlalchemy import Connection, Engine, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..schemas import IngestPayload, PlanIn
 from ..storage import postgres
-from ..storage.models import IngestedBatch, JobStep, Rank, RankWindow, Run
+from ..storage.models import INT32_MAX, INT64_MAX, IngestedBatch, JobStep, Rank, RankWindow, Run
 from . import fold
 from .fold import TAG_CODES, Rows
 from .profiles import store_profiles
@@ -65,6 +65,13 @@ def _plan_key(target: Any, deadline: datetime | None, fingerprint: Any, baseline
         deadline = deadline.replace(tzinfo=timezone.utc)
     when = None if deadline is None else round(deadline.timestamp(), 3)
     return (target, when, fingerprint, baseline)
+
+
+def _sat(a: ColumnElement[Any], b: ColumnElement[Any], limit: int) -> ColumnElement[Any]:
+    """``a + b`` saturating at ``limit`` (the column's largest value), the same rule as the
+    PostgreSQL statements (``storage/postgres.py``): duplicated steps sent under fresh batch
+    ids add up, and must not overflow the column."""
+    return case((a > limit - b, limit), else_=a + b)
 
 
 def choose_window_steps(step_times: list[float], window_seconds: float) -> int:
@@ -311,7 +318,7 @@ class Ingestor:
             return (func.coalesce(col, 0.0) * n_old + value * n_new) / (n_old + n_new)
 
         values: dict[str, Any] = {
-            "profiled_steps": n_old + n_new,
+            "profiled_steps": case((n_old > INT32_MAX - n_new, INT32_MAX), else_=n_old + n_new),
             "compute_s": merged(t.c.compute_s, prof.compute_s),
             "comm_overlapped_s": merged(t.c.comm_overlapped_s, prof.comm_overlapped_s),
             "comm_exposed_s": merged(t.c.comm_exposed_s, prof.comm_exposed_s),
@@ -336,14 +343,16 @@ class Ingestor:
             set_={
                 "first_step": self._least(t.c.first_step, ex.first_step),
                 "last_step": self._greatest(t.c.last_step, ex.last_step),
-                "n_steps": t.c.n_steps + ex.n_steps,
+                "n_steps": _sat(t.c.n_steps, ex.n_steps, INT32_MAX),
                 "step_time_sum": t.c.step_time_sum + ex.step_time_sum,
                 "step_time_min": self._least(t.c.step_time_min, ex.step_time_min),
                 "step_time_max": self._greatest(t.c.step_time_max, ex.step_time_max),
                 "data_wait_sum": t.c.data_wait_sum + ex.data_wait_sum,
-                "tokens_sum": t.c.tokens_sum + ex.tokens_sum,
+                "tokens_sum": _sat(t.c.tokens_sum, ex.tokens_sum, INT64_MAX),
                 "padded_tokens_sum": func.coalesce(
-                    t.c.padded_tokens_sum + ex.padded_tokens_sum, t.c.padded_tokens_sum, ex.padded_tokens_sum
+                    _sat(t.c.padded_tokens_sum, ex.padded_tokens_sum, INT64_MAX),
+                    t.c.padded_tokens_sum,
+                    ex.padded_tokens_sum,
                 ),
                 "wall_end": self._greatest(t.c.wall_end, ex.wall_end),
             },
@@ -356,14 +365,14 @@ class Ingestor:
         return stmt.on_conflict_do_update(
             index_elements=["run_id", "step"],
             set_={
-                "ranks": t.c.ranks + ex.ranks,
-                "token_ranks": t.c.token_ranks + ex.token_ranks,
+                "ranks": _sat(t.c.ranks, ex.ranks, INT32_MAX),
+                "token_ranks": _sat(t.c.token_ranks, ex.token_ranks, INT32_MAX),
                 "step_time_sum": t.c.step_time_sum + ex.step_time_sum,
                 "step_time_max": self._greatest(t.c.step_time_max, ex.step_time_max),
                 "data_wait_max": self._greatest(t.c.data_wait_max, ex.data_wait_max),
-                "tokens": t.c.tokens + ex.tokens,
+                "tokens": _sat(t.c.tokens, ex.tokens, INT64_MAX),
                 "padded_tokens": func.coalesce(
-                    t.c.padded_tokens + ex.padded_tokens, t.c.padded_tokens, ex.padded_tokens
+                    _sat(t.c.padded_tokens, ex.padded_tokens, INT64_MAX), t.c.padded_tokens, ex.padded_tokens
                 ),
                 "tag": self._greatest(t.c.tag, ex.tag),
                 "wall_end": self._greatest(t.c.wall_end, ex.wall_end),

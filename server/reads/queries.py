@@ -126,8 +126,9 @@ def overview(conn: Connection, name: str) -> RunOverview:
             func.min(JS.c.step),
             func.max(JS.c.step),
             func.coalesce(func.sum(tok), 0.0),
-            func.sum(JS.c.tokens),
-            func.sum(JS.c.padded_tokens),
+            # As floats: a sum of saturated BIGINTs must not overflow (SQLite's sum() raises).
+            func.sum(cast(JS.c.tokens, Float)),
+            func.sum(cast(JS.c.padded_tokens, Float)),
             func.sum(case((untagged, st))),
             func.count(case((untagged, 1))),
             func.sum(case((untagged, tok))),

@@ -38,6 +38,13 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
+#: Largest value of an ``Integer`` column (32-bit on PostgreSQL) and of a ``BigInteger``
+#: one (64-bit on both backends). The ingest schema imports these for every field stored
+#: in such a column, and additive upserts saturate at them, so a value the schema accepts
+#: is always storable.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
 # BIGINT on PostgreSQL, INTEGER on SQLite (where only INTEGER PRIMARY KEY autoincrements).
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 

@@ -16,6 +16,7 @@ from sqlalchemy import Engine
 import stepwatch
 from stepwatch.views.terminal import duration
 
+from ..api.edge import RunPath
 from ..reads import queries
 from . import data
 
@@ -67,7 +68,7 @@ def runs_page(request: Request) -> HTMLResponse:
 @router.get("/runs/{run}", response_class=HTMLResponse)
 def run_page(
     request: Request,
-    run: str,
+    run: RunPath,
     heat: Annotated[str | None, Query(description="heatmap metric")] = None,
 ) -> HTMLResponse:
     with _engine(request).connect() as conn:
