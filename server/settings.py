@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     cors_origins: str = ""
     #: Runs one token (or, with writes open, everyone together) may create.
     max_runs_per_token: int = Field(default=1000, ge=1)
+    #: Write-token names (comma-separated) that may post into runs other tokens created (a
+    #: relay, a simulator); every other token writes only into the runs it created.
+    shared_write_tokens: str = ""
     #: Largest world size a run may declare.
     max_ranks_per_run: int = Field(default=65_536, ge=1, le=1_048_576)
     # -- /metrics: what the Prometheus exposition may contain (bounded cardinality) --

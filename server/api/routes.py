@@ -14,8 +14,9 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DataError
 
 from ..exporter.registry import CollectorMetrics
+from ..ingest.admission import QuotaExceededError, may_write
 from ..ingest.group_commit import GroupCommitter
-from ..ingest.store import Ingestor
+from ..ingest.store import Ingestor, RunKey
 from ..reads import queries
 from ..schemas import (
     EventOut,
@@ -74,7 +75,14 @@ INGEST_SCHEMAS = {**INGEST_SCHEMAS.pop("$defs", {}), "IngestPayload": INGEST_SCH
     response_model=IngestResult,
     responses={
         401: _ERRORS[401],
-        403: {"model": Problem, "description": "Not a write token, or its run quota is used up"},
+        403: {
+            "model": Problem,
+            "description": "Not a write token, its run quota is used up, or the run belongs to another token",
+        },
+        409: {
+            "model": Problem,
+            "description": "The batch's world size is not the run's: a restart at another size is a new run",
+        },
         413: {"model": Problem, "description": "Body too large"},
         422: {"model": Problem, "description": "Invalid payload; nothing was stored"},
         503: _ERRORS[503],
@@ -137,27 +145,42 @@ async def _within_limits(request: Request, payload: IngestPayload, owner: str | 
             "per run (STEPWATCH_MAX_RANKS_PER_RUN)",
         )
     ingestor: Ingestor = request.app.state.ingestor
-    if not ingestor.knows_run(payload.run):  # a new run: count the token's runs (rare, off-loop)
-        used = await _admission(request, ingestor, payload.run, owner, settings.max_runs_per_token)
-        if used is not None:
+    key = ingestor.cached(payload.run)
+    if key is None:  # not seen lately: admit it, creating it if new (rare, off-loop)
+        try:
+            key = await _admission(request, ingestor, payload, owner, settings.max_runs_per_token)
+        except QuotaExceededError as exc:
             who = f"token {owner!r}" if owner else "anonymous writers"
             raise HTTPException(
                 status_code=403,
-                detail=f"run {payload.run!r} refused: {who} created {used} runs, the limit is "
+                detail=f"run {payload.run!r} refused: {who} created {exc.used} runs, the limit is "
                 f"{settings.max_runs_per_token} (STEPWATCH_MAX_RUNS_PER_TOKEN)",
-            )
+            ) from None
+    if not may_write(key.owner, owner, request.app.state.shared_writers):
+        raise HTTPException(
+            status_code=403,
+            detail=f"run {payload.run!r} belongs to token {key.owner!r}; token {owner!r} may not write "
+            "into it (STEPWATCH_SHARED_WRITE_TOKENS names tokens that may)",
+        )
+    if payload.rank.world_size != key.world_size:
+        raise HTTPException(
+            status_code=409,
+            detail=f"rank.world_size: run {payload.run!r} has {key.world_size} ranks, this batch "
+            f"declares {payload.rank.world_size}: a restart at another size is a new run, "
+            "send it under a new run name",
+        )
 
 
 async def _admission(
-    request: Request, ingestor: Ingestor, run: str, owner: str | None, limit: int
-) -> int | None:
-    """One quota check per new run at a time: the first batches of a new run arrive from
-    all its ranks at once, and one database check answers them all."""
-    checks: dict[tuple[str, str | None], asyncio.Future[int | None]] = request.app.state.run_checks
-    key = (run, owner)
+    request: Request, ingestor: Ingestor, payload: IngestPayload, owner: str | None, limit: int
+) -> RunKey:
+    """One admission per new run at a time: the first batches of a new run arrive from
+    all its ranks at once, and one database transaction answers them all."""
+    checks: dict[tuple[str, str | None], asyncio.Future[RunKey]] = request.app.state.run_checks
+    key = (payload.run, owner)
     check = checks.get(key)
     if check is None:
-        check = asyncio.ensure_future(asyncio.to_thread(ingestor.admits_run, run, owner, limit))
+        check = asyncio.ensure_future(asyncio.to_thread(ingestor.admit, payload, owner, limit))
         checks[key] = check
         check.add_done_callback(lambda _: checks.pop(key, None))
     return await asyncio.shield(check)

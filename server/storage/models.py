@@ -259,16 +259,28 @@ class JobStep(Base):
 
 
 class IngestedBatch(Base):
-    """Batch ids already stored: a retried batch is acknowledged but not stored twice."""
+    """Batch ids already stored: a retried batch is acknowledged but not stored twice.
+    Scoped by run: one run's writer cannot make another run's batch look like a retry."""
 
     __tablename__ = "ingested_batches"
 
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     rank: Mapped[int] = mapped_column(Integer)
     received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (Index(None, "run_id", "received_at"),)
+
+
+class TokenQuota(Base):
+    """Runs a write token has created (``''``: writes without a token), so that admitting
+    a new run reads and increments one row under its lock (``ingest/admission.py``)
+    instead of counting the token's runs."""
+
+    __tablename__ = "token_quotas"
+
+    token: Mapped[str] = mapped_column(String(64), primary_key=True)
+    runs_created: Mapped[int] = mapped_column(Integer)
 
 
 class Event(Base):

@@ -37,9 +37,9 @@ _CLAIM = """
     SELECT b, r, k, now()
     FROM unnest(CAST(%(batch_id)s AS text[]), CAST(%(run_id)s AS bigint[]),
                 CAST(%(rank)s AS int[])) AS u(b, r, k)
-    ORDER BY 1
-    ON CONFLICT (batch_id) DO NOTHING
-    RETURNING batch_id
+    ORDER BY 2, 1
+    ON CONFLICT (run_id, batch_id) DO NOTHING
+    RETURNING run_id, batch_id
     """
 
 _RANKS = """
@@ -119,9 +119,11 @@ _JOB_STEPS = f"""
 _TEXT = frozenset({"host", "coords", "agent_version", "clock"})
 
 
-def claim(conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> set[str]:
-    """Insert the batch ids; return those that were new (a retry's id is already there).
-    ``payloads`` must not repeat a batch id."""
+def claim(
+    conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]
+) -> set[tuple[int, str]]:
+    """Insert the batch ids; return the (run id, batch id) pairs that were new (a retry's
+    is already there). ``payloads`` must not repeat a batch id within a run."""
     rows = conn.exec_driver_sql(
         _CLAIM,
         {
@@ -130,7 +132,7 @@ def claim(conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence
             "rank": _literal([p.rank.rank for p in payloads]),
         },
     )
-    return {r[0] for r in rows}
+    return {(r[0], r[1]) for r in rows}
 
 
 def write(conn: Connection, rows: Rows) -> None:
