@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from sqlalchemy import Engine
@@ -190,10 +190,47 @@ def _invalid(loc: tuple[str, ...], msg: str) -> RequestValidationError:
     return RequestValidationError([{"loc": loc, "msg": msg, "type": "limit"}])
 
 
-@router.get("/runs", response_model=list[RunSummary], responses={503: _ERRORS[503]})
-def list_runs(request: Request) -> list[RunSummary]:
+@router.get(
+    "/runs",
+    response_model=list[RunSummary],
+    responses={
+        200: {
+            "headers": {
+                "X-Total-Count": {"description": "Runs matching the filters", "schema": {"type": "integer"}},
+                "Link": {
+                    "description": 'The next page as `<url>; rel="next"`, if any',
+                    "schema": {"type": "string"},
+                },
+            }
+        },
+        503: _ERRORS[503],
+    },
+    summary="Runs, newest first, one page at a time",
+)
+def list_runs(
+    request: Request,
+    response: Response,
+    limit: Annotated[int, Query(ge=1, le=queries.RUNS_PAGE_MAX)] = queries.RUNS_PAGE,
+    offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
+    status: Annotated[queries.RunStatus | None, Query(description="running or finished")] = None,
+    prefix: Annotated[
+        str | None, Query(pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="name prefix")
+    ] = None,
+    since: Annotated[
+        float | None, Query(ge=0, le=253_402_300_799, description="reported since (Unix s)")
+    ] = None,
+) -> list[RunSummary]:
     with _engine(request).connect() as conn:
-        return queries.list_runs(conn)
+        runs, total = queries.list_runs(
+            conn,
+            limit=limit,
+            offset=offset,
+            where=queries.RunFilter(status=status, prefix=prefix, since=since),
+        )
+    response.headers["X-Total-Count"] = str(total)
+    if offset + len(runs) < total:
+        response.headers["Link"] = f'<{request.url.include_query_params(offset=offset + limit)}>; rel="next"'
+    return runs
 
 
 @router.get("/runs/{run}", response_model=RunOverview, responses=_ERRORS)

@@ -59,10 +59,18 @@ def _engine(request: Request) -> Engine:
 
 
 @router.get("/", response_class=HTMLResponse)
-def runs_page(request: Request) -> HTMLResponse:
+def runs_page(request: Request, offset: Annotated[int, Query(ge=0, le=2**31)] = 0) -> HTMLResponse:
     with _engine(request).connect() as conn:
-        runs = data.runs(conn)
-    return templates.TemplateResponse(request, "runs.html", {"runs": runs})
+        runs, total = data.runs(conn, offset=offset)
+    page = queries.RUNS_PAGE
+    context = {
+        "runs": runs,
+        "total": total,
+        "offset": offset,
+        "prev": max(0, offset - page) if offset else None,
+        "next": offset + page if offset + len(runs) < total else None,
+    }
+    return templates.TemplateResponse(request, "runs.html", context)
 
 
 @router.get("/runs/{run}", response_class=HTMLResponse)
@@ -75,9 +83,9 @@ def run_page(
         try:
             page = data.run_page(conn, run, heat=heat)
         except queries.NotFoundError:
-            runs = data.runs(conn)
+            runs, total = data.runs(conn)
             return templates.TemplateResponse(
-                request, "missing.html", {"run": run, "runs": runs}, status_code=404
+                request, "missing.html", {"run": run, "runs": runs, "total": total}, status_code=404
             )
     chart_data = {
         "charts": page["charts"],
