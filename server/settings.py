@@ -26,6 +26,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = 2 * 1024 * 1024
     #: Longest per-step array in one payload (the agent sends at most 1,024 by default).
     max_steps_per_batch: int = 10_000
+    #: Seconds a client has to send a whole request (headers and body) once it starts one
+    #: or connects; past it, 408 and the connection is closed (``api/timeouts.py``).
+    request_read_timeout_s: float = Field(default=30.0, gt=0)
+    #: Seconds an idle keep-alive connection stays open between requests.
+    keep_alive_timeout_s: int = Field(default=5, ge=1)
+    #: Concurrent connections (and requests) per worker process; past it, 503 at once.
+    max_connections: int = Field(default=2048, ge=1)
     #: Target wall time of one stored per-rank window; the step count is fixed per run.
     window_seconds: float = 10.0
     #: Seconds a client is told to wait (``Retry-After``) while the database is away.
