@@ -20,10 +20,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Engine, case, func, select, update
+from sqlalchemy import Connection, Engine, case, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -78,6 +78,19 @@ def _sat(a: ColumnElement[Any], b: ColumnElement[Any], limit: int) -> ColumnElem
     PostgreSQL statements (``storage/postgres.py``): duplicated steps sent under fresh batch
     ids add up, and must not overflow the column."""
     return case((a > limit - b, limit), else_=a + b)
+
+
+def _reported(conn: Connection, run_ids: list[int]) -> None:
+    """Stamp the runs' last report (collector clock), at most once a second per run."""
+    now = datetime.now(timezone.utc)
+    conn.execute(
+        update(Run)
+        .where(
+            Run.id.in_(run_ids),
+            or_(Run.last_report_at.is_(None), Run.last_report_at < now - timedelta(seconds=1)),
+        )
+        .values(last_report_at=now)
+    )
 
 
 def choose_window_steps(step_times: list[float], window_seconds: float) -> int:
@@ -255,6 +268,7 @@ class Ingestor:
                 new = self._claim_rows(conn, unique, keys)
             fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if (k.id, p.batch_id) in new]
             if fresh:
+                _reported(conn, sorted({k.id for _, k in fresh}))
                 rows = fold.fold(
                     [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
                 )

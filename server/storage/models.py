@@ -77,6 +77,11 @@ class Run(Base):
     # projected against it; regressions compare with ``baseline_run`` when the
     # fingerprints match.
     target_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: Collector-clock time of the run's newest stored batch (to the second): /metrics
+    #: exports the most recently reporting runs with one index range.
+    last_report_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True, index=True
+    )
     deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     config_fingerprint: Mapped[str | None] = mapped_column(String(128), nullable=True)
     baseline_run: Mapped[str | None] = mapped_column(String(128), nullable=True)
