@@ -1,7 +1,7 @@
 """The collector at 10,000 runs: ``GET /api/v1/runs`` p99, the page at ``/`` and a
 ``/metrics`` scrape, against a 50-run baseline measured in the same run.
 
-    .venv/bin/python benchmarks/run_listing.py [--runs 10000] [--database-url URL]
+    .venv/bin/python benchmarks/run_listing.py [--runs 10000] [--postgresql]
 
 Two databases are filled through the collector's real ingest code (payloads built by the
 agent's own code, validated by the collector's schema): ``--runs`` runs of one rank, half
@@ -10,13 +10,14 @@ days back, past the exporter's expiry), and a baseline of 50 runs with the same 
 Each app is then read through its HTTP layer (in process). Budgets (issue 15) at 10,000
 runs: list p99 <= 50 ms, page <= 200 KB, scrape <= 500 ms.
 
-Default database: fresh SQLite files; pass a PostgreSQL admin URL's database to measure
-production (``--database-url`` is used for the large run, the baseline gets its own).
+Default databases: fresh SQLite files; ``--postgresql``: fresh databases on the test
+PostgreSQL (``tests/pg.py``), to measure production.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from sqlalchemy import update
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tests' payload builder
 
+from benchmarks._harness import pg_database  # noqa: E402
 from stepwatch_server.app import create_app  # noqa: E402
 from stepwatch_server.ingest.store import Ingestor  # noqa: E402
 from stepwatch_server.schemas import IngestPayload  # noqa: E402
@@ -87,17 +89,23 @@ def measure(url: str, requests: int = 200, scrapes: int = 7) -> dict[str, float]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=10_000)
-    p.add_argument("--database-url", default=None)
+    p.add_argument("--postgresql", action="store_true", help="measure on PostgreSQL")
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        big = args.database_url or f"sqlite:///{tmp}/big.db"
-        small = f"sqlite:///{tmp}/small.db"
+    with contextlib.ExitStack() as stack:
+        if args.postgresql:
+            small = stack.enter_context(pg_database("stepwatch_bench_small"))
+            big = stack.enter_context(pg_database("stepwatch_bench_big"))
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory())
+            small, big = f"sqlite:///{tmp}/small.db", f"sqlite:///{tmp}/big.db"
+            migrate.upgrade(small)
+            migrate.upgrade(big)
         for url, n in ((small, 50), (big, args.runs)):
-            migrate.upgrade(url)
             t0 = time.perf_counter()
             populate(url, n)
             print(f"{n:>6} runs ({n // 2} reporting) stored in {time.perf_counter() - t0:.1f} s", flush=True)
         base, large = measure(small), measure(big)
+    print(f"backend: {'postgresql' if args.postgresql else 'sqlite'}")
     print(f"{'':14}{'50 runs':>12}{f'{args.runs} runs':>14}{'ratio':>8}  budget")
     for key, unit, scale in (
         ("list_p99_s", "ms", 1e3),
