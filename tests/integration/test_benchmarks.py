@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import ingest, loadgen, query
+from benchmarks import ingest, loadgen, query, run_listing
 from benchmarks.__main__ import discover
 from stepwatch_server.schemas import IngestPayload
 
 
 def test_every_benchmark_is_discovered() -> None:
-    assert {"agent_overhead", "hot_path", "ingest", "profiler_window", "query"} <= set(discover())
+    assert {"agent_overhead", "hot_path", "ingest", "profiler_window", "query", "run_listing"} <= set(
+        discover()
+    )
 
 
 def test_load_generator_payloads_are_valid_batches() -> None:
@@ -26,8 +28,9 @@ def test_load_generator_payloads_are_valid_batches() -> None:
     [
         (ingest, ["--ranks", "32", "--steps-per-window", "8", "--windows", "1", "--rounds", "1"], "ratio"),
         (query, ["--days", "1", "--ranks", "16"], "run overview"),
+        (run_listing, ["--runs", "120"], "scrape_s"),
     ],
-    ids=["ingest", "query"],
+    ids=["ingest", "query", "run_listing"],
 )
 def test_benchmark_runs(
     bench: object, args: list[str], says: str, capsys: pytest.CaptureFixture[str]
