@@ -115,7 +115,7 @@ def init(
     if start_step < 0:
         raise ValueError(f"start_step must be >= 0, got {start_step}")
     with _init_warnings(cfg.enabled):
-        used_dtype, dtype_source = _dtype.resolve(dtype, model)
+        used_dtype, dtype_source = _dtype.resolve(dtype, model, warn=info.rank == 0)
         convention = _convention(
             model=model,
             seq_len=seq_len,

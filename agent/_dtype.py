@@ -15,7 +15,7 @@ as much too high. So the dtype is never silently assumed; it is, first match win
    (``torch.backends.cuda.matmul.allow_tf32`` or ``torch.get_float32_matmul_precision()``
    ``"high"``/``"medium"``);
 4. ``default``: nothing to infer from (no model): ``bf16``, the common large-model
-   precision, said so in the convention and in one warning.
+   precision, said so in the convention and in one warning (rank 0's).
 
 The answer and how it was found (``dtype_source``) travel in the run's FLOPs convention,
 so every view that shows MFU can show them with it.
@@ -33,8 +33,9 @@ GIVEN, AUTOCAST, PARAMETERS, DEFAULT = "given", "autocast", "parameters", "defau
 DEFAULT_DTYPE = "bf16"
 
 
-def resolve(dtype: str | None, model: Any) -> tuple[str, str]:
-    """``(dtype, how)``: the dtype to look the peak up at and which rule gave it."""
+def resolve(dtype: str | None, model: Any, *, warn: bool = True) -> tuple[str, str]:
+    """``(dtype, how)``: the dtype to look the peak up at and which rule gave it. ``warn``:
+    say so when it had to be assumed (rank 0 does, for the job)."""
     if dtype is not None:
         return normalize_dtype(dtype), GIVEN
     autocast = autocast_dtype(model)
@@ -43,6 +44,8 @@ def resolve(dtype: str | None, model: Any) -> tuple[str, str]:
     from_params = parameter_dtype(model)
     if from_params is not None:
         return from_params, PARAMETERS
+    if not warn:
+        return DEFAULT_DTYPE, DEFAULT
     warnings.warn(
         f"stepwatch: dtype not given and no model= to infer it from; MFU is measured against "
         f"the {DEFAULT_DTYPE} peak. Pass dtype= ('fp32', 'tf32', 'bf16', 'fp16', 'fp8') if the "

@@ -316,7 +316,7 @@ class Sender:
         self.stats.last_error = why
         if self._warn_dropped():
             log.warning(
-                "%s: dropped a batch of %d step(s) for %s: %s; %d batch(es) dropped so far, "
+                "%s: dropped a batch of %d step(s) sent to %s: %s; %d batch(es) dropped so far, "
                 "%d window(s) waiting (this warning repeats at most once a minute)",
                 self._who,
                 window.n_steps,
@@ -346,6 +346,8 @@ def _refusal(resp: httpx.Response) -> str:
         pass
     where = resp.headers.get("location")
     suffix = f" (redirected to {where}; use that URL)" if where else ""
+    if resp.status_code in (401, 403):
+        suffix = "; check STEPWATCH_TOKEN (or token=) against the collector's STEPWATCH_WRITE_TOKENS"
     return f"HTTP {resp.status_code}: {text.strip()[:200]}{suffix}"
 
 

@@ -27,14 +27,16 @@ import time
 from pathlib import Path
 
 TRAIN = """
-import sys, time, stepwatch
+import atexit, sys, time
+atexit.register(lambda: print("closed", time.monotonic(), flush=True))  # runs after stepwatch's
+import stepwatch
 sw = stepwatch.init(run="exit-report", url=sys.argv[1], flush_timeout_s=float(sys.argv[2]),
                     send_interval_s=0.05, rank=0, world_size=1, host="h", profile_every=0,
                     flops_per_token=1e6)
 for _ in range(200):
     sw.step(tokens=1)
     time.sleep(0.001)
-print("done", flush=True)
+print("done", time.monotonic(), flush=True)
 """
 
 RANK = """
@@ -56,20 +58,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _exit_time(url: str, deadline_s: float, script: Path) -> tuple[float, str]:
+def _exit_time(url: str, deadline_s: float, script: Path) -> tuple[float, float, str]:
+    """(seconds from the last step to the process's end, of which in stepwatch's exit hook,
+    stderr). The monotonic clock is system-wide, so the child's readings compare."""
     proc = subprocess.Popen(
         [sys.executable, str(script), url, str(deadline_s)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    assert proc.stdout is not None and proc.stderr is not None
-    line = proc.stdout.readline().strip()
-    t0 = time.monotonic()
-    proc.wait(120)
-    exit_s = time.monotonic() - t0
-    if line != b"done":
-        raise SystemExit(f"the training script failed: {proc.stderr.read().decode()}")
-    return exit_s, proc.stderr.read().decode()
+    out, err = proc.communicate(timeout=120)
+    ended = time.monotonic()
+    marks = {w[0]: float(w[1]) for w in (ln.split() for ln in out.decode().splitlines()) if len(w) == 2}
+    if "done" not in marks or "closed" not in marks:
+        raise SystemExit(f"the training script failed: {err.decode()}")
+    return ended - marks["done"], marks["closed"] - marks["done"], err.decode()
 
 
 def exit_report(deadline_s: float) -> None:
@@ -84,8 +86,11 @@ def exit_report(deadline_s: float) -> None:
                 "misnamed host (DNS fails)": "http://stepwatch-collector.invalid:8321",
             }
             for name, url in cases.items():
-                exit_s, stderr = _exit_time(url, deadline_s, script)
-                print(f"{name:40s} exit {exit_s:5.2f} s  (flush_timeout_s={deadline_s:g})")
+                exit_s, hook_s, stderr = _exit_time(url, deadline_s, script)
+                print(
+                    f"{name:38s} exit {exit_s:5.2f} s, of which the exit flush {hook_s:5.2f} s "
+                    f"(flush_timeout_s={deadline_s:g})"
+                )
                 for line in stderr.strip().splitlines():
                     print(f"    | {line}")
         finally:
