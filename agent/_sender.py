@@ -79,13 +79,6 @@ class _Every:
         self._last = now
         return True
 
-    @property
-    def fired(self) -> bool:
-        return self._last is not None
-
-    def reset(self) -> None:
-        self._last = None
-
 
 class Sender:
     """Ships windows to ``{url}/api/v1/ingest`` from a daemon thread."""
@@ -123,6 +116,7 @@ class Sender:
         self._clock = clock
         self._warn_waiting = _Every(warn_every_s, clock)
         self._warn_dropped = _Every(warn_every_s, clock)
+        self._said_trouble = False
         self.stats = SenderStats()
         self._queue: deque[Window] = deque()
         self._wake = threading.Event()
@@ -241,9 +235,12 @@ class Sender:
                         self._wake.clear()
                         continue
                 window = self._inflight
+                sent = self.stats.sent_batches
                 delay = self._send(client, window)
                 if delay is None:  # sent, or given up
                     self._inflight = None
+                    if self.stats.sent_batches > sent:
+                        failures = 0
                     continue
                 failures += 1
                 left = self._time_left()
@@ -296,6 +293,7 @@ class Sender:
 
     def _waiting(self) -> None:
         if self._warn_waiting():
+            self._said_trouble = True
             log.warning(
                 "%s: cannot deliver to the collector at %s: %s; %d window(s) waiting, retrying "
                 "(this warning repeats at most once a minute)",
@@ -306,8 +304,8 @@ class Sender:
             )
 
     def _delivered(self) -> None:
-        if self._warn_waiting.fired:
-            self._warn_waiting.reset()
+        if self._said_trouble:  # the rate limit stays: a flapping collector warns once a minute
+            self._said_trouble = False
             log.warning("%s: delivering to the collector at %s again", self._who, self._endpoint)
 
     def _give_up(self, window: Window, why: str) -> None:

@@ -251,3 +251,24 @@ def test_close_returns_at_its_deadline_leaving_a_hung_request(caplog: pytest.Log
     (line,) = [w for w in _warnings(caplog) if "before the exit deadline" in w]
     assert "2 window(s) not sent" in line, "the one in flight and the final one"
     assert "no answer within 120.0 s to the request in flight" in line, line
+
+
+def test_a_flapping_collector_warns_once_a_minute_not_once_a_flap(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="stepwatch")
+
+    class Flapping(LoopbackServer):
+        def respond(self, body: bytes) -> tuple[int, dict[str, str], bytes]:
+            if self.received % 2:  # every other attempt: busy
+                return 503, {"retry-after": "0"}, b'{"detail":"database unavailable; retry later"}'
+            return super().respond(body)
+
+    with Flapping() as server:
+        sw = _sender_agent(server.url)
+        for _ in range(60):  # 6 windows, each answered 503 once and then 200
+            sw.step(tokens=1)
+        assert sw.flush(timeout_s=20)
+        assert server.received == 12 and sw.stats["sent_steps"] == 60
+        sw.close(timeout_s=1.0)
+    lines = _warnings(caplog)
+    assert sum("cannot deliver" in w for w in lines) == 1, lines
+    assert sum("delivering to the collector at" in w and "again" in w for w in lines) == 1, lines
