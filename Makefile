@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv demo test lint typecheck bench clean
+.PHONY: venv demo test preflight lint typecheck bench clean
 
 venv: $(STAMP)
 
@@ -22,9 +22,14 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/stepwatch demo
 
-# Lint and type checks run inside the test suite (tests/test_quality.py).
-test: venv
+# Lint and type checks run inside the test suite (tests/test_quality.py). The preflight
+# installs the system packages the tests need (root with apt-get) or stops at once with one
+# line naming them (tools/preflight).
+test: preflight venv
 	$(PY) -m pytest
+
+preflight:
+	@tools/preflight
 
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
