@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch")
 import stepwatch  # noqa: E402
 from stepwatch._clock_sync import ClockSync  # noqa: E402
 from stepwatch._env import detect  # noqa: E402
-from stepwatch._profiler import ProfilerWindow  # noqa: E402
 from stepwatch._sender import SenderStats  # noqa: E402
 from stepwatch._window import Window  # noqa: E402
 from stepwatch.config import AgentConfig  # noqa: E402
+from stepwatch.profiler._window import ProfilerWindow  # noqa: E402
 
 PARTS = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s")
 

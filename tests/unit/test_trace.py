@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch._trace import (
+from stepwatch.profiler.breakdown import StepBreakdown, intersect, total, union
+from stepwatch.profiler.trace import (
     TraceEvent,
     WindowTrace,
     classify_events,
@@ -25,7 +26,6 @@ from stepwatch._trace import (
     trace_from_profiler,
     window_breakdown,
 )
-from stepwatch.breakdown import StepBreakdown, intersect, total, union
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 CPU_TRACE = FIXTURES / "cpu_gloo_ddp_rank0.json"

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from stepwatch.breakdown import Interval, StepBreakdown, breakdown, subtract, union
+from .breakdown import Interval, StepBreakdown, breakdown, subtract, union
 
 __all__ = [
     "DATA_WAIT_SPAN",

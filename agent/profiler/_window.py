@@ -54,10 +54,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._clock_sync import ClockSync
-from ._nvml import Nvml
-from ._profile_entry import build_entry
-from ._trace import DATA_WAIT_SPAN, trace_from_profiler
+from .._clock_sync import ClockSync
+from .._nvml import Nvml
+from ._entry import build_entry
+from .trace import DATA_WAIT_SPAN, trace_from_profiler
 
 log = logging.getLogger("stepwatch")
 _perf = time.perf_counter
