@@ -29,11 +29,11 @@ from typing import Any, cast
 from sqlalchemy import Connection, Table, bindparam, delete, func, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
+from stepwatch.profiler.lineup import GroupArrivals, split_wait_transfer
 from stepwatch.sketch import LogSketch
 
 from .db.models import CollectiveStat, ProfileArrival, ProfilePending, ProfileWindow, RankWindow
 from .schemas import IngestPayload, ProfileIn
-from .skew import GroupArrivals, split_wait_transfer
 
 PENDING_KEEP = 16
 SKETCH_ALPHA = 0.01

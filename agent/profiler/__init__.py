@@ -9,6 +9,9 @@ agent alone:
     Kineto Chrome trace -> the intervals and collectives of a window (pure, no torch).
 ``breakdown``
     Interval math: a step's five parts from its activity intervals (pure).
+``lineup``
+    Collectives lined up across ranks into wait and transfer (pure; the collector runs
+    it when every rank of a window has reported, ``stepwatch trace`` on trace files).
 ``_window``
     Schedule, cost and budget of the windows; drives ``torch.profiler`` from the hot path.
 ``_entry``
