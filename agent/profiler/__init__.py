@@ -8,7 +8,7 @@ agent alone:
 ``trace``
     Kineto Chrome trace -> the intervals and collectives of a window (pure, no torch).
 ``breakdown``
-    Interval math: a step's five parts from its activity intervals (pure).
+    Interval math: a step's parts from its activity intervals (pure).
 ``lineup``
     Collectives lined up across ranks into wait and transfer (pure; the collector runs
     it when every rank of a window has reported, ``stepwatch trace`` on trace files).

@@ -5,8 +5,10 @@ Chrome trace of ``profile_steps`` consecutive steps (see :mod:`stepwatch.profile
 classification rules); output: plain JSON-ready values.
 
 What the entry holds, per profiled step (arrays of ``n_steps``):
-the step time and its five parts (compute only, communication overlapped, communication
-exposed, data wait, idle; they sum to the step time, :mod:`stepwatch.profiler.breakdown`).
+the step time and its six parts (compute only, copies, communication overlapped,
+communication exposed, data wait, idle; they sum to the step time,
+:mod:`stepwatch.profiler.breakdown`). ``copy_s`` is optional on the wire (an entry
+without it means no copies), so older agents' entries stay valid.
 
 Per window:
 
@@ -198,7 +200,7 @@ def build_entry(trace: Mapping[str, object], *, first_step: int, n_steps: int) -
     steps = [w.steps[i] for i in idx]
     named = len(w.step_numbers) == len(w.steps)
     numbers = [w.step_numbers[i] if named else first_step + k for k, i in enumerate(idx)]
-    parts = [breakdown(s, w.compute, w.comm, w.data_wait).scaled(1e-6) for s in steps]
+    parts = [breakdown(s, w.compute, w.comm, w.data_wait, w.copies).scaled(1e-6) for s in steps]
     starts = [s[0] for s in steps]
     placed: list[tuple[int, CollectiveRecord]] = []
     for r in w.collectives:
@@ -215,6 +217,7 @@ def build_entry(trace: Mapping[str, object], *, first_step: int, n_steps: int) -
         "t0": t0_us * 1e-6,
         "time_s": [b.step_s for b in parts],
         "compute_s": [b.compute_s for b in parts],
+        "copy_s": [b.copy_s for b in parts],
         "comm_overlapped_s": [b.comm_overlapped_s for b in parts],
         "comm_exposed_s": [b.comm_exposed_s for b in parts],
         "data_wait_s": [b.data_wait_s for b in parts],
