@@ -22,10 +22,10 @@ from . import __version__
 from ._device_clock import CudaEventClock
 from ._env import RankInfo
 from ._payload import build_payload, encode, new_batch_id
-from ._profiler import DATA_WAIT_SPAN, NEVER, ProfilerWindow
 from ._sender import Sender, SenderStats
 from ._window import TAG_CODES, Window
 from .config import AgentConfig
+from .profiler._window import DATA_WAIT_SPAN, NEVER, ProfilerWindow
 
 log = logging.getLogger("stepwatch")
 T = TypeVar("T")

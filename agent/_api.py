@@ -17,7 +17,7 @@ from ._clock_sync import ClockSync
 from ._device_clock import cuda_clock
 from ._nvml import for_current_cuda_device
 from ._payload import plan_section
-from ._profiler import ProfilerWindow
+from .profiler._window import ProfilerWindow
 
 _FINGERPRINT = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 
@@ -94,7 +94,7 @@ def init(
     ``formula="measured"`` with ``sample_batch=`` (and optionally ``loss_fn=``) counts the
     model's FLOPs per token once, here, with ``torch.utils.flop_counter`` (one forward and
     backward of the real model). ``profile_every``/``profile_steps``/``profile_budget``
-    set the profiler window (see ``stepwatch._profiler``; ``profile_every=0`` turns it off).
+    set the profiler window (see ``stepwatch.profiler._window``; ``profile_every=0`` turns it off).
     """
     global _current
     plan = _plan(target_tokens, deadline, config_fingerprint, baseline_run)
