@@ -15,9 +15,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from stepwatch.sketch import LogSketch
 
+from .storage.models import INT32_MAX
+
 #: Newest payload version; 1 (no ``profiles``) is still accepted.
 SCHEMA_VERSION = 2
-RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+RunName = Annotated[str, Field(pattern=RUN_NAME_PATTERN)]
 HostName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._:-]+$")]
 #: Any non-negative measured quantity (seconds, counts, MHz, W); the bound keeps sums finite.
 NonNeg = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
@@ -43,7 +46,10 @@ Tag = Literal["warmup", "checkpoint", "eval"] | None
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # ``strict``: JSON types are what they say. A string, float or boolean is not coerced
+    # into an integer or a flag (``"0"``, ``2.0``, ``true`` for a count, ``"yes"`` for
+    # ``final``); an integer is still a valid float.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Layout(_Strict):
@@ -89,7 +95,7 @@ class AgentIn(_Strict):
 class ConventionIn(BaseModel):
     """The FLOPs convention. Extra keys are kept (the agent may add provenance fields)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     formula: str = Field(max_length=64)
     flops_per_token: float = Field(gt=0, le=1e18, allow_inf_nan=False)
@@ -208,7 +214,7 @@ class CollectiveIn(_Strict):
     """One operation type of one window: count, bytes and a duration sketch (seconds)."""
 
     op: OpName
-    count: Count
+    count: int = Field(ge=0, le=INT32_MAX)
     bytes: Count | None = None
     duration: dict[str, Any]
 
@@ -268,8 +274,8 @@ class CostIn(_Strict):
     # window (already inside window_s); optional, so older agents' entries stay valid.
     lasting_s: NonNeg = 0.0
     lasting_ratio: NonNeg | None = None
-    every: int = Field(ge=1, le=2**40)
-    next_every: int = Field(ge=1, le=2**40)
+    every: int = Field(ge=1, le=INT32_MAX)
+    next_every: int = Field(ge=1, le=INT32_MAX)
     overhead_ratio: NonNeg | None = None
 
 
@@ -350,6 +356,14 @@ class IngestPayload(_Strict):
     #: The rank's last batch (``close()``): it finished, so its silence is not a hang.
     final: bool = False
     profiles: list[ProfileIn] | None = Field(default=None, max_length=MAX_PROFILES)
+
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _integer_version(cls, v: Any) -> Any:
+        # A Literal compares by equality, so 2.0 and true would pass it even in strict mode.
+        if type(v) is not int:
+            raise ValueError(f"schema_version must be the integer 1 or 2, not {type(v).__name__}")
+        return v
 
     @model_validator(mode="after")
     def _versioned(self) -> IngestPayload:

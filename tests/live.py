@@ -16,6 +16,7 @@ from typing import Any
 import uvicorn
 
 from stepwatch.demo.launch import free_port, wait_ready
+from stepwatch_server.api.timeouts import uvicorn_options
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
 
@@ -23,9 +24,12 @@ from stepwatch_server.settings import Settings
 @contextmanager
 def serve_in_thread(database_url: str, port: int | None = None, **settings: object) -> Iterator[str]:
     port = port or free_port()
-    app = create_app(Settings(database_url=database_url, **settings))  # type: ignore[arg-type]
+    config = Settings(database_url=database_url, **settings)  # type: ignore[arg-type]
+    app = create_app(config)
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **uvicorn_options(config)
+        )
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

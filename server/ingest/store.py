@@ -20,17 +20,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select, update
+from sqlalchemy import Connection, Engine, case, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..schemas import IngestPayload, PlanIn
 from ..storage import postgres
-from ..storage.models import IngestedBatch, JobStep, Rank, RankWindow, Run
-from . import fold
+from ..storage.models import INT32_MAX, INT64_MAX, IngestedBatch, JobStep, Rank, RankWindow, Run
+from . import admission, fold
 from .fold import TAG_CODES, Rows
 from .profiles import store_profiles
 
@@ -47,6 +47,12 @@ class RunKey:
     world_size: int = 0
     #: The plan as last stored: (target_tokens, deadline Unix s, fingerprint, baseline run).
     plan: tuple[Any, ...] | None = None
+    #: The write token that created the run (None: writes were open).
+    owner: str | None = None
+
+
+class _LostRaceError(Exception):
+    """Another writer created the run first (its quota increment is rolled back)."""
 
 
 def _plan_row(plan: PlanIn | None) -> dict[str, Any] | None:
@@ -65,6 +71,26 @@ def _plan_key(target: Any, deadline: datetime | None, fingerprint: Any, baseline
         deadline = deadline.replace(tzinfo=timezone.utc)
     when = None if deadline is None else round(deadline.timestamp(), 3)
     return (target, when, fingerprint, baseline)
+
+
+def _sat(a: ColumnElement[Any], b: ColumnElement[Any], limit: int) -> ColumnElement[Any]:
+    """``a + b`` saturating at ``limit`` (the column's largest value), the same rule as the
+    PostgreSQL statements (``storage/postgres.py``): duplicated steps sent under fresh batch
+    ids add up, and must not overflow the column."""
+    return case((a > limit - b, limit), else_=a + b)
+
+
+def _reported(conn: Connection, run_ids: list[int]) -> None:
+    """Stamp the runs' last report (collector clock), at most once a second per run."""
+    now = datetime.now(timezone.utc)
+    conn.execute(
+        update(Run)
+        .where(
+            Run.id.in_(run_ids),
+            or_(Run.last_report_at.is_(None), Run.last_report_at < now - timedelta(seconds=1)),
+        )
+        .values(last_report_at=now)
+    )
 
 
 def choose_window_steps(step_times: list[float], window_seconds: float) -> int:
@@ -89,7 +115,6 @@ class Ingestor:
         self.window_seconds = window_seconds
         self._dialect = engine.dialect.name
         self._runs: OrderedDict[str, RunKey] = OrderedDict()
-        self._admitted: OrderedDict[str, None] = OrderedDict()  # new runs past the quota check
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
@@ -105,31 +130,41 @@ class Ingestor:
         return func.least(a, b) if self._dialect == "postgresql" else func.min(a, b)
 
     # -- runs ----------------------------------------------------------------------
-    def knows_run(self, name: str) -> bool:
-        """True if the run is in the cache (it exists) or was admitted; never touches the
-        database."""
+    def cached(self, name: str) -> RunKey | None:
+        """The run's key if it is in the cache; never touches the database."""
         with self._lock:
-            return name in self._runs or name in self._admitted
+            return self._runs.get(name)
 
-    def admits_run(self, name: str, owner: str | None, limit: int) -> int | None:
-        """None if a batch of run ``name`` from ``owner`` may be stored; else how many runs
-        ``owner`` has created already (at or past ``limit``). Only a new run is counted."""
-        with self._lock:
-            if name in self._runs:
-                return None
-        runs = Run.__table__
-        with self.engine.connect() as conn:
-            if conn.execute(select(runs.c.id).where(runs.c.name == name)).first() is not None:
-                return None
-            mine = runs.c.created_by.is_(None) if owner is None else runs.c.created_by == owner
-            count = int(conn.execute(select(func.count()).select_from(runs).where(mine)).scalar_one())
-        if count >= limit:
-            return count
-        with self._lock:  # its next batches need no check (until the run is cached)
-            self._admitted[name] = None
-            while len(self._admitted) > self._cache_size:
-                self._admitted.popitem(last=False)
-        return None
+    def admit(self, p: IngestPayload, owner: str | None, limit: int) -> RunKey:
+        """The key of run ``p.run``, created (from this, its first batch) if it is new and
+        ``owner`` has a run left in its quota; raises :class:`QuotaExceededError` if not.
+        Ownership and world size are the caller's to check against the key."""
+        key = self.cached(p.run)
+        if key is not None:
+            return key
+        try:
+            with self.engine.begin() as conn:
+                key = self._select_key(conn, p.run)
+                if key is None:
+                    admission.take_run(conn, self._insert, owner, limit)
+                    runs = Run.__table__
+                    created = conn.execute(
+                        self._insert(runs)
+                        .values(**self._new_run(p, _plan_row(p.plan), owner))
+                        .on_conflict_do_nothing(index_elements=["name"])
+                        .returning(runs.c.id)
+                    ).first()
+                    if created is None:
+                        raise _LostRaceError
+                    key = self._select_key(conn, p.run)
+        except _LostRaceError:
+            key = None
+        if key is None:
+            with self.engine.connect() as conn:
+                key = self._select_key(conn, p.run)
+            assert key is not None, "a run that won the race is committed"
+        self._remember(p.run, key)
+        return key
 
     def _run_key(self, conn: Connection, p: IngestPayload, owner: str | None = None) -> RunKey:
         with self._lock:
@@ -146,47 +181,65 @@ class Ingestor:
             # Written only when it changes (once per run and replica), not per batch.
             conn.execute(update(Run).where(Run.id == key.id).values(**plan))
             key = replace(key, plan=wanted)
+        self._remember(p.run, key)
+        return key
+
+    def _remember(self, name: str, key: RunKey) -> None:
         with self._lock:
-            self._runs[p.run] = key
+            self._runs[name] = key
             while len(self._runs) > self._cache_size:
                 self._runs.popitem(last=False)
-        return key
 
     def _load_run(
         self, conn: Connection, p: IngestPayload, plan: dict[str, Any] | None, owner: str | None
     ) -> RunKey:
-        runs = Run.__table__
-        cols = (
-            runs.c.id,
-            runs.c.window_steps,
-            runs.c.dp_size,
-            runs.c.world_size,
-            runs.c.target_tokens,
-            runs.c.deadline,
-            runs.c.config_fingerprint,
-            runs.c.baseline_run,
-        )
-        row = conn.execute(select(*cols).where(runs.c.name == p.run)).first()
-        if row is None:
-            stmt = self._insert(runs).values(
-                name=p.run,
-                world_size=p.rank.world_size,
-                dp_size=p.rank.layout.dp,
-                layout=p.rank.layout.model_dump(),
-                convention=p.convention.model_dump() if p.convention else None,
-                window_steps=choose_window_steps(p.steps.time_s, self.window_seconds),
-                created_at=datetime.now(timezone.utc),
-                created_by=owner,
-                **(plan or {}),
-            )
+        key = self._select_key(conn, p.run)
+        if key is None:  # stored without the API's admission (tools, tests)
+            stmt = self._insert(Run.__table__).values(**self._new_run(p, plan, owner))
             conn.execute(stmt.on_conflict_do_nothing(index_elements=["name"]))
-            row = conn.execute(select(*cols).where(runs.c.name == p.run)).one()
+            key = self._select_key(conn, p.run)
+            assert key is not None
+        return key
+
+    def _new_run(self, p: IngestPayload, plan: dict[str, Any] | None, owner: str | None) -> dict[str, Any]:
+        """The run's row, from its first batch."""
+        return {
+            "name": p.run,
+            "world_size": p.rank.world_size,
+            "dp_size": p.rank.layout.dp,
+            "layout": p.rank.layout.model_dump(),
+            "convention": p.convention.model_dump() if p.convention else None,
+            "window_steps": choose_window_steps(p.steps.time_s, self.window_seconds),
+            "created_at": datetime.now(timezone.utc),
+            "created_by": owner,
+            **(plan or {}),
+        }
+
+    @staticmethod
+    def _select_key(conn: Connection, name: str) -> RunKey | None:
+        runs = Run.__table__
+        row = conn.execute(
+            select(
+                runs.c.id,
+                runs.c.window_steps,
+                runs.c.dp_size,
+                runs.c.world_size,
+                runs.c.target_tokens,
+                runs.c.deadline,
+                runs.c.config_fingerprint,
+                runs.c.baseline_run,
+                runs.c.created_by,
+            ).where(runs.c.name == name)
+        ).first()
+        if row is None:
+            return None
         return RunKey(
             id=row.id,
             window_steps=row.window_steps,
             dp_size=row.dp_size,
             world_size=row.world_size,
             plan=_plan_key(row.target_tokens, row.deadline, row.config_fingerprint, row.baseline_run),
+            owner=row.created_by,
         )
 
     # -- the batch -----------------------------------------------------------------
@@ -201,9 +254,9 @@ class Ingestor:
         False if its id was stored before (or earlier in the same group). Raises on DB
         errors, and then nothing of the group is stored. ``owners`` names the write token
         of each batch (recorded on a run the batch creates)."""
-        first: dict[str, int] = {}
+        first: dict[tuple[str, str], int] = {}  # batch ids are unique per run
         for i, p in enumerate(payloads):
-            first.setdefault(p.batch_id, i)
+            first.setdefault((p.run, p.batch_id), i)
         unique = [payloads[i] for i in first.values()]
         owner_of = [owners[i] if owners is not None else None for i in first.values()]
         with self.engine.begin() as conn:
@@ -213,8 +266,9 @@ class Ingestor:
                 new = postgres.claim(conn, unique, run_ids)
             else:
                 new = self._claim_rows(conn, unique, keys)
-            fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if p.batch_id in new]
+            fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if (k.id, p.batch_id) in new]
             if fresh:
+                _reported(conn, sorted({k.id for _, k in fresh}))
                 rows = fold.fold(
                     [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
                 )
@@ -234,24 +288,27 @@ class Ingestor:
                             world_size=k.world_size,
                             p=p,
                         )
-        return [i == first[p.batch_id] and p.batch_id in new for i, p in enumerate(payloads)]
+        stored = {(p.run, p.batch_id) for p, _ in fresh}
+        return [
+            i == first[p.run, p.batch_id] and (p.run, p.batch_id) in stored for i, p in enumerate(payloads)
+        ]
 
     def _claim_rows(
         self, conn: Connection, payloads: Sequence[IngestPayload], keys: Sequence[RunKey]
-    ) -> set[str]:
+    ) -> set[tuple[int, str]]:
         """The row path of the claim (SQLite): one insert per batch id."""
         batches = IngestedBatch.__table__
         now = datetime.now(timezone.utc)
-        new: set[str] = set()
+        new: set[tuple[int, str]] = set()
         for p, run in zip(payloads, keys, strict=True):
             claimed = conn.execute(
                 self._insert(batches)
                 .values(batch_id=p.batch_id, run_id=run.id, rank=p.rank.rank, received_at=now)
-                .on_conflict_do_nothing(index_elements=["batch_id"])
+                .on_conflict_do_nothing(index_elements=["run_id", "batch_id"])
                 .returning(batches.c.batch_id)
             ).first()
             if claimed is not None:
-                new.add(p.batch_id)
+                new.add((run.id, p.batch_id))
         return new
 
     def _write_rows(self, conn: Connection, rows: Rows) -> None:
@@ -311,7 +368,7 @@ class Ingestor:
             return (func.coalesce(col, 0.0) * n_old + value * n_new) / (n_old + n_new)
 
         values: dict[str, Any] = {
-            "profiled_steps": n_old + n_new,
+            "profiled_steps": case((n_old > INT32_MAX - n_new, INT32_MAX), else_=n_old + n_new),
             "compute_s": merged(t.c.compute_s, prof.compute_s),
             "comm_overlapped_s": merged(t.c.comm_overlapped_s, prof.comm_overlapped_s),
             "comm_exposed_s": merged(t.c.comm_exposed_s, prof.comm_exposed_s),
@@ -336,14 +393,16 @@ class Ingestor:
             set_={
                 "first_step": self._least(t.c.first_step, ex.first_step),
                 "last_step": self._greatest(t.c.last_step, ex.last_step),
-                "n_steps": t.c.n_steps + ex.n_steps,
+                "n_steps": _sat(t.c.n_steps, ex.n_steps, INT32_MAX),
                 "step_time_sum": t.c.step_time_sum + ex.step_time_sum,
                 "step_time_min": self._least(t.c.step_time_min, ex.step_time_min),
                 "step_time_max": self._greatest(t.c.step_time_max, ex.step_time_max),
                 "data_wait_sum": t.c.data_wait_sum + ex.data_wait_sum,
-                "tokens_sum": t.c.tokens_sum + ex.tokens_sum,
+                "tokens_sum": _sat(t.c.tokens_sum, ex.tokens_sum, INT64_MAX),
                 "padded_tokens_sum": func.coalesce(
-                    t.c.padded_tokens_sum + ex.padded_tokens_sum, t.c.padded_tokens_sum, ex.padded_tokens_sum
+                    _sat(t.c.padded_tokens_sum, ex.padded_tokens_sum, INT64_MAX),
+                    t.c.padded_tokens_sum,
+                    ex.padded_tokens_sum,
                 ),
                 "wall_end": self._greatest(t.c.wall_end, ex.wall_end),
             },
@@ -356,14 +415,14 @@ class Ingestor:
         return stmt.on_conflict_do_update(
             index_elements=["run_id", "step"],
             set_={
-                "ranks": t.c.ranks + ex.ranks,
-                "token_ranks": t.c.token_ranks + ex.token_ranks,
+                "ranks": _sat(t.c.ranks, ex.ranks, INT32_MAX),
+                "token_ranks": _sat(t.c.token_ranks, ex.token_ranks, INT32_MAX),
                 "step_time_sum": t.c.step_time_sum + ex.step_time_sum,
                 "step_time_max": self._greatest(t.c.step_time_max, ex.step_time_max),
                 "data_wait_max": self._greatest(t.c.data_wait_max, ex.data_wait_max),
-                "tokens": t.c.tokens + ex.tokens,
+                "tokens": _sat(t.c.tokens, ex.tokens, INT64_MAX),
                 "padded_tokens": func.coalesce(
-                    t.c.padded_tokens + ex.padded_tokens, t.c.padded_tokens, ex.padded_tokens
+                    _sat(t.c.padded_tokens, ex.padded_tokens, INT64_MAX), t.c.padded_tokens, ex.padded_tokens
                 ),
                 "tag": self._greatest(t.c.tag, ex.tag),
                 "wall_end": self._greatest(t.c.wall_end, ex.wall_end),

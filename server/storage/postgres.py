@@ -23,15 +23,23 @@ from sqlalchemy import Connection
 from ..ingest.fold import Columns, Rows
 from ..schemas import IngestPayload
 from . import pg_arrays
+from .models import INT32_MAX, INT64_MAX
+
+
+def _sat(col: str, limit: int) -> str:
+    """``t.col + excluded.col``, saturating at ``limit`` (the column's largest value)
+    instead of failing the batch with an overflow; both sides are non-negative."""
+    return f"CASE WHEN t.{col} > {limit} - excluded.{col} THEN {limit} ELSE t.{col} + excluded.{col} END"
+
 
 _CLAIM = """
     INSERT INTO ingested_batches (batch_id, run_id, rank, received_at)
     SELECT b, r, k, now()
     FROM unnest(CAST(%(batch_id)s AS text[]), CAST(%(run_id)s AS bigint[]),
                 CAST(%(rank)s AS int[])) AS u(b, r, k)
-    ORDER BY 1
-    ON CONFLICT (batch_id) DO NOTHING
-    RETURNING batch_id
+    ORDER BY 2, 1
+    ON CONFLICT (run_id, batch_id) DO NOTHING
+    RETURNING run_id, batch_id
     """
 
 _RANKS = """
@@ -62,7 +70,7 @@ _RANKS = """
         final_step = coalesce(excluded.final_step, t.final_step)
     """
 
-_WINDOWS = """
+_WINDOWS = f"""
     INSERT INTO rank_windows AS t (run_id, rank, "window", first_step, last_step, n_steps,
                                    step_time_sum, step_time_min, step_time_max, data_wait_sum,
                                    tokens_sum, padded_tokens_sum, wall_end)
@@ -75,18 +83,18 @@ _WINDOWS = """
     ON CONFLICT (run_id, rank, "window") DO UPDATE SET
         first_step = least(t.first_step, excluded.first_step),
         last_step = greatest(t.last_step, excluded.last_step),
-        n_steps = t.n_steps + excluded.n_steps,
+        n_steps = {_sat("n_steps", INT32_MAX)},
         step_time_sum = t.step_time_sum + excluded.step_time_sum,
         step_time_min = least(t.step_time_min, excluded.step_time_min),
         step_time_max = greatest(t.step_time_max, excluded.step_time_max),
         data_wait_sum = t.data_wait_sum + excluded.data_wait_sum,
-        tokens_sum = t.tokens_sum + excluded.tokens_sum,
-        padded_tokens_sum = coalesce(t.padded_tokens_sum + excluded.padded_tokens_sum,
+        tokens_sum = {_sat("tokens_sum", INT64_MAX)},
+        padded_tokens_sum = coalesce({_sat("padded_tokens_sum", INT64_MAX)},
                                      t.padded_tokens_sum, excluded.padded_tokens_sum),
         wall_end = greatest(t.wall_end, excluded.wall_end)
     """
 
-_JOB_STEPS = """
+_JOB_STEPS = f"""
     INSERT INTO job_steps AS t (run_id, step, ranks, token_ranks, step_time_sum, step_time_max,
                                 data_wait_max, tokens, padded_tokens, tag, wall_end)
     SELECT * FROM unnest(CAST(%(run_id)s AS bigint[]), CAST(%(step)s AS bigint[]), CAST(%(ranks)s AS int[]),
@@ -95,13 +103,13 @@ _JOB_STEPS = """
                          CAST(%(tokens)s AS bigint[]), CAST(%(padded_tokens)s AS bigint[]),
                          CAST(%(tag)s AS smallint[]), CAST(%(wall_end)s AS float8[]))
     ON CONFLICT (run_id, step) DO UPDATE SET
-        ranks = t.ranks + excluded.ranks,
-        token_ranks = t.token_ranks + excluded.token_ranks,
+        ranks = {_sat("ranks", INT32_MAX)},
+        token_ranks = {_sat("token_ranks", INT32_MAX)},
         step_time_sum = t.step_time_sum + excluded.step_time_sum,
         step_time_max = greatest(t.step_time_max, excluded.step_time_max),
         data_wait_max = greatest(t.data_wait_max, excluded.data_wait_max),
-        tokens = t.tokens + excluded.tokens,
-        padded_tokens = coalesce(t.padded_tokens + excluded.padded_tokens,
+        tokens = {_sat("tokens", INT64_MAX)},
+        padded_tokens = coalesce({_sat("padded_tokens", INT64_MAX)},
                                  t.padded_tokens, excluded.padded_tokens),
         tag = greatest(t.tag, excluded.tag),
         wall_end = greatest(t.wall_end, excluded.wall_end)
@@ -111,9 +119,11 @@ _JOB_STEPS = """
 _TEXT = frozenset({"host", "coords", "agent_version", "clock"})
 
 
-def claim(conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> set[str]:
-    """Insert the batch ids; return those that were new (a retry's id is already there).
-    ``payloads`` must not repeat a batch id."""
+def claim(
+    conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]
+) -> set[tuple[int, str]]:
+    """Insert the batch ids; return the (run id, batch id) pairs that were new (a retry's
+    is already there). ``payloads`` must not repeat a batch id within a run."""
     rows = conn.exec_driver_sql(
         _CLAIM,
         {
@@ -122,7 +132,7 @@ def claim(conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence
             "rank": _literal([p.rank.rank for p in payloads]),
         },
     )
-    return {r[0] for r in rows}
+    return {(r[0], r[1]) for r in rows}
 
 
 def write(conn: Connection, rows: Rows) -> None:
