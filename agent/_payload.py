@@ -17,7 +17,7 @@ from typing import Any
 
 from ._window import TAGS, Window
 
-#: 2 adds the optional ``profiles`` list (profiler-window entries, see ``_profile_entry``).
+#: 2 adds the optional ``profiles`` list (profiler-window entries, see ``stepwatch.profiler._entry``).
 SCHEMA_VERSION = 2
 
 

@@ -270,6 +270,10 @@ class CostIn(_Strict):
     on_thread_s: NonNeg
     slowdown_s: NonNeg
     parse_cpu_s: NonNeg
+    # Lasting slowdown of the steps between windows against the steps before the first
+    # window (already inside window_s); optional, so older agents' entries stay valid.
+    lasting_s: NonNeg = 0.0
+    lasting_ratio: NonNeg | None = None
     every: int = Field(ge=1, le=INT32_MAX)
     next_every: int = Field(ge=1, le=INT32_MAX)
     overhead_ratio: NonNeg | None = None
@@ -288,6 +292,9 @@ class ProfileIn(_Strict):
     t0: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     time_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
     compute_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
+    # Copies (memcpy/memset beside no kernel) apart from compute; optional, so older
+    # agents' entries stay valid. Stored inside compute_s (see _consistent).
+    copy_s: list[NonNeg] | None = Field(default=None, max_length=MAX_PROFILE_STEPS)
     comm_overlapped_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
     comm_exposed_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
     data_wait_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
@@ -305,6 +312,13 @@ class ProfileIn(_Strict):
         for name in ("time_s", "compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} values but n_steps is {n}")
+        if self.copy_s is not None:
+            if len(self.copy_s) != n:
+                raise ValueError(f"copy_s has {len(self.copy_s)} values but n_steps is {n}")
+            # The collector has no column for copies yet: it keeps them inside compute
+            # (device busy without communication), so its stored parts still sum to the step.
+            self.compute_s = [c + k for c, k in zip(self.compute_s, self.copy_s, strict=True)]
+            self.copy_s = None
         if n and (self.device is None or self.t0 is None):
             raise ValueError("a profile with steps needs device and t0")
         if not n and self.skipped is None:
