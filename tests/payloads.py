@@ -53,7 +53,6 @@ def payload(
     wall_end: float | None = None,
     final: bool = False,
     plan: dict[str, Any] | None = None,
-    profile: dict[str, Any] | None = None,
     profiles: Sequence[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     n = len(times)
@@ -83,7 +82,6 @@ def payload(
         agent=agent,
         sent_at=time.time(),
         plan=plan,
-        profile=profile,
         profiles=profiles,
     )
 
