@@ -1,8 +1,8 @@
 """Synthetic step timings of a synchronous data/tensor/pipeline-parallel job, with faults.
 
-The noise model is the one the collector's detector defaults were tuned on
-(``stepwatch_server.analysis.synthetic``), extended to per-step columns and tags so
-that the simulator can send what a real agent sends. Per rank and window of ``n`` steps:
+The one noise model of the project: the simulator sends it through the agent's path,
+``stepwatch evaluate`` scores the detectors on it, and the detectors' unit tests read it
+(``tests/synthetic.py``). Per rank and window of ``n`` steps:
 
 - compute: a persistent per-rank speed spread (silicon, thermals; ``rank_spread``),
   lognormal per-step jitter (``step_jitter``, averaged over the window), random GC pauses
