@@ -115,7 +115,7 @@ def init(
         raise ValueError(f"start_step must be >= 0, got {start_step}")
     convention: dict[str, Any] | None = None
     try:
-        from .mfu import resolve_convention
+        from .flops import resolve_convention
 
         convention = resolve_convention(
             model=model,
