@@ -19,10 +19,12 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import httpx
+from typing import TYPE_CHECKING
 
 from ._window import Window
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("stepwatch")
 
@@ -143,6 +145,11 @@ class Sender:
         return self._deadline is not None and time.monotonic() >= self._deadline
 
     def _run(self) -> None:
+        # Imported here, on this thread: httpx (and, when they are installed, the rich and
+        # pygments of its command-line client) stays out of `import stepwatch` and off the
+        # training thread.
+        import httpx
+
         with httpx.Client(timeout=self._timeout_s, headers=self._headers) as client:
             backoff = self._backoff_base_s
             while True:
@@ -184,6 +191,8 @@ class Sender:
             self.stats.last_error = f"encode: {exc!r}"
             log.warning("stepwatch: could not encode a window, dropped: %r", exc)
             return None
+        import httpx
+
         try:
             resp = client.post(self._endpoint, content=body)
         except (httpx.HTTPError, OSError) as exc:
