@@ -172,7 +172,7 @@ def _autocast_seen(sw: Stepwatch) -> Callable[[str], None]:
 def _init_warnings(enabled: bool) -> Iterator[None]:
     """``STEPWATCH_DISABLED=1`` prints nothing at all; and the table's own unknown-peak
     warning (one per rank) gives way to ``_warn_no_peak`` (rank 0's, one per job)."""
-    from .mfu import UnknownPeakWarning
+    from .flops import UnknownPeakWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownPeakWarning)
@@ -185,7 +185,7 @@ def _convention(**kwargs: Any) -> dict[str, Any] | None:
     """The run's FLOPs convention as sent, or None (MFU null) with one warning: MFU is
     optional, the rest of the agent works without it. Configuration mistakes raise."""
     try:
-        from .mfu import resolve_convention
+        from .flops import resolve_convention
 
         return resolve_convention(**kwargs).to_dict()
     except ValueError:
@@ -203,7 +203,7 @@ _no_peak_warned: set[tuple[str, str]] = set()
 def _warn_no_peak(convention: dict[str, Any]) -> None:
     """Rank 0 only, once per process per (device, dtype): one line per job saying how to
     get MFU, not the same line from every rank."""
-    from .mfu import UnknownPeakWarning
+    from .flops import UnknownPeakWarning
 
     key = (str(convention.get("device_name")), str(convention.get("dtype")))
     if key in _no_peak_warned:

@@ -45,15 +45,14 @@ def build_payload(
     step_time_s: Sequence[float] | None = None,
     sent_at: float,
     plan: Mapping[str, Any] | None = None,
-    profile: Mapping[str, Any] | None = None,
     profiles: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Assemble the payload dict for one window (sender thread only).
 
     Optional sections are left out when empty, so a collector that predates them still
     accepts the batch: ``plan`` (run-level: target tokens, deadline, config fingerprint,
-    baseline run), ``profile`` (time-breakdown means of the profiled steps of this window)
-    and ``final`` (the rank's last batch).
+    baseline run), ``profiles`` (the profiler windows finished since the last batch, see
+    :mod:`.profiler._entry`) and ``final`` (the rank's last batch).
     """
     times = step_time_s if step_time_s is not None else window.step_time_s
     tags = window.tags
@@ -78,8 +77,6 @@ def build_payload(
     }
     if plan:
         payload["plan"] = dict(plan)
-    if profile:
-        payload["profile"] = dict(profile)
     if profiles:
         payload["profiles"] = [dict(p) for p in profiles]
     if window.final:

@@ -29,11 +29,13 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import httpx
+from typing import TYPE_CHECKING
 
 from ._window import Window
 from .retry import Verdict, full_jitter, retry_after_s, verdict
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("stepwatch")
 
@@ -217,6 +219,11 @@ class Sender:
         return None if self._deadline is None else self._deadline - self._clock()
 
     def _run(self) -> None:
+        # Imported here, on this thread: httpx (and, when they are installed, the rich and
+        # pygments of its command-line client) stays out of `import stepwatch` and off the
+        # training thread.
+        import httpx
+
         with httpx.Client(timeout=self._timeout_s, headers=self._headers) as client:
             failures = 0  # consecutive failed attempts, whatever the batch: the backoff
             while True:
@@ -259,6 +266,8 @@ class Sender:
         except Exception as exc:  # a bug in encoding must cost one window, not the thread
             self._give_up(window, f"could not encode it: {exc!r}")
             return None
+        import httpx
+
         left = self._time_left()
         timeout = self._timeout_s if left is None else max(0.01, min(self._timeout_s, left))
         self._posting_since = self._clock()
@@ -327,6 +336,8 @@ class Sender:
 
 def _describe(exc: BaseException, timeout_s: float) -> str:
     """One readable reason for a failed connection: what a user can act on."""
+    import httpx  # already loaded by the sender thread; kept off `import stepwatch`
+
     if isinstance(exc, httpx.TimeoutException):
         return f"no answer within {timeout_s:g} s ({type(exc).__name__})"
     text = str(exc) or type(exc).__name__

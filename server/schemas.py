@@ -155,26 +155,6 @@ class PlanIn(_Strict):
     baseline_run: RunName | None = None
 
 
-class ProfileSummaryIn(_Strict):
-    """Time breakdown of this batch's profiled steps, as means (simulators, external agents);
-    the agent's own profiler sends the detailed ``profiles`` instead. Means per profiled
-    step, in seconds.
-
-    Stored into the rank window that holds the batch's last step (merged, weighted by
-    ``steps``, with what that window already holds). ``group_transfer_s`` is the transfer
-    time the rank saw in each of its communicator groups, keyed by type.
-    """
-
-    steps: int = Field(ge=1, le=1_000_000)
-    compute_s: Seconds
-    comm_overlapped_s: Seconds | None = None
-    comm_exposed_s: Seconds | None = None
-    idle_s: Seconds | None = None
-    comm_wait_s: Seconds | None = None
-    comm_transfer_s: Seconds | None = None
-    group_transfer_s: dict[Literal["dp", "tp", "pp", "cp"], Seconds] | None = None
-
-
 # -- profiler windows (schema_version 2) ---------------------------------------------
 
 MAX_PROFILES = 8
@@ -352,7 +332,6 @@ class IngestPayload(_Strict):
     convention: ConventionIn | None = None
     steps: StepsIn
     plan: PlanIn | None = None
-    profile: ProfileSummaryIn | None = None
     #: The rank's last batch (``close()``): it finished, so its silence is not a hang.
     final: bool = False
     profiles: list[ProfileIn] | None = Field(default=None, max_length=MAX_PROFILES)
@@ -365,6 +344,14 @@ class IngestPayload(_Strict):
             raise ValueError(f"schema_version must be the integer 1 or 2, not {type(v).__name__}")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_summary(cls, data: Any) -> Any:
+        # The v1 means-only breakdown had a second ingest path that the agent never used.
+        if isinstance(data, dict) and "profile" in data:
+            raise ValueError("profile (the breakdown summary) was removed: send profiler windows as profiles")
+        return data
+
     @model_validator(mode="after")
     def _versioned(self) -> IngestPayload:
         if self.profiles is not None and self.schema_version < 2:
@@ -375,8 +362,6 @@ class IngestPayload(_Strict):
     def _steps_or_final(self) -> IngestPayload:
         if not self.steps.time_s and not self.final:
             raise ValueError("steps.time_s is empty; only a final batch may carry no step")
-        if self.profile is not None and not self.steps.time_s:
-            raise ValueError("profile needs at least one step in the batch")
         return self
 
 

@@ -8,6 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, func, select
 
+from stepwatch.flops import Convention
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.models import IngestedBatch, JobStep, RankWindow
@@ -45,8 +46,10 @@ def test_ingest_then_read_back(client: TestClient) -> None:
     assert ov["tokens_total"] == 4 * 8 * 1000
     assert ov["step_time_s"]["mean"] == pytest.approx(0.5)
     assert ov["tokens_per_s"]["mean"] == pytest.approx(4000 / 0.5)
-    # MFU = tokens/s * flops/token / (devices * peak)
-    assert ov["mfu"]["mean"] == pytest.approx(8000 * 1e9 / (4 * 1e14))
+    # The MFU the collector serves is the agent's definition (and the arithmetic is right).
+    served = ov["mfu"]["mean"]
+    assert served == pytest.approx(Convention.from_dict(CONVENTION).mfu(8000, 4))
+    assert served == pytest.approx(8000 * 1e9 / (4 * 1e14))
     assert ov["convention"]["id"] == CONVENTION["id"]
     ranks = client.get("/api/v1/runs/test-run/ranks").json()
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
