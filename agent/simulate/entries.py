@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._trace import CollectiveRecord
-from ..breakdown import StepBreakdown
 from ..profiler._entry import assemble_entry
+from ..profiler.breakdown import StepBreakdown
+from ..profiler.trace import CollectiveRecord
 from .model import TimingModel, WindowTimings
 
 #: Steps per simulated profiler window (the schema's maximum is 16; the agent defaults to 2).

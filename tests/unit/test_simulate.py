@@ -7,10 +7,10 @@ import json
 import pytest
 
 from stepwatch._env import coords_for
+from stepwatch.profiler.lineup import GroupArrivals, split_wait_transfer
 from stepwatch.simulate import Fault, Noise, TimingModel, Topology, parse_fault
 from stepwatch.simulate.entries import profile_entries
 from stepwatch.simulate.model import RankTiming
-from stepwatch_server.ingest.skew import GroupArrivals, split_wait_transfer
 from stepwatch_server.schemas import ProfileIn
 
 THREE_D = Topology(hosts=4, ranks_per_host=8, tp=4, pp=2)  # dp 4
