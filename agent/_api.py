@@ -94,6 +94,7 @@ def init(
     model's FLOPs per token once, here, with ``torch.utils.flop_counter`` (one forward and
     backward of the real model). ``profile_every``/``profile_steps``/``profile_budget``
     set the profiler window (see ``stepwatch._profiler``; ``profile_every=0`` turns it off).
+    A ``DistributedDataParallel`` ``model`` gets the timing hook (``Stepwatch.watch``).
     """
     global _current
     plan = _plan(target_tokens, deadline, config_fingerprint, baseline_run)
@@ -154,7 +155,17 @@ def init(
         plan=plan,
         profiler=profiler,
     )
+    if _is_ddp(model):  # always-on collective timing, with DDP's own all-reduce
+        _current.watch(model)
     return _current
+
+
+def _is_ddp(model: Any) -> bool:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:
+        return False
+    return isinstance(model, DistributedDataParallel)
 
 
 def _plan(

@@ -47,13 +47,15 @@ def build_payload(
     plan: Mapping[str, Any] | None = None,
     profile: Mapping[str, Any] | None = None,
     profiles: Sequence[Mapping[str, Any]] | None = None,
+    comm: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble the payload dict for one window (sender thread only).
 
     Optional sections are left out when empty, so a collector that predates them still
     accepts the batch: ``plan`` (run-level: target tokens, deadline, config fingerprint,
     baseline run), ``profile`` (time-breakdown means of the profiled steps of this window)
-    and ``final`` (the rank's last batch).
+    ``final`` (the rank's last batch) and ``comm`` (the always-on collective timing of
+    these steps, a section with its own ``version``; see ``_comm_timing.summarise``).
     """
     times = step_time_s if step_time_s is not None else window.step_time_s
     tags = window.tags
@@ -82,6 +84,8 @@ def build_payload(
         payload["profile"] = dict(profile)
     if profiles:
         payload["profiles"] = [dict(p) for p in profiles]
+    if comm:
+        payload["comm"] = dict(comm)
     if window.final:
         payload["final"] = True
     return payload
