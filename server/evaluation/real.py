@@ -192,6 +192,7 @@ def _start_ranks(
     fault_from: int,
     profile_every: int,
     netns: Sequence[str] | None,
+    record: str | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     master = f"{NET}.1" if netns else "127.0.0.1"
     port = launch.free_port() if not netns else 29500
@@ -216,6 +217,8 @@ def _start_ranks(
         cmd += ["--profile-every", str(profile_every), "--out", os.path.join(work, "rank{rank}.json")]
         if s.hosts:
             cmd += ["--host", s.hosts[r]]
+        if record:
+            cmd += ["--record", os.path.join(record, "rank{rank}.json")]
         if netns:
             cmd = ["ip", "netns", "exec", netns[r], *cmd]
         with open(os.path.join(work, f"rank{r}.log"), "wb") as log:
@@ -263,15 +266,17 @@ def run_scenario(
     profile_every: int = 0,
     timeout_s: float = 240.0,
     burn: bool = True,
+    record: str | None = None,
 ) -> RealOutcome:
-    """Run one scenario end to end and score it (see the module docstring)."""
+    """Run one scenario end to end and score it (see the module docstring); with
+    ``record``, every rank also writes the payloads it sent into that folder."""
     if s.link_rate is not None and not os.environ.get("STEPWATCH_REAL_INSIDE"):
         return _run_in_namespaces(
-            s, steps=steps, fault_from=fault_from, profile_every=profile_every, burn=burn
+            s, steps=steps, fault_from=fault_from, profile_every=profile_every, burn=burn, record=record
         )
     t0 = time.monotonic()
     netns = json.loads(os.environ.get("STEPWATCH_REAL_NETNS", "null"))
-    run = "real-" + "".join(c if c.isalnum() else "-" for c in s.name).strip("-")
+    run = "real-" + _slug(s.name)
     with tempfile.TemporaryDirectory(prefix="stepwatch-real-") as work:
         env = dict(COLLECTOR_ENV)
         if netns:
@@ -291,6 +296,7 @@ def run_scenario(
                 fault_from=fault_from,
                 profile_every=profile_every,
                 netns=netns,
+                record=record,
             )
             try:
                 events, ov = _wait(s, procs, col.url, run, work, steps=steps, deadline=t0 + timeout_s)
@@ -320,6 +326,10 @@ def _onset(work: str, s: RealScenario, fault_from: int) -> float | None:
         if len(ends) >= fault_from - 1:
             return float(ends[fault_from - 2])
     return None
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
 
 
 def _wait(
@@ -354,7 +364,7 @@ def _wait(
 
 
 def _run_in_namespaces(
-    s: RealScenario, *, steps: int, fault_from: int, profile_every: int, burn: bool
+    s: RealScenario, *, steps: int, fault_from: int, profile_every: int, burn: bool, record: str | None
 ) -> RealOutcome:
     """Re-run this scenario inside the bridge namespace, ranks in their own namespaces."""
     shaped = namespaces(RANKS, slow_rank=s.fault_ranks[0], rate=s.link_rate or "100mbit")
@@ -365,6 +375,8 @@ def _run_in_namespaces(
         cmd += ["--profile-every", str(profile_every), "--json", out.name, "--runs", "1"]
         if not burn:
             cmd.append("--no-burn")
+        if record:
+            cmd += ["--record", os.path.dirname(record)]
         subprocess.run(cmd, check=True, env=env)
         (result,) = json.load(out)
         return RealOutcome(**result)
@@ -412,17 +424,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile-every", type=int, default=0)
     p.add_argument("--no-burn", action="store_true", help="no CPU burner")
     p.add_argument("--json", default=None, help="write the outcomes here as JSON")
+    p.add_argument("--record", default=None, help="folder: every rank's payloads, per scenario")
     args = p.parse_args(argv)
     chosen = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
     outcomes = []
     for s in chosen:
         for _ in range(args.runs):
+            rec = None
+            if args.record:
+                rec = os.path.join(args.record, _slug(s.name))
+                os.makedirs(rec, exist_ok=True)
             o = run_scenario(
                 s,
                 steps=args.steps,
                 fault_from=args.fault_from,
                 profile_every=args.profile_every,
                 burn=not args.no_burn,
+                record=rec,
             )
             outcomes.append(o)
             if not args.json:

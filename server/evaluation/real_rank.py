@@ -59,11 +59,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", type=float, default=0.2, help="fault size as a fraction of the step")
     p.add_argument("--comm-mb", type=float, default=4.0)
     p.add_argument("--host", default=None, help="host name the agent reports (default: the real one)")
-    p.add_argument("--bucket-cap-mb", type=float, default=0.25)
+    p.add_argument("--bucket-cap-mb", type=float, default=0.2)
     p.add_argument("--send-interval", type=float, default=2.0)
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--profile-every", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON of this rank's step ends ({rank} is replaced)")
+    p.add_argument("--record", default=None, help="also write every payload sent here ({rank} is replaced)")
     return p.parse_args(argv)
 
 
@@ -135,6 +136,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     watch = getattr(sw, "watch", None)
     if watch is not None:  # always-on collective timing, where this agent has it
         watch(ddp)
+    sent: list[dict[str, Any]] = []
+    if args.record:  # keep what the agent sent, as recorded inputs for the detectors' tests
+        encode = sw._sender._encode
+
+        def recording(window: Any, stats: Any) -> bytes:
+            body = encode(window, stats)
+            sent.append(json.loads(body))
+            return body
+
+        sw._sender._encode = recording
     stall = [0.0]
     comm_buf = torch.ones(int(args.comm_mb * (1 << 20) / 4))
     ends: list[float] = []
@@ -172,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump(
                 {"rank": rank, "world": world, "step_ends": ends, "flushed": flushed, "extra": extra}, f
             )
+    if args.record:
+        with open(args.record.format(rank=rank), "w") as f:
+            json.dump(sent, f)
     dist.barrier()
     dist.destroy_process_group()
     return 0
