@@ -59,7 +59,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", type=float, default=0.2, help="fault size as a fraction of the step")
     p.add_argument("--comm-mb", type=float, default=4.0)
     p.add_argument("--host", default=None, help="host name the agent reports (default: the real one)")
-    p.add_argument("--bucket-cap-mb", type=float, default=0.2)
+    p.add_argument("--bucket-cap-mb", type=float, default=0.05)
     p.add_argument("--send-interval", type=float, default=2.0)
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--profile-every", type=int, default=0)
