@@ -95,6 +95,7 @@ def init(
     model's FLOPs per token once, here, with ``torch.utils.flop_counter`` (one forward and
     backward of the real model). ``profile_every``/``profile_steps``/``profile_budget``
     set the profiler window (see ``stepwatch.profiler._window``; ``profile_every=0`` turns it off).
+    A ``DistributedDataParallel`` ``model`` gets the timing hook (``Stepwatch.watch``).
     """
     global _current
     plan = _plan(target_tokens, deadline, config_fingerprint, baseline_run)
@@ -153,6 +154,8 @@ def init(
     )
     if convention is not None and dtype_source in (_dtype.PARAMETERS, _dtype.DEFAULT):
         _dtype.watch_first_forward(model, _autocast_seen(_current))
+    if _is_ddp(model):  # always-on collective timing, with DDP's own all-reduce
+        _current.watch(model)
     return _current
 
 
@@ -220,6 +223,14 @@ def _warn_no_peak(convention: dict[str, Any]) -> None:
         UnknownPeakWarning,
         stacklevel=3,
     )
+
+
+def _is_ddp(model: Any) -> bool:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:
+        return False
+    return isinstance(model, DistributedDataParallel)
 
 
 def _plan(

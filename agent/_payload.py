@@ -46,13 +46,16 @@ def build_payload(
     sent_at: float,
     plan: Mapping[str, Any] | None = None,
     profiles: Sequence[Mapping[str, Any]] | None = None,
+    comm: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble the payload dict for one window (sender thread only).
 
     Optional sections are left out when empty, so a collector that predates them still
     accepts the batch: ``plan`` (run-level: target tokens, deadline, config fingerprint,
     baseline run), ``profiles`` (the profiler windows finished since the last batch, see
-    :mod:`.profiler._entry`) and ``final`` (the rank's last batch).
+    :mod:`.profiler._entry`), ``final`` (the rank's last batch) and ``comm`` (the always-on
+    collective timing of these steps, a section with its own ``version``; see
+    ``_comm_timing.summarise``).
     """
     times = step_time_s if step_time_s is not None else window.step_time_s
     tags = window.tags
@@ -79,6 +82,8 @@ def build_payload(
         payload["plan"] = dict(plan)
     if profiles:
         payload["profiles"] = [dict(p) for p in profiles]
+    if comm:
+        payload["comm"] = dict(comm)
     if window.final:
         payload["final"] = True
     return payload

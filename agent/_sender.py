@@ -92,6 +92,7 @@ class Sender:
         *,
         token: str | None = None,
         max_windows: int = 256,
+        max_bytes: int | None = None,
         timeout_s: float = 5.0,
         poll_s: float = 0.5,
         backoff_base_s: float = 0.5,
@@ -109,6 +110,12 @@ class Sender:
         if token:
             self._headers["authorization"] = f"Bearer {token}"
         self._max_windows = max(1, max_windows)
+        self._max_bytes = max_bytes
+        # Bytes queued = pushed - dropped (training thread only) - popped (sender thread
+        # only): each counter has one writer, so the bound needs no lock.
+        self._pushed_bytes = 0
+        self._dropped_bytes = 0
+        self._popped_bytes = 0
         self._timeout_s = timeout_s
         self._poll_s = poll_s
         self._backoff_base_s = backoff_base_s
@@ -141,14 +148,23 @@ class Sender:
         if self._pid != os.getpid():
             self._reset_after_fork()
         q = self._queue
-        while len(q) >= self._max_windows:
+        size = window.approx_bytes()
+        cap = self._max_bytes
+        while q and (
+            len(q) >= self._max_windows
+            or (
+                cap is not None and self._pushed_bytes - self._dropped_bytes - self._popped_bytes + size > cap
+            )
+        ):
             try:
                 old = q.popleft()
             except IndexError:
                 break
+            self._dropped_bytes += old.approx_bytes()
             self.stats.dropped_windows += 1
             self.stats.dropped_steps += old.n_steps
         self._idle.clear()
+        self._pushed_bytes += size
         q.append(window)
         if self._thread is None:
             self._start()
@@ -206,6 +222,7 @@ class Sender:
         self._inflight = None
         self._attempts = 0
         self._posting_since = None
+        self._pushed_bytes = self._dropped_bytes = self._popped_bytes = 0
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -231,6 +248,7 @@ class Sender:
                     try:
                         self._inflight = self._queue.popleft()
                         self._attempts = 0
+                        self._popped_bytes += self._inflight.approx_bytes()
                     except IndexError:
                         self._idle.set()
                         if self._queue:  # appended meanwhile: not idle after all

@@ -322,6 +322,40 @@ class ProfileIn(_Strict):
         return self
 
 
+class GroupSeqIn(_Strict):
+    """Per process group: collectives this rank entered and completed so far (a hang's
+    diagnosis: who never entered collective #N)."""
+
+    group: str = Field(max_length=128)
+    entered: Count
+    completed: Count
+
+    @model_validator(mode="after")
+    def _ordered(self) -> GroupSeqIn:
+        if self.completed > self.entered:
+            raise ValueError(f"completed {self.completed} exceeds entered {self.entered}")
+        return self
+
+
+class CommIn(_Strict):
+    """Always-on collective timing of this batch's steps (the agent's communication hook).
+
+    Per step, seconds after the step's start on this rank's clock (``null``: no collective
+    in that step): ``arrive_s`` last bucket ready, ``end_s`` last collective ended,
+    ``sync_s`` end minus arrival of the last bucket, ``cpu_s`` training-thread CPU time.
+    Accepted and validated; the collector does not store it yet.
+    """
+
+    version: Literal[1]
+    clock: Literal["host", "cuda_events"] = "host"
+    arrive_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
+    end_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
+    sync_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
+    cpu_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
+    collectives: list[CollectiveIn] = Field(default_factory=list, max_length=16)
+    groups: list[GroupSeqIn] = Field(default_factory=list, max_length=64)
+
+
 class IngestPayload(_Strict):
     schema_version: Literal[1, 2]
     batch_id: str = Field(pattern=r"^[A-Za-z0-9_-]{8,64}$")
@@ -335,6 +369,18 @@ class IngestPayload(_Strict):
     #: The rank's last batch (``close()``): it finished, so its silence is not a hang.
     final: bool = False
     profiles: list[ProfileIn] | None = Field(default=None, max_length=MAX_PROFILES)
+    comm: CommIn | None = None
+
+    @model_validator(mode="after")
+    def _comm_per_step(self) -> IngestPayload:
+        if self.comm is not None:
+            n = len(self.steps.time_s)
+            for name in ("arrive_s", "end_s", "sync_s", "cpu_s"):
+                if len(getattr(self.comm, name)) != n:
+                    raise ValueError(
+                        f"comm.{name} has {len(getattr(self.comm, name))} values but steps.time_s has {n}"
+                    )
+        return self
 
     @field_validator("schema_version", mode="before")
     @classmethod

@@ -48,6 +48,7 @@ def payload(
     final: bool = False,
     plan: dict[str, Any] | None = None,
     profiles: Sequence[dict[str, Any]] | None = None,
+    comm: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     n = len(times)
     window = Window(
@@ -77,7 +78,25 @@ def payload(
         sent_at=time.time(),
         plan=plan,
         profiles=profiles,
+        comm=comm,
     )
+
+
+def comm_section(n: int, *, buckets: int = 8, first_step: int = 1) -> dict[str, Any]:
+    """The ``comm`` section the agent's hook timing builds for ``n`` steps of 0.5 s with
+    ``buckets`` all-reduces each (summarised by the agent's own code)."""
+    from stepwatch._comm_timing import CommTiming
+
+    pos = [first_step, 0]
+    timing = CommTiming(max(n, 1), lambda: (pos[0], pos[1]))
+    for i in range(n):
+        pos[1] = i
+        for b in range(buckets):
+            token = timing.arrive("world", b, 4096)
+            timing.done(token, "world")
+    slices = timing.take(n)
+    assert slices is not None
+    return timing.summarise(slices, first_step, [0.5] * n, perf_end=time.perf_counter())
 
 
 def profile_entry(

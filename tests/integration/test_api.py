@@ -13,7 +13,7 @@ from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.models import IngestedBatch, JobStep, RankWindow
 
-from ..payloads import CONVENTION, payload
+from ..payloads import CONVENTION, comm_section, payload
 
 
 @pytest.fixture
@@ -80,6 +80,14 @@ def test_retried_batch_is_stored_once(client: TestClient, engine: Engine) -> Non
         (lambda p: p.__setitem__("schema_version", 99), "schema_version"),
         (lambda p: p["steps"].__setitem__("time_s", []), "steps.time_s"),
         (lambda p: p.pop("batch_id"), "batch_id"),
+        (lambda p: p.__setitem__("comm", {**comm_section(4), "sync_s": [0.1]}), "comm.sync_s"),
+        (lambda p: p.__setitem__("comm", {**comm_section(4), "version": 7}), "comm.version"),
+        (
+            lambda p: p.__setitem__(
+                "comm", {**comm_section(4), "groups": [{"group": "world", "entered": 1, "completed": 2}]}
+            ),
+            "comm.groups.0",
+        ),
     ],
 )
 def test_bad_payload_rejected_whole_naming_the_field(
@@ -91,6 +99,15 @@ def test_bad_payload_rejected_whole_naming_the_field(
     assert r.status_code == 422, r.text
     assert field in r.json()["detail"]
     assert _count(engine, JobStep) == 0 and _count(engine, IngestedBatch) == 0
+
+
+def test_collective_timing_section_is_accepted(client: TestClient, engine: Engine) -> None:
+    """The agent's ``comm`` section (not stored yet) rides on a batch that is stored whole."""
+    p = payload(world=4, comm=comm_section(4))
+    assert p["comm"]["collectives"][0]["count"] == 32
+    r = client.post("/api/v1/ingest", json=p)
+    assert r.status_code == 200, r.text
+    assert _count(engine, JobStep) == 4
 
 
 def test_body_too_large_is_413(client: TestClient) -> None:
