@@ -15,10 +15,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._window import TAGS, Window
+from ._window import Window
+from .wire import SCHEMA_VERSION, TAGS
 
 #: 2 adds the optional ``profiles`` list (profiler-window entries, see ``_profile_entry``).
-SCHEMA_VERSION = 2
 
 
 def new_batch_id() -> str:

@@ -11,10 +11,6 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Step tags. The collector excludes tagged steps from baselines and regressions.
-TAGS: tuple[str, ...] = ("", "warmup", "checkpoint", "eval")
-TAG_CODES: dict[str, int] = {name: code for code, name in enumerate(TAGS) if name}
-
 
 @dataclass
 class Window:

@@ -13,11 +13,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from stepwatch import wire
 from stepwatch.sketch import LogSketch
 
 #: Newest payload version; 1 (no ``profiles``) is still accepted.
-SCHEMA_VERSION = 2
-RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")]
+RunName = Annotated[str, Field(pattern=wire.RUN_NAME_PATTERN)]
 HostName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._:-]+$")]
 #: Any non-negative measured quantity (seconds, counts, MHz, W); the bound keeps sums finite.
 NonNeg = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
@@ -39,7 +39,7 @@ Tokens = Annotated[int, Field(ge=0, le=2**40)]
 UnixTime = Annotated[float, Field(gt=0, le=253_402_300_799, allow_inf_nan=False)]
 #: Hard cap on one batch's steps (the configurable limit is STEPWATCH_MAX_STEPS_PER_BATCH).
 MAX_STEPS = 100_000
-Tag = Literal["warmup", "checkpoint", "eval"] | None
+Tag = wire.Tag | None
 
 
 class _Strict(BaseModel):
@@ -60,9 +60,7 @@ class RankIn(_Strict):
     world_size: int = Field(ge=1, le=1_048_576)
     host: HostName
     layout: Layout
-    coords: dict[Literal["tp", "cp", "dp", "pp"], Annotated[int, Field(ge=0, le=1_048_575)]] = Field(
-        default_factory=dict
-    )
+    coords: dict[wire.Dim, Annotated[int, Field(ge=0, le=1_048_575)]] = Field(default_factory=dict)
     counts_tokens: bool = True
 
     @model_validator(mode="after")
@@ -145,7 +143,7 @@ class PlanIn(_Strict):
 
     target_tokens: int | None = Field(default=None, gt=0, le=2**62)
     deadline: UnixTime | None = Field(default=None, description="Unix seconds")
-    config_fingerprint: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:/+=-]{1,128}$")
+    config_fingerprint: str | None = Field(default=None, pattern=wire.FINGERPRINT_PATTERN)
     baseline_run: RunName | None = None
 
 
@@ -166,7 +164,7 @@ class ProfileSummaryIn(_Strict):
     idle_s: Seconds | None = None
     comm_wait_s: Seconds | None = None
     comm_transfer_s: Seconds | None = None
-    group_transfer_s: dict[Literal["dp", "tp", "pp", "cp"], Seconds] | None = None
+    group_transfer_s: dict[wire.Dim, Seconds] | None = None
 
 
 # -- profiler windows (schema_version 2) ---------------------------------------------
@@ -174,21 +172,6 @@ class ProfileSummaryIn(_Strict):
 MAX_PROFILES = 8
 MAX_PROFILE_STEPS = 16
 MAX_ARRIVALS = 4096
-OpName = Literal[
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "all_to_all",
-    "broadcast",
-    "send",
-    "recv",
-    "send_recv",
-    "barrier",
-    "reduce",
-    "gather",
-    "scatter",
-    "other",
-]
 RelSeconds = Annotated[float, Field(ge=-1e6, le=1e6, allow_inf_nan=False)]
 RankId = Annotated[int, Field(ge=0, le=1_048_575)]
 
@@ -207,7 +190,7 @@ class TopOpIn(_Strict):
 class CollectiveIn(_Strict):
     """One operation type of one window: count, bytes and a duration sketch (seconds)."""
 
-    op: OpName
+    op: wire.CollectiveOp
     count: Count
     bytes: Count | None = None
     duration: dict[str, Any]
@@ -229,7 +212,7 @@ class ArrivalsIn(_Strict):
     size: int | None = Field(default=None, ge=1, le=1_048_576)
     key_kind: Literal["seq", "order"]
     step: list[Annotated[int, Field(ge=0, le=2**53)]] = Field(max_length=MAX_ARRIVALS)
-    op: list[OpName] = Field(max_length=MAX_ARRIVALS)
+    op: list[wire.CollectiveOp] = Field(max_length=MAX_ARRIVALS)
     key: list[Annotated[int, Field(ge=0, le=2**53)]] = Field(max_length=MAX_ARRIVALS)
     enter: list[RelSeconds] = Field(max_length=MAX_ARRIVALS)
     end: list[RelSeconds] = Field(max_length=MAX_ARRIVALS)
@@ -296,7 +279,7 @@ class ProfileIn(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> ProfileIn:
         n = self.n_steps
-        for name in ("time_s", "compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s"):
+        for name in ("time_s", *wire.STEP_PARTS):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} values but n_steps is {n}")
         if n and (self.device is None or self.t0 is None):

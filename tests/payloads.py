@@ -9,7 +9,8 @@ from typing import Any
 
 from stepwatch._env import Layout, RankInfo, coords_for
 from stepwatch._payload import build_payload, new_batch_id
-from stepwatch._window import TAG_CODES, Window
+from stepwatch._window import Window
+from stepwatch.wire import TAG_CODES
 
 CONVENTION = {
     "formula": "explicit",

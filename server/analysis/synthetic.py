@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .types import JobStep, RankWindow
+from .types import JobStep, RankWindow, StepTag
 
 FaultCause = Literal["compute", "data", "link", "host"]
 
@@ -276,7 +276,7 @@ def job_series(
     step = 0
     out: list[JobStep] = []
 
-    def sample(parts: dict[str, float], tag: Literal["warmup", "checkpoint", "eval"] | None, k: int) -> None:
+    def sample(parts: dict[str, float], tag: StepTag | None, k: int) -> None:
         nonlocal step
         step += k
         total = sum(parts.values())
