@@ -7,9 +7,9 @@ window split across batches, or ranks arriving in any order, add up to the same 
 The caller answers 2xx only after this commits.
 
 ``store_many`` writes a group of batches in one transaction (the group commit that
-``group_commit.py`` feeds): the group is folded into one row per key (``fold.py``)
-and merged with one statement per table on PostgreSQL (``storage/postgres.py``), or with
-executemany of the same upserts on SQLite.
+``group_commit.py`` feeds): the group is folded into one row per key (``fold.py``) and
+handed to the backend (``storage/backend.py``), which merges it by the column rules
+(``storage/columns.py``); profiler windows follow (``profiles.py``).
 """
 
 from __future__ import annotations
@@ -21,20 +21,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Connection, Engine, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy import Connection, Table, func, select, update
 
 from ..schemas import IngestPayload, PlanIn
-from ..storage import postgres
-from ..storage.models import IngestedBatch, JobStep, Rank, RankWindow, Run
-from . import fold
-from .fold import TAG_CODES, Rows
-from .profiles import store_profiles
-
-__all__ = ["TAG_CODES", "Ingestor", "RunKey", "choose_window_steps"]
+from ..storage.backend import Storage
+from ..storage.models import Run
+from . import fold, profiles
 
 
 @dataclass(frozen=True)
@@ -84,25 +78,14 @@ def choose_window_steps(step_times: list[float], window_seconds: float) -> int:
 class Ingestor:
     """Writes batches; holds a small cache of run keys (never of data)."""
 
-    def __init__(self, engine: Engine, *, window_seconds: float = 10.0, cache_size: int = 1024) -> None:
-        self.engine = engine
+    def __init__(self, storage: Storage, *, window_seconds: float = 10.0, cache_size: int = 1024) -> None:
+        self.storage = storage
+        self.engine = storage.engine
         self.window_seconds = window_seconds
-        self._dialect = engine.dialect.name
         self._runs: OrderedDict[str, RunKey] = OrderedDict()
         self._admitted: OrderedDict[str, None] = OrderedDict()  # new runs past the quota check
         self._cache_size = cache_size
         self._lock = threading.Lock()
-
-    # -- dialect helpers -----------------------------------------------------------
-    def _insert(self, table: Any) -> Any:
-        mod = postgresql if self._dialect == "postgresql" else sqlite
-        return mod.insert(table)
-
-    def _greatest(self, a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
-        return func.greatest(a, b) if self._dialect == "postgresql" else func.max(a, b)
-
-    def _least(self, a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
-        return func.least(a, b) if self._dialect == "postgresql" else func.min(a, b)
 
     # -- runs ----------------------------------------------------------------------
     def knows_run(self, name: str) -> bool:
@@ -155,7 +138,7 @@ class Ingestor:
     def _load_run(
         self, conn: Connection, p: IngestPayload, plan: dict[str, Any] | None, owner: str | None
     ) -> RunKey:
-        runs = Run.__table__
+        runs = cast(Table, Run.__table__)
         cols = (
             runs.c.id,
             runs.c.window_steps,
@@ -168,7 +151,7 @@ class Ingestor:
         )
         row = conn.execute(select(*cols).where(runs.c.name == p.run)).first()
         if row is None:
-            stmt = self._insert(runs).values(
+            stmt = self.storage.insert(runs).values(
                 name=p.run,
                 world_size=p.rank.world_size,
                 dp_size=p.rank.layout.dp,
@@ -209,163 +192,13 @@ class Ingestor:
         with self.engine.begin() as conn:
             keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
             run_ids = [k.id for k in keys]
-            if self._dialect == "postgresql":
-                new = postgres.claim(conn, unique, run_ids)
-            else:
-                new = self._claim_rows(conn, unique, keys)
+            new = self.storage.claim(conn, unique, run_ids)
             fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if p.batch_id in new]
             if fresh:
                 rows = fold.fold(
                     [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
                 )
-                if self._dialect == "postgresql":
-                    postgres.write(conn, rows)
-                else:
-                    self._write_rows(conn, rows)
+                self.storage.write(conn, rows)
                 for p, k in fresh:  # profiler windows: a few batches in a thousand
-                    if p.profile is not None and p.steps.time_s:
-                        self._store_profile(conn, k, p)
-                    if p.profiles:
-                        store_profiles(
-                            conn,
-                            self._insert,
-                            run_id=k.id,
-                            window_steps=k.window_steps,
-                            world_size=k.world_size,
-                            p=p,
-                        )
+                    profiles.store(conn, self.storage, k.id, k.window_steps, k.world_size, p)
         return [i == first[p.batch_id] and p.batch_id in new for i, p in enumerate(payloads)]
-
-    def _claim_rows(
-        self, conn: Connection, payloads: Sequence[IngestPayload], keys: Sequence[RunKey]
-    ) -> set[str]:
-        """The row path of the claim (SQLite): one insert per batch id."""
-        batches = IngestedBatch.__table__
-        now = datetime.now(timezone.utc)
-        new: set[str] = set()
-        for p, run in zip(payloads, keys, strict=True):
-            claimed = conn.execute(
-                self._insert(batches)
-                .values(batch_id=p.batch_id, run_id=run.id, rank=p.rank.rank, received_at=now)
-                .on_conflict_do_nothing(index_elements=["batch_id"])
-                .returning(batches.c.batch_id)
-            ).first()
-            if claimed is not None:
-                new.add(p.batch_id)
-        return new
-
-    def _write_rows(self, conn: Connection, rows: Rows) -> None:
-        """The row path of the merge (SQLite): executemany of the same upserts."""
-        for stmt, cols in (
-            (self._rank_upsert(), rows.ranks),
-            (self._window_upsert(), rows.windows),
-            (self._job_step_upsert(), rows.job_steps),
-        ):
-            if cols:
-                names = list(cols)
-                columns = [v.tolist() if hasattr(v, "tolist") else v for v in cols.values()]
-                conn.execute(
-                    stmt,
-                    [dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True)],
-                )
-
-    def _rank_upsert(self) -> Any:
-        t = Rank.__table__
-        stmt = self._insert(t)
-        ex = stmt.excluded
-        # Batches of one rank can arrive out of order (retries): counters only grow.
-        return stmt.on_conflict_do_update(
-            index_elements=["run_id", "rank"],
-            set_={
-                "host": ex.host,
-                "local_rank": ex.local_rank,
-                "coords": ex.coords,
-                "last_step": self._greatest(t.c.last_step, ex.last_step),
-                "last_seen": self._greatest(t.c.last_seen, ex.last_seen),
-                "agent_version": ex.agent_version,
-                "clock": ex.clock,
-                "dropped_windows": self._greatest(t.c.dropped_windows, ex.dropped_windows),
-                "dropped_steps": self._greatest(t.c.dropped_steps, ex.dropped_steps),
-                "hot_path_mean_s": func.coalesce(ex.hot_path_mean_s, t.c.hot_path_mean_s),
-                "final_step": func.coalesce(ex.final_step, t.c.final_step),
-            },
-        )
-
-    def _store_profile(self, conn: Connection, run: RunKey, p: IngestPayload) -> None:
-        """Merge the batch's time breakdown into the window of its last step.
-
-        Means weighted by profiled steps, so a window profiled across two batches adds up.
-        SQL evaluates every SET expression against the row as it was, on both backends.
-        """
-        prof = p.profile
-        assert prof is not None
-        last = p.steps.first + len(p.steps.time_s) - 1
-        window = (last - 1) // run.window_steps if last > 0 else 0
-        t = RankWindow.__table__
-        n_old = func.coalesce(t.c.profiled_steps, 0)
-        n_new = prof.steps
-
-        def merged(col: Any, value: float | None) -> Any:
-            if value is None:
-                return col
-            return (func.coalesce(col, 0.0) * n_old + value * n_new) / (n_old + n_new)
-
-        values: dict[str, Any] = {
-            "profiled_steps": n_old + n_new,
-            "compute_s": merged(t.c.compute_s, prof.compute_s),
-            "comm_overlapped_s": merged(t.c.comm_overlapped_s, prof.comm_overlapped_s),
-            "comm_exposed_s": merged(t.c.comm_exposed_s, prof.comm_exposed_s),
-            "idle_s": merged(t.c.idle_s, prof.idle_s),
-            "comm_wait_s": merged(t.c.comm_wait_s, prof.comm_wait_s),
-            "comm_transfer_s": merged(t.c.comm_transfer_s, prof.comm_transfer_s),
-        }
-        if prof.group_transfer_s is not None:
-            values["group_transfer_s"] = dict(prof.group_transfer_s)
-        conn.execute(
-            update(RankWindow)
-            .where(t.c.run_id == run.id, t.c.rank == p.rank.rank, t.c.window == window)
-            .values(**values)
-        )
-
-    def _window_upsert(self) -> Any:
-        t = RankWindow.__table__
-        stmt = self._insert(t)
-        ex = stmt.excluded
-        return stmt.on_conflict_do_update(
-            index_elements=["run_id", "rank", "window"],
-            set_={
-                "first_step": self._least(t.c.first_step, ex.first_step),
-                "last_step": self._greatest(t.c.last_step, ex.last_step),
-                "n_steps": t.c.n_steps + ex.n_steps,
-                "step_time_sum": t.c.step_time_sum + ex.step_time_sum,
-                "step_time_min": self._least(t.c.step_time_min, ex.step_time_min),
-                "step_time_max": self._greatest(t.c.step_time_max, ex.step_time_max),
-                "data_wait_sum": t.c.data_wait_sum + ex.data_wait_sum,
-                "tokens_sum": t.c.tokens_sum + ex.tokens_sum,
-                "padded_tokens_sum": func.coalesce(
-                    t.c.padded_tokens_sum + ex.padded_tokens_sum, t.c.padded_tokens_sum, ex.padded_tokens_sum
-                ),
-                "wall_end": self._greatest(t.c.wall_end, ex.wall_end),
-            },
-        )
-
-    def _job_step_upsert(self) -> Any:
-        t = JobStep.__table__
-        stmt = self._insert(t)
-        ex = stmt.excluded
-        return stmt.on_conflict_do_update(
-            index_elements=["run_id", "step"],
-            set_={
-                "ranks": t.c.ranks + ex.ranks,
-                "token_ranks": t.c.token_ranks + ex.token_ranks,
-                "step_time_sum": t.c.step_time_sum + ex.step_time_sum,
-                "step_time_max": self._greatest(t.c.step_time_max, ex.step_time_max),
-                "data_wait_max": self._greatest(t.c.data_wait_max, ex.data_wait_max),
-                "tokens": t.c.tokens + ex.tokens,
-                "padded_tokens": func.coalesce(
-                    t.c.padded_tokens + ex.padded_tokens, t.c.padded_tokens, ex.padded_tokens
-                ),
-                "tag": self._greatest(t.c.tag, ex.tag),
-                "wall_end": self._greatest(t.c.wall_end, ex.wall_end),
-            },
-        )

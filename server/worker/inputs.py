@@ -16,10 +16,11 @@ from typing import Any
 
 from sqlalchemy import Connection, exists, func, select
 
+from stepwatch import wire
+
 from ..analysis.pipeline import StepRow, tag_of
 from ..analysis.robust import median
 from ..analysis.types import RankWindow
-from ..ingest.store import TAG_CODES
 from ..reads.utilization import per_token_rate
 from ..storage.models import IngestedBatch, Rank, Run
 from ..storage.models import JobStep as JobStepRow
@@ -31,7 +32,6 @@ RANKS = Rank.__table__
 RW = RankWindowRow.__table__
 JS = JobStepRow.__table__
 BATCHES = IngestedBatch.__table__
-TAG_NAMES: tuple[str, ...] = ("", *sorted(TAG_CODES, key=lambda t: TAG_CODES[t]))
 #: Ranks per IN list: keeps the statement well under every backend's parameter limit.
 RANK_CHUNK = 2000
 
@@ -252,7 +252,7 @@ def job_steps(conn: Connection, run: RunInfo, first: int, last: int) -> dict[int
                 step=r.step,
                 step_time_s=r.step_time_sum / r.ranks,
                 tokens=tokens,
-                tag=tag_of(r.tag, TAG_NAMES),
+                tag=tag_of(r.tag, wire.TAGS),
                 wall_end=float(r.wall_end),
             )
         )
