@@ -1,7 +1,7 @@
 """The wire contract: every name and pattern that the agent and the collector both spell.
 
-The agent builds payloads with these (``_payload.py``, ``_profile_entry.py``), the
-collector validates them with these (``stepwatch_server.schemas``), so a tag, a step
+The agent builds payloads with these (``_payload.py``), the
+collector validates them with these (``stepwatch_server.schemas.ingest``), so a tag, a step
 part or a pattern is defined once. Standard library only: a training job imports it,
 and the collector imports it without the agent's dependencies.
 """

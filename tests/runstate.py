@@ -20,7 +20,7 @@ from sqlalchemy import Engine, select, update
 from stepwatch_server.analysis import types as analysis
 from stepwatch_server.analysis.stragglers import StragglerDetector
 from stepwatch_server.ingest.store import Ingestor
-from stepwatch_server.schemas import IngestPayload
+from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.storage.models import Event, Rank, RankWindow, Run
 
 from .payloads import payload

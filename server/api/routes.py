@@ -6,18 +6,19 @@ import asyncio
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
+from ..errors import ForbiddenError
 from ..exporter.registry import CollectorMetrics
 from ..ingest.group_commit import GroupCommitter
 from ..ingest.store import Ingestor
 from ..reads import queries
-from ..schemas import (
+from ..schemas.ingest import IngestPayload
+from ..schemas.responses import (
     EventOut,
-    IngestPayload,
     IngestResult,
     Problem,
     RankSummary,
@@ -126,9 +127,8 @@ async def _within_limits(request: Request, payload: IngestPayload, owner: str | 
         used = await _admission(request, ingestor, payload.run, owner, settings.max_runs_per_token)
         if used is not None:
             who = f"token {owner!r}" if owner else "anonymous writers"
-            raise HTTPException(
-                status_code=403,
-                detail=f"run {payload.run!r} refused: {who} created {used} runs, the limit is "
+            raise ForbiddenError(
+                f"run {payload.run!r} refused: {who} created {used} runs, the limit is "
                 f"{settings.max_runs_per_token} (STEPWATCH_MAX_RUNS_PER_TOKEN)",
             )
 

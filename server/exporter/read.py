@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Connection, Float, and_, cast, func, or_, select
 
-from ..storage.models import Event, IngestedBatch, JobStep, Rank, RankWindow, Run
+from ..storage.models import Event, IngestedBatch, JobStep, Rank, RankWindow, Run, unix
 from .state import EventRow, RankRow, StepRow
 
 RUNS = Run.__table__
@@ -42,14 +41,6 @@ class RunTail:
     last_step: int | None
     last_step_ts: float | None
     last_profiled_window: int | None
-
-
-def unix(value: datetime | None) -> float | None:
-    if value is None:
-        return None
-    if value.tzinfo is None:  # SQLite returns naive datetimes (stored in UTC)
-        value = value.replace(tzinfo=timezone.utc)
-    return value.timestamp()
 
 
 def reporting_runs(conn: Connection) -> list[RunHead]:

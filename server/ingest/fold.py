@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from stepwatch import wire
 
-from ..schemas import IngestPayload
+from ..schemas.ingest import IngestPayload
 from ..storage import columns
 from ..storage.columns import Columns, Rows
 

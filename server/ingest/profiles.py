@@ -31,7 +31,7 @@ from sqlalchemy import Connection, Table, bindparam, delete, func, select, updat
 
 from stepwatch.sketch import LogSketch
 
-from ..schemas import IngestPayload, ProfileIn
+from ..schemas.ingest import IngestPayload, ProfileIn
 from ..storage import columns
 from ..storage.backend import Storage
 from ..storage.columns import BREAKDOWN, SKEW, window_of

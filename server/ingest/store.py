@@ -25,9 +25,9 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, Table, func, select, update
 
-from ..schemas import IngestPayload, PlanIn
+from ..schemas.ingest import IngestPayload, PlanIn
 from ..storage.backend import Storage
-from ..storage.models import Run
+from ..storage.models import Run, unix
 from . import fold, profiles
 
 
@@ -55,9 +55,8 @@ def _plan_row(plan: PlanIn | None) -> dict[str, Any] | None:
 
 
 def _plan_key(target: Any, deadline: datetime | None, fingerprint: Any, baseline: Any) -> tuple[Any, ...]:
-    if deadline is not None and deadline.tzinfo is None:  # SQLite returns naive UTC datetimes
-        deadline = deadline.replace(tzinfo=timezone.utc)
-    when = None if deadline is None else round(deadline.timestamp(), 3)
+    when = unix(deadline)
+    when = None if when is None else round(when, 3)
     return (target, when, fingerprint, baseline)
 
 

@@ -22,7 +22,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from stepwatch.sketch import LogSketch
 
-from ..schemas import ClockOut, CollectiveOut, NvmlOut, ProfileOut, Quantiles, Series, SeriesPoint
+from ..schemas.responses import ClockOut, CollectiveOut, NvmlOut, ProfileOut, Quantiles, Series, SeriesPoint
 from ..storage.models import CollectiveStat, ProfileWindow, RankWindow
 
 PW = ProfileWindow.__table__

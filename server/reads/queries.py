@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import timezone
 from typing import Any
 
 from sqlalchemy import Connection, Float, Select, and_, case, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..schemas import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
-from ..storage.models import Event, JobStep, Rank, RankWindow, Run
+from ..errors import NotFoundError
+from ..schemas.responses import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
+from ..storage.models import Event, JobStep, Rank, RankWindow, Run, unix
 from . import progress
 from .profiles import BREAKDOWN_METRICS, rank_profiles, window_series
 from .utilization import per_token_rate
@@ -28,10 +28,6 @@ RUNS = Run.__table__
 RANKS = Rank.__table__
 RW = RankWindow.__table__
 EV = Event.__table__
-
-
-class NotFoundError(LookupError):
-    """The named run (or metric) does not exist."""
 
 
 @dataclass(frozen=True)
@@ -99,18 +95,10 @@ def list_runs(conn: Connection) -> list[RunSummary]:
             world_size=r.world_size,
             ranks_reporting=r.ranks or 0,
             last_step=r.last_step,
-            last_seen=_unix(r.last_seen),
+            last_seen=unix(r.last_seen),
         )
         for r in rows
     ]
-
-
-def _unix(value: Any) -> float | None:
-    if value is None:
-        return None
-    if value.tzinfo is None:  # SQLite returns naive datetimes for timezone-aware columns
-        value = value.replace(tzinfo=timezone.utc)
-    return float(value.timestamp())
 
 
 def overview(conn: Connection, name: str) -> RunOverview:
@@ -297,7 +285,7 @@ def ranks(conn: Connection, name: str, *, profile_windows: int = 1) -> list[Rank
                 local_rank=r[RANKS.c.local_rank],
                 coords=r[RANKS.c.coords],
                 last_step=r[RANKS.c.last_step],
-                last_seen=_unix(r[RANKS.c.last_seen]) or 0.0,
+                last_seen=unix(r[RANKS.c.last_seen]) or 0.0,
                 clock=r[RANKS.c.clock],
                 dropped_windows=r[RANKS.c.dropped_windows],
                 dropped_steps=r[RANKS.c.dropped_steps],
@@ -343,8 +331,8 @@ def events(
             cost_seconds=r["cost_seconds"],
             cost_ratio=r["cost_ratio"],
             message=r["message"],
-            opened_at=_unix(r["opened_at"]) or 0.0,
-            updated_at=_unix(r["updated_at"]) or 0.0,
+            opened_at=unix(r["opened_at"]) or 0.0,
+            updated_at=unix(r["updated_at"]) or 0.0,
         )
         for r in rows
     ]

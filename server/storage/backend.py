@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from sqlalchemy import Connection, Engine, Table
 
-from ..schemas import IngestPayload
+from ..schemas.ingest import IngestPayload
 from .columns import Rows, SqlFunctions
 
 

@@ -37,7 +37,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeEngine
 
-from ..schemas import IngestPayload
+from ..schemas.ingest import IngestPayload
 from . import columns, pg_arrays
 from .columns import Columns, Rows, Summed
 

@@ -14,7 +14,7 @@ from typing import Any, cast
 from sqlalchemy import Connection, Engine, Table, literal_column
 from sqlalchemy.dialects import sqlite
 
-from ..schemas import IngestPayload
+from ..schemas.ingest import IngestPayload
 from . import columns
 from .columns import Rows, Summed
 from .models import IngestedBatch

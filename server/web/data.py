@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import Connection, Float, and_, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
+from ..errors import NotFoundError
 from ..reads import queries
 from ..storage.models import Event, RankWindow
 
@@ -70,7 +71,7 @@ def runs(conn: Connection) -> list[dict[str, Any]]:
 def _series(conn: Connection, run: str, metric: str, max_points: int) -> dict[str, list[Any]] | None:
     try:
         s = queries.series(conn, run, metric, from_step=None, to_step=None, max_points=max_points)
-    except queries.NotFoundError:  # e.g. no MFU without a peak FLOP/s
+    except NotFoundError:  # e.g. no MFU without a peak FLOP/s
         return None
     return {
         "step": [p.step_to for p in s.points],
@@ -199,7 +200,7 @@ def heatmap(
 
 
 def run_page(conn: Connection, name: str, *, heat: str | None = None) -> dict[str, Any]:
-    """Everything the run page shows. Raises ``queries.NotFoundError`` for an unknown run."""
+    """Everything the run page shows. Raises ``NotFoundError`` for an unknown run."""
     run = queries.get_run(conn, name)
     overview = queries.overview(conn, name).model_dump()
     ranks = [r.model_dump() for r in queries.ranks(conn, name)]

@@ -16,7 +16,7 @@ from sqlalchemy import Engine
 import stepwatch
 from stepwatch.views.terminal import duration
 
-from ..reads import queries
+from ..errors import NotFoundError
 from . import data
 
 router = APIRouter(include_in_schema=False)
@@ -73,7 +73,7 @@ def run_page(
     with _engine(request).connect() as conn:
         try:
             page = data.run_page(conn, run, heat=heat)
-        except queries.NotFoundError:
+        except NotFoundError:
             runs = data.runs(conn)
             return templates.TemplateResponse(
                 request, "missing.html", {"run": run, "runs": runs}, status_code=404

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, exists, func, select
@@ -22,7 +22,7 @@ from ..analysis.pipeline import StepRow, tag_of
 from ..analysis.robust import median
 from ..analysis.types import RankWindow
 from ..reads.utilization import per_token_rate
-from ..storage.models import IngestedBatch, Rank, Run
+from ..storage.models import IngestedBatch, Rank, Run, unix
 from ..storage.models import JobStep as JobStepRow
 from ..storage.models import RankWindow as RankWindowRow
 from .readiness import RankProgress
@@ -34,15 +34,6 @@ JS = JobStepRow.__table__
 BATCHES = IngestedBatch.__table__
 #: Ranks per IN list: keeps the statement well under every backend's parameter limit.
 RANK_CHUNK = 2000
-
-
-def unix(value: datetime | None) -> float | None:
-    """Epoch seconds of a stored timestamp (SQLite gives naive UTC datetimes)."""
-    if value is None:
-        return None
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=timezone.utc)
-    return value.timestamp()
 
 
 @dataclass(frozen=True, slots=True)

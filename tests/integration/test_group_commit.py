@@ -18,7 +18,7 @@ from sqlalchemy import Engine, select
 
 from stepwatch_server.ingest.group_commit import GroupCommitter
 from stepwatch_server.ingest.store import Ingestor
-from stepwatch_server.schemas import IngestPayload
+from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.storage import migrate
 from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.engine import make_engine

@@ -15,7 +15,7 @@ import random
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,12 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, select
 
 from stepwatch_server.ingest.store import Ingestor
-from stepwatch_server.schemas import IngestPayload
+from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.storage import migrate
 from stepwatch_server.storage.backend import Storage, open_storage
 from stepwatch_server.storage.columns import JOB_STEPS, RANK_WINDOWS, RANKS, Summed
 from stepwatch_server.storage.engine import make_engine
-from stepwatch_server.storage.models import Run
+from stepwatch_server.storage.models import Run, unix
 from stepwatch_server.storage.retention import prune
 
 from .. import pg
@@ -132,7 +132,7 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
     row.pop("run_id")
     for k, v in row.items():
         if isinstance(v, datetime):  # SQLite returns naive UTC
-            row[k] = (v if v.tzinfo else v.replace(tzinfo=timezone.utc)).timestamp()
+            row[k] = unix(v)
     return row
 
 
