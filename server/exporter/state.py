@@ -24,6 +24,7 @@ from stepwatch import wire
 from ..analysis.hangs import hang_threshold_s
 from ..analysis.robust import median
 from ..reads.utilization import per_token_rate
+from ..storage.columns import window_of
 
 #: The step tags (stored code = index + 1), as the ``tag`` label of the tagged-steps series.
 TAGS = wire.TAGS[1:]
@@ -318,7 +319,7 @@ def windows_in_view(last_step: int | None, window_steps: int) -> tuple[int, int]
     """The newest window (likely still filling) and the one before it (likely complete)."""
     if last_step is None or last_step <= 0:
         return (0, 0)
-    newest = (last_step - 1) // max(1, window_steps)
+    newest = window_of(last_step, max(1, window_steps))
     return (max(0, newest - 1), newest)
 
 

@@ -9,7 +9,6 @@ only some ranks have reported yet is still an unbiased estimate.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, Float, Select, and_, case, cast, func, select
@@ -20,7 +19,7 @@ from ..schemas.responses import EventOut, RankSummary, RunOverview, RunSummary, 
 from ..storage.models import Event, JobStep, Rank, RankWindow, Run, unix
 from . import progress
 from .profiles import BREAKDOWN_METRICS, rank_profiles, window_series
-from .utilization import per_token_rate
+from .runs import RunInfo, get_run
 
 LATEST_STEPS = 10
 JS = JobStep.__table__
@@ -30,42 +29,11 @@ RW = RankWindow.__table__
 EV = Event.__table__
 
 
-@dataclass(frozen=True)
-class RunRow:
-    id: int
-    name: str
-    world_size: int
-    dp_size: int
-    layout: dict[str, int]
-    convention: dict[str, Any] | None
-    window_steps: int
-
-    @property
-    def mfu_scale(self) -> float | None:
-        """MFU per token/s: flops_per_token / (devices x peak). None if peak unknown."""
-        return per_token_rate(self.convention, self.world_size)
-
-
-def get_run(conn: Connection, name: str) -> RunRow:
-    row = conn.execute(select(RUNS).where(RUNS.c.name == name)).first()
-    if row is None:
-        raise NotFoundError(f"run {name!r} not found")
-    return RunRow(
-        id=row.id,
-        name=row.name,
-        world_size=row.world_size,
-        dp_size=row.dp_size,
-        layout=row.layout,
-        convention=row.convention,
-        window_steps=row.window_steps,
-    )
-
-
 def _step_time() -> ColumnElement[Any]:
     return JS.c.step_time_sum / JS.c.ranks
 
 
-def _tokens_est(run: RunRow) -> ColumnElement[Any]:
+def _tokens_est(run: RunInfo) -> ColumnElement[Any]:
     return cast(JS.c.tokens, Float) * run.dp_size / JS.c.token_ranks
 
 
@@ -139,7 +107,7 @@ def overview(conn: Connection, name: str) -> RunOverview:
         return float(tokens) / float(seconds) if tokens is not None and seconds else None
 
     tps = Stat(latest=rate(recent[2], recent[0]), mean=rate(steady[2], steady[0]))
-    scale = run.mfu_scale
+    scale = run.mfu_per_token_rate
     mfu = Stat(
         latest=tps.latest * scale if scale and tps.latest is not None else None,
         mean=tps.mean * scale if scale and tps.mean is not None else None,
@@ -149,9 +117,9 @@ def overview(conn: Connection, name: str) -> RunOverview:
     return RunOverview(
         name=run.name,
         world_size=run.world_size,
-        layout=run.layout,
+        layout=dict(run.layout),
         window_steps=run.window_steps,
-        convention=run.convention,
+        convention=None if run.convention is None else dict(run.convention),
         ranks_reporting=ranks_reporting,
         first_step=totals[1],
         last_step=totals[2],
@@ -176,7 +144,7 @@ def _f(v: Any) -> float | None:
 
 
 #: Series metrics: name -> (unit, builder of the per-step SQL expression).
-def _metric_expr(run: RunRow, metric: str) -> tuple[str, ColumnElement[Any]]:
+def _metric_expr(run: RunInfo, metric: str) -> tuple[str, ColumnElement[Any]]:
     st = _step_time()
     if metric == "step_time_s":
         return "s", st
@@ -187,7 +155,7 @@ def _metric_expr(run: RunRow, metric: str) -> tuple[str, ColumnElement[Any]]:
     if metric == "tokens_per_s":
         return "tokens/s", _tokens_est(run) / st
     if metric == "mfu":
-        scale = run.mfu_scale
+        scale = run.mfu_per_token_rate
         if scale is None:
             raise NotFoundError(f"run {run.name!r} has no peak FLOP/s in its convention, so no MFU")
         return "ratio", _tokens_est(run) / st * scale

@@ -17,6 +17,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ..errors import NotFoundError
 from ..reads import queries
+from ..reads.runs import get_run
 from ..storage.models import Event, RankWindow
 
 RW = RankWindow.__table__
@@ -201,7 +202,7 @@ def heatmap(
 
 def run_page(conn: Connection, name: str, *, heat: str | None = None) -> dict[str, Any]:
     """Everything the run page shows. Raises ``NotFoundError`` for an unknown run."""
-    run = queries.get_run(conn, name)
+    run = get_run(conn, name)
     overview = queries.overview(conn, name).model_dump()
     ranks = [r.model_dump() for r in queries.ranks(conn, name)]
     events = [e.model_dump() for e in queries.events(conn, name)]

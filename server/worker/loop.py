@@ -40,6 +40,7 @@ from ..analysis.peers import StragglerConfig
 from ..analysis.pipeline import Change, RunAnalysis
 from ..analysis.regressions import Baseline, RegressionConfig
 from ..analysis.types import Finding
+from ..reads.runs import RunInfo, find_run
 from ..storage.backend import Storage
 from . import inputs
 from .outputs import (
@@ -176,7 +177,7 @@ class AnalysisWorker:
             except Exception:
                 log.exception("webhook notify failed")
 
-    def _analyse(self, run: inputs.RunInfo, now: float) -> _RunResult:
+    def _analyse(self, run: RunInfo, now: float) -> _RunResult:
         cfg = self.config
         with self.engine.connect() as conn, conn.begin():
             if not self.storage.lock_run(conn, run.id):
@@ -233,7 +234,7 @@ class AnalysisWorker:
         return _RunResult(len(ready.windows), False, transitions)
 
     def _analysis(
-        self, conn: Connection, run: inputs.RunInfo, stored: StoredState | None
+        self, conn: Connection, run: RunInfo, stored: StoredState | None
     ) -> tuple[RunAnalysis, str]:
         if stored is not None:
             return RunAnalysis.from_state(run.name, stored.state), stored.baseline_source
@@ -247,11 +248,11 @@ class AnalysisWorker:
         )
         return analysis, source
 
-    def _baseline(self, conn: Connection, run: inputs.RunInfo) -> tuple[Baseline | None, str]:
+    def _baseline(self, conn: Connection, run: RunInfo) -> tuple[Baseline | None, str]:
         """The named baseline run's frozen baseline when the fingerprints match, else own."""
         if not run.baseline_run:
             return None, "own"
-        other = inputs.run_by_name(conn, run.baseline_run)
+        other = find_run(conn, run.baseline_run)
         stored = None if other is None else load_state(conn, other.id)
         if other is None or stored is None:
             return None, f"own (baseline run {run.baseline_run} not found or not analysed)"
@@ -268,7 +269,7 @@ class AnalysisWorker:
     def _hangs(
         self,
         conn: Connection,
-        run: inputs.RunInfo,
+        run: RunInfo,
         ranks: list[inputs.RankRow],
         now: float,
         window: int,
