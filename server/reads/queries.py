@@ -8,7 +8,6 @@ only some ranks have reported yet is still an unbiased estimate.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from sqlalchemy import Connection, Float, Select, and_, case, cast, func, select
@@ -18,6 +17,7 @@ from ..errors import NotFoundError
 from ..schemas.responses import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
 from ..storage.models import Event, JobStep, Rank, RankWindow, Run, unix
 from . import progress
+from .buckets import buckets
 from .profiles import BREAKDOWN_METRICS, rank_profiles, window_series
 from .runs import RunInfo, get_run
 
@@ -181,21 +181,19 @@ def series(
     """Per-step metric downsampled into at most ``max_points`` buckets of equal step
     width, each with min, mean and max of the steps inside it (not of a sample)."""
     run = get_run(conn, name)
-    if metric in BREAKDOWN_METRICS:  # per rank window, mean over ranks (profile_queries)
+    if metric in BREAKDOWN_METRICS:  # per rank window, mean over ranks (profiles.py)
         return window_series(
             conn, run.id, name, metric, from_step=from_step, to_step=to_step, max_points=max_points
         )
     unit, value = _metric_expr(run, metric)
     cond = [JS.c.run_id == run.id, _valid()]
+    lo = hi = None
     if from_step is None or to_step is None:
         lo, hi = conn.execute(select(func.min(JS.c.step), func.max(JS.c.step)).where(*cond)).one()
-        if lo is None:
-            return Series(run=name, metric=metric, unit=unit, points=[])
-        from_step = lo if from_step is None else from_step
-        to_step = hi if to_step is None else to_step
-    if to_step < from_step:
+    span = buckets(lo, hi, from_step, to_step, max_points)
+    if span is None:
         return Series(run=name, metric=metric, unit=unit, points=[])
-    width = max(1, math.ceil((to_step - from_step + 1) / max_points))
+    from_step, to_step, width = span
     bucket = ((JS.c.step - from_step) // width).label("bucket")
     q: Select[Any] = (
         select(
