@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv demo test lint typecheck bench clean
+.PHONY: venv demo test preflight lint typecheck bench gpu-check clean
 
 venv: $(STAMP)
 
@@ -22,9 +22,14 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/stepwatch demo
 
-# Lint and type checks run inside the test suite (tests/test_quality.py).
-test: venv
+# Lint and type checks run inside the test suite (tests/test_quality.py). The preflight
+# installs the system packages the tests need (root with apt-get) or stops at once with one
+# line naming them (tools/preflight).
+test: preflight venv
 	$(PY) -m pytest
+
+preflight:
+	@tools/preflight
 
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
@@ -37,6 +42,13 @@ typecheck: venv
 # 4,096 ranks, queries over 30 days, /metrics scrape; needs PostgreSQL like the tests.
 bench: venv
 	$(PY) -m benchmarks
+
+# On a machine with CUDA: check the GPU path in < 5 minutes, one verdict line per check
+# (tools/gpu_check.py). Without CUDA it says so and exits 0. The pinned venv has a CPU
+# torch: run it with a CUDA build of torch, e.g. `make gpu-check GPU_PY=python`.
+GPU_PY ?= $(PY)
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py
 
 clean:
 	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache

@@ -22,10 +22,10 @@ from . import __version__
 from ._device_clock import CudaEventClock
 from ._env import RankInfo
 from ._payload import build_payload, encode, new_batch_id
-from ._profiler import DATA_WAIT_SPAN, NEVER, ProfilerWindow
 from ._sender import Sender, SenderStats
 from ._window import Window
 from .config import AgentConfig
+from .profiler._window import DATA_WAIT_SPAN, NEVER, ProfilerWindow
 from .wire import TAG_CODES
 
 log = logging.getLogger("stepwatch")
@@ -90,6 +90,8 @@ class Stepwatch:
             token=config.token,
             max_windows=max_windows,
             timeout_s=config.http_timeout_s,
+            max_attempts=config.max_attempts,
+            label=f"rank {rank.rank}",
         )
         atexit.register(self._atexit)
 
@@ -264,6 +266,7 @@ class Stepwatch:
             "dropped_windows": s.dropped_windows,
             "dropped_steps": s.dropped_steps,
             "rejected_batches": s.rejected_batches,
+            "rejected_steps": s.rejected_steps,
             "failed_attempts": s.failed_attempts,
             "pending_windows": self._sender.pending(),
             "last_error": s.last_error,
@@ -284,8 +287,10 @@ class Stepwatch:
         agent = {
             "version": __version__,
             "clock": "cuda_events" if self._dev is not None else "host",
-            "dropped_windows": stats.dropped_windows,
-            "dropped_steps": stats.dropped_steps,
+            # Every window this rank lost: evicted from the full buffer, or refused by the
+            # collector / given up after max_attempts (see SenderStats).
+            "dropped_windows": stats.lost_windows,
+            "dropped_steps": stats.lost_steps,
             "hot_path_mean_s": self._hot_s / self._hot_n if self._hot_n else None,
         }
         if window.profiles is None:

@@ -6,17 +6,18 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from . import _env, config, wire
+from . import _dtype, _env, config, wire
 from ._agent import Stepwatch
 from ._clock_sync import ClockSync
 from ._device_clock import cuda_clock
 from ._nvml import for_current_cuda_device
 from ._payload import plan_section
-from ._profiler import ProfilerWindow
+from .profiler._window import ProfilerWindow
 
 _FINGERPRINT = re.compile(wire.FINGERPRINT_PATTERN)
 
@@ -51,7 +52,7 @@ def init(
     d_model: int | None = None,
     active_params: int | None = None,
     exclude_embeddings: bool = True,
-    dtype: str = "bf16",
+    dtype: str | None = None,
     device_name: str | None = None,
     peak_flops: float | None = None,
     recompute: str | None = None,
@@ -93,7 +94,7 @@ def init(
     ``formula="measured"`` with ``sample_batch=`` (and optionally ``loss_fn=``) counts the
     model's FLOPs per token once, here, with ``torch.utils.flop_counter`` (one forward and
     backward of the real model). ``profile_every``/``profile_steps``/``profile_budget``
-    set the profiler window (see ``stepwatch._profiler``; ``profile_every=0`` turns it off).
+    set the profiler window (see ``stepwatch.profiler._window``; ``profile_every=0`` turns it off).
     """
     global _current
     plan = _plan(target_tokens, deadline, config_fingerprint, baseline_run)
@@ -113,11 +114,9 @@ def init(
     )
     if start_step < 0:
         raise ValueError(f"start_step must be >= 0, got {start_step}")
-    convention: dict[str, Any] | None = None
-    try:
-        from .mfu import resolve_convention
-
-        convention = resolve_convention(
+    with _init_warnings(cfg.enabled):
+        used_dtype, dtype_source = _dtype.resolve(dtype, model, warn=info.rank == 0)
+        convention = _convention(
             model=model,
             seq_len=seq_len,
             flops_per_token=flops_per_token,
@@ -127,19 +126,17 @@ def init(
             d_model=d_model,
             exclude_embeddings=exclude_embeddings,
             active_params=active_params,
-            dtype=dtype,
+            dtype=used_dtype,
             device_name=device_name,
             peak_flops=peak_flops,
             recompute=recompute,
             sample_batch=sample_batch,
             loss_fn=loss_fn,
-        ).to_dict()
-    except ValueError:
-        raise
-    except Exception as exc:  # MFU is optional; the rest of the agent still works
-        warnings.warn(
-            f"stepwatch: no FLOPs convention, MFU will be null ({exc!r})", RuntimeWarning, stacklevel=2
         )
+    if convention is not None:
+        convention["dtype_source"] = dtype_source
+        if convention.get("peak_flops") is None and info.rank == 0 and cfg.enabled:
+            _warn_no_peak(convention)
     on_cuda = model is not None and _model_on_cuda(model)
     clock = cuda_clock(cfg.max_window_steps) if on_cuda else None
     profiler = _profiler(cfg, info, start_step=start_step, cuda=on_cuda) if cfg.enabled else None
@@ -154,7 +151,75 @@ def init(
         plan=plan,
         profiler=profiler,
     )
+    if convention is not None and dtype_source in (_dtype.PARAMETERS, _dtype.DEFAULT):
+        _dtype.watch_first_forward(model, _autocast_seen(_current))
     return _current
+
+
+def _autocast_seen(sw: Stepwatch) -> Callable[[str], None]:
+    """The first forward ran under autocast: restate the convention at its dtype (before
+    the first window is encoded, which happens a send interval later at the earliest)."""
+
+    def update(dtype: str) -> None:
+        conv = sw.convention
+        if conv is not None and conv.get("dtype") != dtype:
+            sw.convention = _dtype.with_dtype(dict(conv), dtype, _dtype.AUTOCAST)
+
+    return update
+
+
+@contextmanager
+def _init_warnings(enabled: bool) -> Iterator[None]:
+    """``STEPWATCH_DISABLED=1`` prints nothing at all; and the table's own unknown-peak
+    warning (one per rank) gives way to ``_warn_no_peak`` (rank 0's, one per job)."""
+    from .mfu import UnknownPeakWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownPeakWarning)
+        if not enabled:
+            warnings.simplefilter("ignore")
+        yield
+
+
+def _convention(**kwargs: Any) -> dict[str, Any] | None:
+    """The run's FLOPs convention as sent, or None (MFU null) with one warning: MFU is
+    optional, the rest of the agent works without it. Configuration mistakes raise."""
+    try:
+        from .mfu import resolve_convention
+
+        return resolve_convention(**kwargs).to_dict()
+    except ValueError:
+        raise
+    except Exception as exc:
+        warnings.warn(
+            f"stepwatch: no FLOPs convention, MFU will be null ({exc!r})", RuntimeWarning, stacklevel=3
+        )
+        return None
+
+
+_no_peak_warned: set[tuple[str, str]] = set()
+
+
+def _warn_no_peak(convention: dict[str, Any]) -> None:
+    """Rank 0 only, once per process per (device, dtype): one line per job saying how to
+    get MFU, not the same line from every rank."""
+    from .mfu import UnknownPeakWarning
+
+    key = (str(convention.get("device_name")), str(convention.get("dtype")))
+    if key in _no_peak_warned:
+        return
+    _no_peak_warned.add(key)
+    device, dtype = key
+    warnings.warn(
+        f"stepwatch: no dense peak FLOP/s known for device {device!r} at {dtype}, so MFU is null "
+        "(step time, tokens/s and the breakdown still work). Give it with "
+        f"stepwatch.init(..., peak_flops=<dense FLOP/s of ONE device at {dtype}>): the vendor's "
+        "dense (not sparse) datasheet figure, or measure one as the best rate of a large matmul "
+        "at that dtype, 2*n**3 FLOPs / seconds (stepwatch.demo.runner.measure_cpu_peak_flops() "
+        "does this for one CPU thread). Printed by rank 0 only.",
+        UnknownPeakWarning,
+        stacklevel=3,
+    )
 
 
 def _plan(

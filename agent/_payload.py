@@ -18,8 +18,6 @@ from typing import Any
 from ._window import Window
 from .wire import SCHEMA_VERSION, TAGS
 
-#: 2 adds the optional ``profiles`` list (profiler-window entries, see ``_profile_entry``).
-
 
 def new_batch_id() -> str:
     """A random 128-bit id: retries of the same batch carry it, so it is stored once."""

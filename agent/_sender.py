@@ -2,17 +2,27 @@
 
 Modelled on sentry-python's ``BackgroundWorker``: the training thread appends closed
 windows to a bounded deque (no lock, no wait; when full the oldest window is dropped
-and counted), and a daemon thread drains it over HTTP with retries, exponential
-backoff and full jitter, honouring ``Retry-After``. Every failure stays on this
-thread. A process forked from the training process (DataLoader workers) starts with an
-empty queue and no thread; one is started again if that process ever submits.
+and counted), and a daemon thread drains it over HTTP. What a failed attempt means and
+how long to wait after it is ``stepwatch.retry``'s policy: a collector that is away or
+busy is waited for (the buffer keeps the windows), a batch the collector fails on (5xx)
+is given up after ``max_attempts`` and a batch it refuses (4xx) at once, counted, so that
+one bad batch never holds up the windows behind it.
+
+The user hears about trouble early and once: the first failure logs one warning naming
+the URL and the reason (connection refused, name not resolved, no answer, HTTP 401 with
+the collector's message ...) and how many windows wait; it is repeated at most every
+``warn_every_s``, and one line says when delivery resumes. Every failure stays on this
+thread. ``close()`` returns at its deadline even when a request hangs: the thread is then
+left behind (a daemon) rather than joined. A process forked from the training process
+(DataLoader workers) starts with an empty queue and no thread; one is started again if
+that process ever submits.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import random
 import threading
 import time
 import weakref
@@ -23,24 +33,51 @@ from dataclasses import dataclass
 import httpx
 
 from ._window import Window
+from .retry import Verdict, full_jitter, retry_after_s, verdict
 
 log = logging.getLogger("stepwatch")
-
-#: HTTP statuses after which the same batch may succeed later.
-_RETRYABLE = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
 @dataclass
 class SenderStats:
-    """Counters the agent reports about itself (cumulative, so retries are harmless)."""
+    """Counters the agent reports about itself (cumulative, so retries are harmless).
+
+    ``dropped_*`` are written by the training thread only (the full buffer's evictions),
+    ``rejected_*`` by the sender thread only (batches refused or given up), so neither
+    needs a lock; the payload reports their sum as the windows this rank lost."""
 
     sent_batches: int = 0
     sent_steps: int = 0
     failed_attempts: int = 0
     rejected_batches: int = 0
+    rejected_steps: int = 0
     dropped_windows: int = 0
     dropped_steps: int = 0
     last_error: str | None = None
+
+    @property
+    def lost_windows(self) -> int:
+        return self.dropped_windows + self.rejected_batches
+
+    @property
+    def lost_steps(self) -> int:
+        return self.dropped_steps + self.rejected_steps
+
+
+class _Every:
+    """True at the first call, then at most once every ``period_s`` (by ``clock``)."""
+
+    def __init__(self, period_s: float, clock: Callable[[], float]) -> None:
+        self._period_s = period_s
+        self._clock = clock
+        self._last: float | None = None
+
+    def __call__(self) -> bool:
+        now = self._clock()
+        if self._last is not None and now - self._last < self._period_s:
+            return False
+        self._last = now
+        return True
 
 
 class Sender:
@@ -57,7 +94,13 @@ class Sender:
         poll_s: float = 0.5,
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
+        max_attempts: int = 5,
+        warn_every_s: float = 60.0,
+        label: str = "",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         self._endpoint = url.rstrip("/") + "/api/v1/ingest"
         self._encode = encode
         self._headers = {"content-type": "application/json"}
@@ -68,6 +111,12 @@ class Sender:
         self._poll_s = poll_s
         self._backoff_base_s = backoff_base_s
         self._backoff_max_s = backoff_max_s
+        self._max_attempts = max_attempts
+        self._who = f"stepwatch ({label})" if label else "stepwatch"
+        self._clock = clock
+        self._warn_waiting = _Every(warn_every_s, clock)
+        self._warn_dropped = _Every(warn_every_s, clock)
+        self._said_trouble = False
         self.stats = SenderStats()
         self._queue: deque[Window] = deque()
         self._wake = threading.Event()
@@ -77,6 +126,8 @@ class Sender:
         # The window being sent is owned by the sender thread alone, so the training
         # thread's drop-oldest never discards a batch that is already on the wire.
         self._inflight: Window | None = None
+        self._attempts = 0  # counted (5xx) attempts of the window in flight
+        self._posting_since: float | None = None  # clock() when the POST on the wire began
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         ref = weakref.ref(self)
@@ -111,16 +162,36 @@ class Sender:
         return self._idle.wait(timeout_s)
 
     def close(self, timeout_s: float) -> bool:
-        """Send what is queued within the deadline, then stop the thread."""
-        self._deadline = time.monotonic() + max(0.0, timeout_s)
+        """Send what is queued within the deadline, then stop the thread.
+
+        Returns at the deadline whatever the thread is doing: a request that hangs (a
+        black-holed collector, a name lookup that takes its time) is left to the daemon
+        thread, not waited for."""
+        deadline = self._clock() + max(0.0, timeout_s)
+        self._deadline = deadline
         self._wake.set()
         t = self._thread
-        if t is not None:
-            t.join(max(0.0, timeout_s) + 0.5)
-        left = self.pending()
-        if left:
-            log.warning("stepwatch: %d window(s) not sent before the exit deadline", left)
-        return left == 0
+        while t is not None and t.is_alive():
+            left = deadline - self._clock()
+            if left <= 0:
+                break
+            t.join(min(left, 0.1))
+        left_behind = self.pending()
+        if left_behind:
+            why = [f"last error: {self.stats.last_error}"] if self.stats.last_error else []
+            since = self._posting_since
+            if since is not None:
+                why.append(f"no answer within {self._clock() - since:.1f} s to the request in flight")
+            reason = f" ({'; '.join(why)})" if why else ""
+            log.warning(
+                "%s: %d window(s) not sent to %s before the exit deadline (%g s)%s",
+                self._who,
+                left_behind,
+                self._endpoint,
+                timeout_s,
+                reason,
+            )
+        return left_behind == 0
 
     # -- sender thread -----------------------------------------------------------
     def _start(self) -> None:
@@ -131,6 +202,8 @@ class Sender:
         self._pid = os.getpid()
         self._queue = deque()
         self._inflight = None
+        self._attempts = 0
+        self._posting_since = None
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -139,16 +212,18 @@ class Sender:
     def _closing(self) -> bool:
         return self._deadline is not None
 
-    def _past_deadline(self) -> bool:
-        return self._deadline is not None and time.monotonic() >= self._deadline
+    def _time_left(self) -> float | None:
+        """Seconds to the close deadline, or None while not closing."""
+        return None if self._deadline is None else self._deadline - self._clock()
 
     def _run(self) -> None:
         with httpx.Client(timeout=self._timeout_s, headers=self._headers) as client:
-            backoff = self._backoff_base_s
+            failures = 0  # consecutive failed attempts, whatever the batch: the backoff
             while True:
                 if self._inflight is None:
                     try:
                         self._inflight = self._queue.popleft()
+                        self._attempts = 0
                     except IndexError:
                         self._idle.set()
                         if self._queue:  # appended meanwhile: not idle after all
@@ -160,55 +235,118 @@ class Sender:
                         self._wake.clear()
                         continue
                 window = self._inflight
+                sent = self.stats.sent_batches
                 delay = self._send(client, window)
-                if delay is None:  # sent, or rejected for good
+                if delay is None:  # sent, or given up
                     self._inflight = None
-                    backoff = self._backoff_base_s
+                    if self.stats.sent_batches > sent:
+                        failures = 0
                     continue
-                if self._past_deadline():
+                failures += 1
+                left = self._time_left()
+                if left is not None and left <= 0:
                     return
-                # Full jitter (AWS architecture blog): spreads a fleet's retries.
-                wait = max(delay, random.uniform(0.0, backoff))
-                if self._deadline is not None:
-                    wait = min(wait, max(0.0, self._deadline - time.monotonic()))
+                wait = max(delay, full_jitter(failures, self._backoff_base_s, self._backoff_max_s))
+                if left is not None:
+                    wait = min(wait, left)
                 self._wake.wait(wait)
                 self._wake.clear()
-                backoff = min(self._backoff_max_s, backoff * 2)
 
     def _send(self, client: httpx.Client, window: Window) -> float | None:
         """POST one window. None when done with it; else seconds to wait before retrying."""
         try:
             body = self._encode(window, self.stats)
         except Exception as exc:  # a bug in encoding must cost one window, not the thread
-            self.stats.rejected_batches += 1
-            self.stats.last_error = f"encode: {exc!r}"
-            log.warning("stepwatch: could not encode a window, dropped: %r", exc)
+            self._give_up(window, f"could not encode it: {exc!r}")
             return None
+        left = self._time_left()
+        timeout = self._timeout_s if left is None else max(0.01, min(self._timeout_s, left))
+        self._posting_since = self._clock()
         try:
-            resp = client.post(self._endpoint, content=body)
+            resp = client.post(self._endpoint, content=body, timeout=timeout)
         except (httpx.HTTPError, OSError) as exc:
+            self._posting_since = None
             self.stats.failed_attempts += 1
-            self.stats.last_error = repr(exc)
+            self.stats.last_error = _describe(exc, timeout)
+            self._waiting()
             return 0.0
-        if resp.is_success:
+        self._posting_since = None
+        outcome = verdict(resp.status_code)
+        if outcome is Verdict.DONE:
             self.stats.sent_batches += 1
             self.stats.sent_steps += window.n_steps
+            self._delivered()
             return None
-        self.stats.last_error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-        if resp.status_code in _RETRYABLE:
-            self.stats.failed_attempts += 1
-            return _retry_after(resp)
+        reason = _refusal(resp)
+        if outcome is Verdict.REFUSED:
+            self._give_up(window, f"the collector refused it ({reason})")
+            return None
+        self.stats.failed_attempts += 1
+        self.stats.last_error = reason
+        if outcome is Verdict.RETRY:
+            self._attempts += 1
+            if self._attempts >= self._max_attempts:
+                self._give_up(window, f"{self._attempts} attempts failed (last: {reason})")
+                return None
+        self._waiting()
+        return retry_after_s(resp.headers.get("retry-after")) or 0.0
+
+    def _waiting(self) -> None:
+        if self._warn_waiting():
+            self._said_trouble = True
+            log.warning(
+                "%s: cannot deliver to the collector at %s: %s; %d window(s) waiting, retrying "
+                "(this warning repeats at most once a minute)",
+                self._who,
+                self._endpoint,
+                self.stats.last_error,
+                self.pending(),
+            )
+
+    def _delivered(self) -> None:
+        if self._said_trouble:  # the rate limit stays: a flapping collector warns once a minute
+            self._said_trouble = False
+            log.warning("%s: delivering to the collector at %s again", self._who, self._endpoint)
+
+    def _give_up(self, window: Window, why: str) -> None:
         self.stats.rejected_batches += 1
-        log.warning("stepwatch: collector rejected a batch: %s", self.stats.last_error)
-        return None
+        self.stats.rejected_steps += window.n_steps
+        self.stats.last_error = why
+        if self._warn_dropped():
+            log.warning(
+                "%s: dropped a batch of %d step(s) sent to %s: %s; %d batch(es) dropped so far, "
+                "%d window(s) waiting (this warning repeats at most once a minute)",
+                self._who,
+                window.n_steps,
+                self._endpoint,
+                why,
+                self.stats.rejected_batches,
+                self.pending() - 1,
+            )
 
 
-def _retry_after(resp: httpx.Response) -> float:
-    value = resp.headers.get("retry-after", "")
+def _describe(exc: BaseException, timeout_s: float) -> str:
+    """One readable reason for a failed connection: what a user can act on."""
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer within {timeout_s:g} s ({type(exc).__name__})"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
+
+
+def _refusal(resp: httpx.Response) -> str:
+    """``HTTP 401: <the collector's detail>``, the message cut to 200 characters."""
+    text = resp.text
     try:
-        return min(60.0, max(0.0, float(value)))
-    except ValueError:
-        return 0.0
+        detail = json.loads(text).get("detail")
+        if isinstance(detail, str):
+            text = detail
+    except (ValueError, AttributeError):
+        pass
+    where = resp.headers.get("location")
+    suffix = f" (redirected to {where}; use that URL)" if where else ""
+    if resp.status_code in (401, 403):
+        suffix = "; check STEPWATCH_TOKEN (or token=) against the collector's STEPWATCH_WRITE_TOKENS"
+    return f"HTTP {resp.status_code}: {text.strip()[:200]}{suffix}"
 
 
 def _after_fork(ref: weakref.ref[Sender]) -> None:

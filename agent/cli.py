@@ -1,4 +1,4 @@
-"""The ``stepwatch`` command: ``serve``, ``db upgrade``, ``demo``, ``top``, ``simulate``, ``evaluate``.
+"""The ``stepwatch`` command: ``serve``, ``db``, ``demo``, ``top``, ``trace``, ``simulate``, ``evaluate``.
 
 Server commands import the collector lazily so that the agent alone (``pip install
 stepwatch``) never needs FastAPI or SQLAlchemy.
@@ -63,6 +63,12 @@ def _top(args: argparse.Namespace) -> int:
     return run_top(
         args.url, run=args.run, interval_s=args.interval, iterations=args.iterations, token=args.token
     )
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from .profiler.report import main as trace_report
+
+    return trace_report(args.paths, as_json=args.json)
 
 
 def _positive_int(text: str) -> int:
@@ -171,6 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=_positive_float, default=2.0, help="seconds between refreshes")
     top.add_argument("--iterations", type=_positive_int, default=None, help="stop after this many refreshes")
     top.set_defaults(func=_top)
+
+    tr = sub.add_parser(
+        "trace",
+        help="analyse torch.profiler traces you already have: breakdown, collectives, wait vs transfer",
+        description="Analyse Kineto Chrome traces (one file per rank, .json or .json.gz; a directory "
+        "stands for the traces in it) with the profiler window's own parser: per rank and step the "
+        "time breakdown, per collective type count, bytes and duration, and, with several ranks, the "
+        "collectives lined up across ranks into wait and transfer. A trace without ProfilerStep "
+        "markers is one step.",
+    )
+    tr.add_argument("paths", nargs="+", metavar="FILE_OR_DIR", help="trace files or directories of them")
+    tr.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    tr.set_defaults(func=_trace)
 
     from .simulate.cli import add_parser as add_simulate
 

@@ -34,6 +34,9 @@ class AgentConfig:
     #: How long ``close()`` (and the exit hook) may take to send what is queued.
     flush_timeout_s: float = 5.0
     http_timeout_s: float = 5.0
+    #: A batch the collector fails on (500 and other 5xx but 502/503/504) is dropped and
+    #: counted after this many attempts, so it cannot hold up the windows behind it.
+    max_attempts: int = 5
     #: A profiler window of ``profile_steps`` steps starts every ``profile_every`` steps
     #: (0 turns it off); the period is stretched (x2, x4, ...) while the window's
     #: self-measured cost exceeds ``profile_budget`` of training time.
@@ -96,6 +99,9 @@ def load(
         raise ValueError(
             f"profile_every must be 0 (off) or larger than profile_steps (1-16), got {every} and {k}"
         )
+    attempts = int(_env_float(env, "STEPWATCH_MAX_ATTEMPTS", 5))
+    if attempts < 1:
+        raise ValueError(f"STEPWATCH_MAX_ATTEMPTS must be >= 1, got {attempts}")
     if not 0 < budget <= 1:
         raise ValueError(f"profile_budget must be in (0, 1], got {budget}")
     return AgentConfig(
@@ -113,4 +119,5 @@ def load(
         profile_every=every,
         profile_steps=k,
         profile_budget=budget,
+        max_attempts=attempts,
     )

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-#: The payload version the agent sends (the collector also accepts 1).
+#: The payload version the agent sends (the collector also accepts 1); 2 adds the
+#: optional ``profiles`` list (profiler-window entries, ``stepwatch.profiler._entry``).
 SCHEMA_VERSION = 2
 
 #: Step tags: steps the collector excludes from baselines and regressions.

@@ -26,7 +26,7 @@ def pg_database(prefix: str = "stepwatch_bench") -> Iterator[str]:
         yield url
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

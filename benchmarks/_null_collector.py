@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from stepwatch_server.app import create_app, tune_gc
 from stepwatch_server.cli import run_uvicorn
+from stepwatch_server.ingest.store import RunKey
 from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.settings import Settings
 
@@ -22,8 +23,20 @@ class NullCommitter:
 
 
 class NullIngestor:
-    def knows_run(self, name: str) -> bool:
-        return True  # as the real collector's run cache does after a run's first batch
+    """Admits every run and caches its key, as the real collector's run cache does after a
+    run's first batch."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, RunKey] = {}
+
+    def cached(self, name: str) -> RunKey | None:
+        return self._runs.get(name)
+
+    def admit(self, p: IngestPayload, owner: str | None, limit: int) -> RunKey:
+        key = RunKey(
+            id=0, window_steps=1, dp_size=p.rank.layout.dp, world_size=p.rank.world_size, owner=owner
+        )
+        return self._runs.setdefault(p.run, key)
 
 
 def app_factory() -> FastAPI:

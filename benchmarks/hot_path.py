@@ -69,8 +69,8 @@ class _Bare:
 def _stepwatch() -> tuple[Callable[[int], None], Callable[[], None]]:
     import stepwatch
     from stepwatch._env import detect
-    from stepwatch._profiler import ProfilerWindow
     from stepwatch.config import AgentConfig
+    from stepwatch.profiler._window import ProfilerWindow
 
     cfg = AgentConfig(run="bench", warmup_steps=10, send_interval_s=3600.0)
     pw = ProfilerWindow(every=10**9, steps=2, budget=0.01, warmup_end=10)

@@ -18,7 +18,7 @@ the excess, divided by the time of the window's period (period x that median ste
 the amortised cost at the period in force, measured from the ranks' own step times and
 insensitive to slow drift of machine load. (At the default period of 100 steps, this
 toy's ~30 ms steps make a period only a few seconds, so the agent stretches it before
-the first window: see ``_profiler.PRIOR_COST_S``.)
+the first window: see ``stepwatch.profiler._window.PRIOR_COST_S``.)
 
 The agents' self-measured figures (windows, period in force, cost per window, and the
 amortised overhead they steer the period by, at the period the window ran under and at

@@ -96,7 +96,10 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.engine = engine
     app.state.ingestor = ingestor = Ingestor(storage, window_seconds=settings.window_seconds)
     app.state.metrics = metrics
-    app.state.run_checks = {}  # quota checks of new runs in flight (api._admission)
+    app.state.run_checks = {}  # admissions of new runs in flight (api._admission)
+    app.state.shared_writers = frozenset(
+        t.strip() for t in settings.shared_write_tokens.split(",") if t.strip()
+    )
     app.state.group_commit = GroupCommitter(ingestor.store_many, on_group=metrics.group_batches.observe)
     # Run, rank and flag series, read from the database at each scrape (bounded cardinality).
     metrics.registry.register(RunStateCollector(engine, ExporterConfig.from_settings(settings)))

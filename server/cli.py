@@ -63,6 +63,8 @@ def run_uvicorn(factory: str, settings: Settings, *, log_level: str = "info") ->
 
     import uvicorn
 
+    from .api.timeouts import uvicorn_options
+
     for name, value in settings.model_dump().items():
         if value is not None:
             os.environ[f"STEPWATCH_{name.upper()}"] = _env_value(value)
@@ -73,9 +75,9 @@ def run_uvicorn(factory: str, settings: Settings, *, log_level: str = "info") ->
         port=settings.port,
         workers=settings.workers,
         loop="uvloop",
-        http="httptools",
         log_level=log_level,
         access_log=False,
+        **uvicorn_options(settings),  # httptools with a read deadline, a connection cap
     )
 
 

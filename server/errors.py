@@ -32,6 +32,12 @@ class UnauthorizedError(CollectorError):
 
 
 class ForbiddenError(CollectorError):
-    """A token that may not do this (scope, run quota)."""
+    """A token that may not do this (scope, run quota, another token's run)."""
 
     status = 403
+
+
+class ConflictError(CollectorError):
+    """A batch that contradicts the stored run (another world size)."""
+
+    status = 409

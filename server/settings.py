@@ -26,6 +26,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = 2 * 1024 * 1024
     #: Longest per-step array in one payload (the agent sends at most 1,024 by default).
     max_steps_per_batch: int = 10_000
+    #: Seconds a client has to send a whole request (headers and body) once it starts one
+    #: or connects; past it, 408 and the connection is closed (``api/timeouts.py``).
+    request_read_timeout_s: float = Field(default=30.0, gt=0)
+    #: Seconds an idle keep-alive connection stays open between requests.
+    keep_alive_timeout_s: int = Field(default=5, ge=1)
+    #: Concurrent connections (and requests) per worker process; past it, 503 at once.
+    max_connections: int = Field(default=2048, ge=1)
     #: Target wall time of one stored per-rank window; the step count is fixed per run.
     window_seconds: float = 10.0
     #: Seconds a client is told to wait (``Retry-After``) while the database is away.
@@ -45,6 +52,9 @@ class Settings(BaseSettings):
     cors_origins: str = ""
     #: Runs one token (or, with writes open, everyone together) may create.
     max_runs_per_token: int = Field(default=1000, ge=1)
+    #: Write-token names (comma-separated) that may post into runs other tokens created (a
+    #: relay, a simulator); every other token writes only into the runs it created.
+    shared_write_tokens: str = ""
     #: Largest world size a run may declare.
     max_ranks_per_run: int = Field(default=65_536, ge=1, le=1_048_576)
     # -- /metrics: what the Prometheus exposition may contain (bounded cardinality) --

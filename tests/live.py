@@ -16,6 +16,7 @@ from typing import Any
 import uvicorn
 
 from stepwatch.demo.launch import free_port, wait_ready
+from stepwatch_server.api.timeouts import uvicorn_options
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
 
@@ -23,9 +24,12 @@ from stepwatch_server.settings import Settings
 @contextmanager
 def serve_in_thread(database_url: str, port: int | None = None, **settings: object) -> Iterator[str]:
     port = port or free_port()
-    app = create_app(Settings(database_url=database_url, **settings))  # type: ignore[arg-type]
+    config = Settings(database_url=database_url, **settings)  # type: ignore[arg-type]
+    app = create_app(config)
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **uvicorn_options(config)
+        )
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -87,30 +91,34 @@ def collector_process(database_url: str, log_path: str, **env: str) -> Iterator[
         proc.stop()
 
 
-class SlowServer:
-    """A loopback HTTP server that reads each request and answers 200 only after
-    ``delay_s`` (or when released): a collector that is up but too slow to answer.
-    Counts the requests it has received."""
+class LoopbackServer:
+    """A loopback HTTP/1.1 server (keep-alive) that answers each request with
+    ``respond(body)``: a collector that behaves as a test needs (slow, failing on one
+    batch, ...) where the real one cannot be made to. Keeps the bodies it received."""
 
-    def __init__(self, delay_s: float = 10.0) -> None:
+    def __init__(self) -> None:
         import socket
 
-        self.delay_s = delay_s
-        self.received = 0
-        self.release = threading.Event()
+        self.bodies: list[bytes] = []
         self._sock = socket.create_server(("127.0.0.1", 0))
         self._sock.settimeout(0.2)
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
 
-    def __enter__(self) -> SlowServer:
+    @property
+    def received(self) -> int:
+        return len(self.bodies)
+
+    def respond(self, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        return 200, {}, b'{"stored":true}'
+
+    def __enter__(self) -> Any:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self.release.set()
         self._thread.join(5)
         self._sock.close()
 
@@ -144,14 +152,29 @@ class SlowServer:
                     )
                     while len(body) < length:
                         body += conn.recv(65536)
-                    self.received += 1
-                    self.release.wait(self.delay_s)
-                    reply = b'{"stored":true}'
-                    conn.sendall(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                        + str(len(reply)).encode()
-                        + b"\r\n\r\n"
-                        + reply
-                    )
+                    self.bodies.append(body)
+                    status, headers, reply = self.respond(body)
+                    head_out = f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
+                    head_out += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+                    head_out += f"content-length: {len(reply)}\r\n\r\n"
+                    conn.sendall(head_out.encode() + reply)
             except OSError:
                 return
+
+
+class SlowServer(LoopbackServer):
+    """Answers 200 only after ``delay_s`` (or when released): a collector that is up but
+    too slow to answer."""
+
+    def __init__(self, delay_s: float = 10.0) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.release = threading.Event()
+
+    def respond(self, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        self.release.wait(self.delay_s)
+        return super().respond(body)
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        super().__exit__(*exc)

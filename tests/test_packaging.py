@@ -98,3 +98,16 @@ def test_built_wheel_carries_everything_and_works(tmp_path: Path) -> None:
     from stepwatch_server.storage.migrate import head_revision
 
     assert f"database at {head_revision()}" in r.stdout
+
+
+def test_readme_opens_with_install_naming_every_extra() -> None:
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text()
+    sections = [line for line in readme.splitlines() if line.startswith("## ")]
+    assert sections[0] == "## Install", sections[:3]
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert "pip install stepwatch " in install and "pip install 'stepwatch[server]'" in install
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    rows = {line.split("|")[1].strip().strip("`") for line in install.splitlines() if line.startswith("| `")}
+    assert rows == set(extras), "each extra is in the Install table, and nothing else"

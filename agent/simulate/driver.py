@@ -119,8 +119,8 @@ class Simulation:
         agent = {
             "version": __version__,
             "clock": "host",
-            "dropped_windows": stats.dropped_windows,
-            "dropped_steps": stats.dropped_steps,
+            "dropped_windows": stats.lost_windows,
+            "dropped_steps": stats.lost_steps,
             "hot_path_mean_s": None,
         }
         payload = build_payload(

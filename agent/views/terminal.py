@@ -243,6 +243,21 @@ def headline(overview: Mapping[str, Any]) -> Table:
     return table
 
 
+_DTYPE_HOW = {
+    "given": "as given",
+    "autocast": "from autocast",
+    "parameters": "from the parameters",
+    "default": "assumed, pass dtype=",
+}
+
+
+def dtype_note(conv: JSON) -> str:
+    """How the dtype MFU is measured at was chosen (``stepwatch._dtype``), or "" when the
+    convention predates the field."""
+    how = _DTYPE_HOW.get(str(conv.get("dtype_source")))
+    return f" (dtype {conv.get('dtype')} {how})" if how else ""
+
+
 def run_view(snap: Snapshot, *, max_rows: int = 16) -> Group:
     """Everything about one run, top to bottom: numbers, step-time trend, breakdown,
     ranks, events."""
@@ -253,6 +268,7 @@ def run_view(snap: Snapshot, *, max_rows: int = 16) -> Group:
         (str(ov.get("name")), "bold"),
         f"  {ov.get('ranks_reporting')}/{ov.get('world_size')} ranks  step {ov.get('last_step') or 0}",
         ("  MFU formula: " + str(conv.get("id") or conv.get("formula") or "none (no peak FLOP/s)"), "dim"),
+        (dtype_note(conv), "dim"),
     )
     parts: list[RenderableType] = [title, headline(ov)]
     progress = progress_view(ov)

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from sqlalchemy import Engine
+from sqlalchemy.exc import DataError
 
-from ..errors import ForbiddenError
+from ..errors import ConflictError, ForbiddenError
 from ..exporter.registry import CollectorMetrics
+from ..ingest.admission import QuotaExceededError, may_write
 from ..ingest.group_commit import GroupCommitter
-from ..ingest.store import Ingestor
+from ..ingest.store import Ingestor, RunKey
 from ..reads import queries
 from ..schemas.ingest import IngestPayload
 from ..schemas.responses import (
@@ -28,7 +31,9 @@ from ..schemas.responses import (
 )
 from ..settings import Settings
 from .auth import Credentials, authenticator
+from .edge import RunPath, refuse_nul
 
+log = logging.getLogger("stepwatch_server")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": Problem, "description": "A bearer token is required, or the one sent is unknown"},
     403: {"model": Problem, "description": "The token may not do this"},
@@ -71,7 +76,14 @@ INGEST_SCHEMAS = {**INGEST_SCHEMAS.pop("$defs", {}), "IngestPayload": INGEST_SCH
     response_model=IngestResult,
     responses={
         401: _ERRORS[401],
-        403: {"model": Problem, "description": "Not a write token, or its run quota is used up"},
+        403: {
+            "model": Problem,
+            "description": "Not a write token, its run quota is used up, or the run belongs to another token",
+        },
+        409: {
+            "model": Problem,
+            "description": "The batch's world size is not the run's: a restart at another size is a new run",
+        },
         413: {"model": Problem, "description": "Body too large"},
         422: {"model": Problem, "description": "Invalid payload; nothing was stored"},
         503: _ERRORS[503],
@@ -88,16 +100,27 @@ async def ingest(request: Request) -> IngestResult:
     # The body is parsed and validated in one pass by pydantic-core
     # (``model_validate_json``), three times cheaper than FastAPI's json.loads followed
     # by validation of the Python objects; errors still answer 422 naming each field.
+    body = await request.body()
     try:
-        payload = IngestPayload.model_validate_json(await request.body())
+        payload = IngestPayload.model_validate_json(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
+    refuse_nul(body, payload)
     owner: str | None = request.state.token
     await _within_limits(request, payload, owner)
     committer: GroupCommitter = request.app.state.group_commit
     metrics: CollectorMetrics = request.app.state.metrics
     t0 = time.perf_counter()
-    stored = await committer.submit(payload, owner)
+    try:
+        stored = await committer.submit(payload, owner)
+    except DataError as exc:
+        # The schema should make this impossible (every bound is a column's bound); if a
+        # value still slips through, the batch is refused (its neighbours in the group
+        # were stored one by one) rather than answered 500 and retried for ever.
+        metrics.batches.labels("unstorable").inc()
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "value out of range"
+        log.warning("batch %s of run %r refused by the database: %s", payload.batch_id, payload.run, reason)
+        raise _invalid(("body",), f"the database cannot store this batch: {reason}") from None
     metrics.ingest_seconds.observe(time.perf_counter() - t0)
     metrics.batches.labels("stored" if stored else "duplicate").inc()
     n = len(payload.steps.time_s)
@@ -123,26 +146,39 @@ async def _within_limits(request: Request, payload: IngestPayload, owner: str | 
             "per run (STEPWATCH_MAX_RANKS_PER_RUN)",
         )
     ingestor: Ingestor = request.app.state.ingestor
-    if not ingestor.knows_run(payload.run):  # a new run: count the token's runs (rare, off-loop)
-        used = await _admission(request, ingestor, payload.run, owner, settings.max_runs_per_token)
-        if used is not None:
+    key = ingestor.cached(payload.run)
+    if key is None:  # not seen lately: admit it, creating it if new (rare, off-loop)
+        try:
+            key = await _admission(request, ingestor, payload, owner, settings.max_runs_per_token)
+        except QuotaExceededError as exc:
             who = f"token {owner!r}" if owner else "anonymous writers"
             raise ForbiddenError(
-                f"run {payload.run!r} refused: {who} created {used} runs, the limit is "
+                f"run {payload.run!r} refused: {who} created {exc.used} runs, the limit is "
                 f"{settings.max_runs_per_token} (STEPWATCH_MAX_RUNS_PER_TOKEN)",
-            )
+            ) from None
+    if not may_write(key.owner, owner, request.app.state.shared_writers):
+        raise ForbiddenError(
+            f"run {payload.run!r} belongs to token {key.owner!r}; token {owner!r} may not write "
+            "into it (STEPWATCH_SHARED_WRITE_TOKENS names tokens that may)",
+        )
+    if payload.rank.world_size != key.world_size:
+        raise ConflictError(
+            f"rank.world_size: run {payload.run!r} has {key.world_size} ranks, this batch "
+            f"declares {payload.rank.world_size}: a restart at another size is a new run, "
+            "send it under a new run name",
+        )
 
 
 async def _admission(
-    request: Request, ingestor: Ingestor, run: str, owner: str | None, limit: int
-) -> int | None:
-    """One quota check per new run at a time: the first batches of a new run arrive from
-    all its ranks at once, and one database check answers them all."""
-    checks: dict[tuple[str, str | None], asyncio.Future[int | None]] = request.app.state.run_checks
-    key = (run, owner)
+    request: Request, ingestor: Ingestor, payload: IngestPayload, owner: str | None, limit: int
+) -> RunKey:
+    """One admission per new run at a time: the first batches of a new run arrive from
+    all its ranks at once, and one database transaction answers them all."""
+    checks: dict[tuple[str, str | None], asyncio.Future[RunKey]] = request.app.state.run_checks
+    key = (payload.run, owner)
     check = checks.get(key)
     if check is None:
-        check = asyncio.ensure_future(asyncio.to_thread(ingestor.admits_run, run, owner, limit))
+        check = asyncio.ensure_future(asyncio.to_thread(ingestor.admit, payload, owner, limit))
         checks[key] = check
         check.add_done_callback(lambda _: checks.pop(key, None))
     return await asyncio.shield(check)
@@ -152,21 +188,58 @@ def _invalid(loc: tuple[str, ...], msg: str) -> RequestValidationError:
     return RequestValidationError([{"loc": loc, "msg": msg, "type": "limit"}])
 
 
-@router.get("/runs", response_model=list[RunSummary], responses={503: _ERRORS[503]})
-def list_runs(request: Request) -> list[RunSummary]:
+@router.get(
+    "/runs",
+    response_model=list[RunSummary],
+    responses={
+        200: {
+            "headers": {
+                "X-Total-Count": {"description": "Runs matching the filters", "schema": {"type": "integer"}},
+                "Link": {
+                    "description": 'The next page as `<url>; rel="next"`, if any',
+                    "schema": {"type": "string"},
+                },
+            }
+        },
+        503: _ERRORS[503],
+    },
+    summary="Runs, newest first, one page at a time",
+)
+def list_runs(
+    request: Request,
+    response: Response,
+    limit: Annotated[int, Query(ge=1, le=queries.RUNS_PAGE_MAX)] = queries.RUNS_PAGE,
+    offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
+    status: Annotated[queries.RunStatus | None, Query(description="running or finished")] = None,
+    prefix: Annotated[
+        str | None, Query(pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="name prefix")
+    ] = None,
+    since: Annotated[
+        float | None, Query(ge=0, le=253_402_300_799, description="reported since (Unix s)")
+    ] = None,
+) -> list[RunSummary]:
     with _engine(request).connect() as conn:
-        return queries.list_runs(conn)
+        runs, total = queries.list_runs(
+            conn,
+            limit=limit,
+            offset=offset,
+            where=queries.RunFilter(status=status, prefix=prefix, since=since),
+        )
+    response.headers["X-Total-Count"] = str(total)
+    if offset + len(runs) < total:
+        response.headers["Link"] = f'<{request.url.include_query_params(offset=offset + limit)}>; rel="next"'
+    return runs
 
 
 @router.get("/runs/{run}", response_model=RunOverview, responses=_ERRORS)
-def run_overview(run: str, request: Request) -> RunOverview:
+def run_overview(run: RunPath, request: Request) -> RunOverview:
     with _engine(request).connect() as conn:
         return queries.overview(conn, run)
 
 
 @router.get("/runs/{run}/series", response_model=Series, responses=_ERRORS)
 def run_series(
-    run: str,
+    run: RunPath,
     request: Request,
     metric: Annotated[str, Query(description=f"one of {', '.join(queries.SERIES_METRICS)}")] = "step_time_s",
     from_step: Annotated[int | None, Query(ge=0)] = None,
@@ -179,7 +252,7 @@ def run_series(
 
 @router.get("/runs/{run}/ranks", response_model=list[RankSummary], responses=_ERRORS)
 def run_ranks(
-    run: str,
+    run: RunPath,
     request: Request,
     profile_windows: Annotated[
         int, Query(ge=1, le=64, description="newest profiled windows merged into the collective quantiles")
@@ -191,7 +264,7 @@ def run_ranks(
 
 @router.get("/runs/{run}/events", response_model=list[EventOut], responses=_ERRORS)
 def run_events(
-    run: str,
+    run: RunPath,
     request: Request,
     status: Annotated[Literal["open", "closed"] | None, Query()] = None,
     kind: Annotated[Literal["straggler", "regression", "hang"] | None, Query()] = None,

@@ -106,10 +106,9 @@ class RunStateCollector(Collector):
         cfg = self.config
         now = self._clock()
         with self.engine.connect() as conn:
-            heads = [h for h in read.reporting_runs(conn) if now - h.last_report_ts <= cfg.run_expiry_s]
-            chosen = heads[: cfg.max_runs]
+            chosen, active = read.reporting_runs(conn, since=now - cfg.run_expiry_s, limit=cfg.max_runs)
             runs = self._runs(conn, chosen) if chosen else []
-        return state.Snapshot(runs=runs, runs_active=len(heads), ok=True)
+        return state.Snapshot(runs=runs, runs_active=active, ok=True)
 
     def _runs(self, conn: Connection, heads: list[read.RunHead]) -> list[state.RunSnapshot]:
         """Batched reads for all exported runs, then one snapshot per run."""

@@ -17,7 +17,8 @@ class CollectorMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.batches = Counter(
             "stepwatch_ingest_batches",
-            "Batches received, by outcome (stored, duplicate, rejected).",
+            "Batches received, by outcome: stored, duplicate, or unstorable (the database refused "
+            "a value the schema let through: answered 422, a bug to report).",
             ["outcome"],
             registry=self.registry,
         )

@@ -13,7 +13,7 @@ For each window of one rank (``payload.profiles``):
 4. Wait vs transfer needs every rank's arrival times: the rank's times are staged in
    ``profile_arrivals`` and ``profile_pending.arrivals`` is incremented; the ingest that
    sees it reach the world size (the row lock of that increment orders the ranks, on
-   PostgreSQL as on SQLite) runs :func:`stepwatch_server.ingest.skew.split_wait_transfer` for
+   PostgreSQL as on SQLite) runs :func:`stepwatch.profiler.lineup.split_wait_transfer` for
    all ranks, writes ``comm_wait_s``/``comm_transfer_s`` (running means weighted by
    ``skew_steps``) and the wait/transfer sketches, and deletes the staging rows. A window
    that some rank never reports (it skipped it: a longer stretched period, a crash) stays
@@ -29,6 +29,7 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, Table, bindparam, delete, func, select, update
 
+from stepwatch.profiler.lineup import GroupArrivals, split_wait_transfer
 from stepwatch.sketch import LogSketch
 
 from ..schemas.ingest import IngestPayload, ProfileIn
@@ -36,7 +37,6 @@ from ..storage import columns
 from ..storage.backend import Storage
 from ..storage.columns import BREAKDOWN, SKEW, window_of
 from ..storage.models import CollectiveStat, ProfileArrival, ProfilePending, ProfileWindow, RankWindow
-from .skew import GroupArrivals, split_wait_transfer
 
 PENDING_KEEP = 16
 SKETCH_ALPHA = 0.01

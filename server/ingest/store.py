@@ -20,15 +20,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, func, select, update
+from sqlalchemy import Connection, Table, or_, select, update
 
 from ..schemas.ingest import IngestPayload, PlanIn
 from ..storage.backend import Storage
 from ..storage.models import Run, unix
-from . import fold, profiles
+from . import admission, fold, profiles
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,12 @@ class RunKey:
     world_size: int = 0
     #: The plan as last stored: (target_tokens, deadline Unix s, fingerprint, baseline run).
     plan: tuple[Any, ...] | None = None
+    #: The write token that created the run (None: writes were open).
+    owner: str | None = None
+
+
+class _LostRaceError(Exception):
+    """Another writer created the run first (its quota increment is rolled back)."""
 
 
 def _plan_row(plan: PlanIn | None) -> dict[str, Any] | None:
@@ -58,6 +64,19 @@ def _plan_key(target: Any, deadline: datetime | None, fingerprint: Any, baseline
     when = unix(deadline)
     when = None if when is None else round(when, 3)
     return (target, when, fingerprint, baseline)
+
+
+def _reported(conn: Connection, run_ids: list[int]) -> None:
+    """Stamp the runs' last report (collector clock), at most once a second per run."""
+    now = datetime.now(timezone.utc)
+    conn.execute(
+        update(Run)
+        .where(
+            Run.id.in_(run_ids),
+            or_(Run.last_report_at.is_(None), Run.last_report_at < now - timedelta(seconds=1)),
+        )
+        .values(last_report_at=now)
+    )
 
 
 def choose_window_steps(step_times: list[float], window_seconds: float) -> int:
@@ -82,36 +101,45 @@ class Ingestor:
         self.engine = storage.engine
         self.window_seconds = window_seconds
         self._runs: OrderedDict[str, RunKey] = OrderedDict()
-        self._admitted: OrderedDict[str, None] = OrderedDict()  # new runs past the quota check
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
     # -- runs ----------------------------------------------------------------------
-    def knows_run(self, name: str) -> bool:
-        """True if the run is in the cache (it exists) or was admitted; never touches the
-        database."""
+    def cached(self, name: str) -> RunKey | None:
+        """The run's key if it is in the cache; never touches the database."""
         with self._lock:
-            return name in self._runs or name in self._admitted
+            return self._runs.get(name)
 
-    def admits_run(self, name: str, owner: str | None, limit: int) -> int | None:
-        """None if a batch of run ``name`` from ``owner`` may be stored; else how many runs
-        ``owner`` has created already (at or past ``limit``). Only a new run is counted."""
-        with self._lock:
-            if name in self._runs:
-                return None
-        runs = Run.__table__
-        with self.engine.connect() as conn:
-            if conn.execute(select(runs.c.id).where(runs.c.name == name)).first() is not None:
-                return None
-            mine = runs.c.created_by.is_(None) if owner is None else runs.c.created_by == owner
-            count = int(conn.execute(select(func.count()).select_from(runs).where(mine)).scalar_one())
-        if count >= limit:
-            return count
-        with self._lock:  # its next batches need no check (until the run is cached)
-            self._admitted[name] = None
-            while len(self._admitted) > self._cache_size:
-                self._admitted.popitem(last=False)
-        return None
+    def admit(self, p: IngestPayload, owner: str | None, limit: int) -> RunKey:
+        """The key of run ``p.run``, created (from this, its first batch) if it is new and
+        ``owner`` has a run left in its quota; raises :class:`QuotaExceededError` if not.
+        Ownership and world size are the caller's to check against the key."""
+        key = self.cached(p.run)
+        if key is not None:
+            return key
+        try:
+            with self.engine.begin() as conn:
+                key = self._select_key(conn, p.run)
+                if key is None:
+                    admission.take_run(conn, self.storage.insert, owner, limit)
+                    runs = cast(Table, Run.__table__)
+                    created = conn.execute(
+                        self.storage.insert(runs)
+                        .values(**self._new_run(p, _plan_row(p.plan), owner))
+                        .on_conflict_do_nothing(index_elements=["name"])
+                        .returning(runs.c.id)
+                    ).first()
+                    if created is None:
+                        raise _LostRaceError
+                    key = self._select_key(conn, p.run)
+        except _LostRaceError:
+            key = None
+        if key is None:
+            with self.engine.connect() as conn:
+                key = self._select_key(conn, p.run)
+            assert key is not None, "a run that won the race is committed"
+        self._remember(p.run, key)
+        return key
 
     def _run_key(self, conn: Connection, p: IngestPayload, owner: str | None = None) -> RunKey:
         with self._lock:
@@ -128,47 +156,65 @@ class Ingestor:
             # Written only when it changes (once per run and replica), not per batch.
             conn.execute(update(Run).where(Run.id == key.id).values(**plan))
             key = replace(key, plan=wanted)
+        self._remember(p.run, key)
+        return key
+
+    def _remember(self, name: str, key: RunKey) -> None:
         with self._lock:
-            self._runs[p.run] = key
+            self._runs[name] = key
             while len(self._runs) > self._cache_size:
                 self._runs.popitem(last=False)
-        return key
 
     def _load_run(
         self, conn: Connection, p: IngestPayload, plan: dict[str, Any] | None, owner: str | None
     ) -> RunKey:
-        runs = cast(Table, Run.__table__)
-        cols = (
-            runs.c.id,
-            runs.c.window_steps,
-            runs.c.dp_size,
-            runs.c.world_size,
-            runs.c.target_tokens,
-            runs.c.deadline,
-            runs.c.config_fingerprint,
-            runs.c.baseline_run,
-        )
-        row = conn.execute(select(*cols).where(runs.c.name == p.run)).first()
-        if row is None:
-            stmt = self.storage.insert(runs).values(
-                name=p.run,
-                world_size=p.rank.world_size,
-                dp_size=p.rank.layout.dp,
-                layout=p.rank.layout.model_dump(),
-                convention=p.convention.model_dump() if p.convention else None,
-                window_steps=choose_window_steps(p.steps.time_s, self.window_seconds),
-                created_at=datetime.now(timezone.utc),
-                created_by=owner,
-                **(plan or {}),
-            )
+        key = self._select_key(conn, p.run)
+        if key is None:  # stored without the API's admission (tools, tests)
+            stmt = self.storage.insert(cast(Table, Run.__table__)).values(**self._new_run(p, plan, owner))
             conn.execute(stmt.on_conflict_do_nothing(index_elements=["name"]))
-            row = conn.execute(select(*cols).where(runs.c.name == p.run)).one()
+            key = self._select_key(conn, p.run)
+            assert key is not None
+        return key
+
+    def _new_run(self, p: IngestPayload, plan: dict[str, Any] | None, owner: str | None) -> dict[str, Any]:
+        """The run's row, from its first batch."""
+        return {
+            "name": p.run,
+            "world_size": p.rank.world_size,
+            "dp_size": p.rank.layout.dp,
+            "layout": p.rank.layout.model_dump(),
+            "convention": p.convention.model_dump() if p.convention else None,
+            "window_steps": choose_window_steps(p.steps.time_s, self.window_seconds),
+            "created_at": datetime.now(timezone.utc),
+            "created_by": owner,
+            **(plan or {}),
+        }
+
+    @staticmethod
+    def _select_key(conn: Connection, name: str) -> RunKey | None:
+        runs = cast(Table, Run.__table__)
+        row = conn.execute(
+            select(
+                runs.c.id,
+                runs.c.window_steps,
+                runs.c.dp_size,
+                runs.c.world_size,
+                runs.c.target_tokens,
+                runs.c.deadline,
+                runs.c.config_fingerprint,
+                runs.c.baseline_run,
+                runs.c.created_by,
+            ).where(runs.c.name == name)
+        ).first()
+        if row is None:
+            return None
         return RunKey(
             id=row.id,
             window_steps=row.window_steps,
             dp_size=row.dp_size,
             world_size=row.world_size,
             plan=_plan_key(row.target_tokens, row.deadline, row.config_fingerprint, row.baseline_run),
+            owner=row.created_by,
         )
 
     # -- the batch -----------------------------------------------------------------
@@ -183,21 +229,25 @@ class Ingestor:
         False if its id was stored before (or earlier in the same group). Raises on DB
         errors, and then nothing of the group is stored. ``owners`` names the write token
         of each batch (recorded on a run the batch creates)."""
-        first: dict[str, int] = {}
+        first: dict[tuple[str, str], int] = {}  # batch ids are unique per run
         for i, p in enumerate(payloads):
-            first.setdefault(p.batch_id, i)
+            first.setdefault((p.run, p.batch_id), i)
         unique = [payloads[i] for i in first.values()]
         owner_of = [owners[i] if owners is not None else None for i in first.values()]
         with self.engine.begin() as conn:
             keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
             run_ids = [k.id for k in keys]
             new = self.storage.claim(conn, unique, run_ids)
-            fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if p.batch_id in new]
+            fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if (k.id, p.batch_id) in new]
             if fresh:
+                _reported(conn, sorted({k.id for _, k in fresh}))
                 rows = fold.fold(
                     [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
                 )
                 self.storage.write(conn, rows)
                 for p, k in fresh:  # profiler windows: a few batches in a thousand
                     profiles.store(conn, self.storage, k.id, k.window_steps, k.world_size, p)
-        return [i == first[p.batch_id] and p.batch_id in new for i, p in enumerate(payloads)]
+        stored = {(p.run, p.batch_id) for p, _ in fresh}
+        return [
+            i == first[p.run, p.batch_id] and (p.run, p.batch_id) in stored for i, p in enumerate(payloads)
+        ]

@@ -16,6 +16,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from stepwatch import wire
 from stepwatch.sketch import LogSketch
 
+from ..storage.models import INT32_MAX
+
 RunName = Annotated[str, Field(pattern=wire.RUN_NAME_PATTERN)]
 HostName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._:-]+$")]
 #: Any non-negative measured quantity (seconds, counts, MHz, W); the bound keeps sums finite.
@@ -42,7 +44,10 @@ Tag = wire.Tag | None
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # ``strict``: JSON types are what they say. A string, float or boolean is not coerced
+    # into an integer or a flag (``"0"``, ``2.0``, ``true`` for a count, ``"yes"`` for
+    # ``final``); an integer is still a valid float.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Layout(_Strict):
@@ -86,7 +91,7 @@ class AgentIn(_Strict):
 class ConventionIn(BaseModel):
     """The FLOPs convention. Extra keys are kept (the agent may add provenance fields)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     formula: str = Field(max_length=64)
     flops_per_token: float = Field(gt=0, le=1e18, allow_inf_nan=False)
@@ -190,7 +195,7 @@ class CollectiveIn(_Strict):
     """One operation type of one window: count, bytes and a duration sketch (seconds)."""
 
     op: wire.CollectiveOp
-    count: Count
+    count: int = Field(ge=0, le=INT32_MAX)
     bytes: Count | None = None
     duration: dict[str, Any]
 
@@ -246,8 +251,12 @@ class CostIn(_Strict):
     on_thread_s: NonNeg
     slowdown_s: NonNeg
     parse_cpu_s: NonNeg
-    every: int = Field(ge=1, le=2**40)
-    next_every: int = Field(ge=1, le=2**40)
+    # Lasting slowdown of the steps between windows against the steps before the first
+    # window (already inside window_s); optional, so older agents' entries stay valid.
+    lasting_s: NonNeg = 0.0
+    lasting_ratio: NonNeg | None = None
+    every: int = Field(ge=1, le=INT32_MAX)
+    next_every: int = Field(ge=1, le=INT32_MAX)
     overhead_ratio: NonNeg | None = None
 
 
@@ -264,6 +273,9 @@ class ProfileIn(_Strict):
     t0: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     time_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
     compute_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
+    # Copies (memcpy/memset beside no kernel) apart from compute; optional, so older
+    # agents' entries stay valid. Stored inside compute_s (see _consistent).
+    copy_s: list[NonNeg] | None = Field(default=None, max_length=MAX_PROFILE_STEPS)
     comm_overlapped_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
     comm_exposed_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
     data_wait_s: list[NonNeg] = Field(default_factory=list, max_length=MAX_PROFILE_STEPS)
@@ -281,6 +293,13 @@ class ProfileIn(_Strict):
         for name in ("time_s", *wire.STEP_PARTS):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} values but n_steps is {n}")
+        if self.copy_s is not None:
+            if len(self.copy_s) != n:
+                raise ValueError(f"copy_s has {len(self.copy_s)} values but n_steps is {n}")
+            # The collector has no column for copies yet: it keeps them inside compute
+            # (device busy without communication), so its stored parts still sum to the step.
+            self.compute_s = [c + k for c, k in zip(self.compute_s, self.copy_s, strict=True)]
+            self.copy_s = None
         if n and (self.device is None or self.t0 is None):
             raise ValueError("a profile with steps needs device and t0")
         if not n and self.skipped is None:
@@ -318,6 +337,14 @@ class IngestPayload(_Strict):
     #: The rank's last batch (``close()``): it finished, so its silence is not a hang.
     final: bool = False
     profiles: list[ProfileIn] | None = Field(default=None, max_length=MAX_PROFILES)
+
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _integer_version(cls, v: Any) -> Any:
+        # A Literal compares by equality, so 2.0 and true would pass it even in strict mode.
+        if type(v) is not int:
+            raise ValueError(f"schema_version must be the integer 1 or 2, not {type(v).__name__}")
+        return v
 
     @model_validator(mode="after")
     def _versioned(self) -> IngestPayload:

@@ -29,9 +29,11 @@ class Storage(Protocol):
         """This dialect's INSERT (with ``on_conflict_do_nothing``/``_do_update``)."""
         ...
 
-    def claim(self, conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> set[str]:
-        """Insert the batch ids; return those that were new (a retry's id is already
-        there). ``payloads`` must not repeat a batch id."""
+    def claim(
+        self, conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]
+    ) -> set[tuple[int, str]]:
+        """Insert the batch ids; return the (run id, batch id) pairs that were new (a
+        retry's is already there). ``payloads`` must not repeat a batch id within a run."""
         ...
 
     def write(self, conn: Connection, rows: Rows) -> None:

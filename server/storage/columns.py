@@ -26,10 +26,10 @@ from typing import Any, NamedTuple, overload
 
 import numpy as np
 import numpy.typing as npt
-from sqlalchemy import Table, bindparam, func
+from sqlalchemy import BigInteger, Integer, Table, bindparam, func
 from sqlalchemy.sql.elements import ColumnElement
 
-from .models import JobStep, Rank, RankWindow
+from .models import INT32_MAX, INT64_MAX, JobStep, Rank, RankWindow
 
 
 class Rule(enum.Enum):
@@ -225,14 +225,18 @@ def merge_sql(table: Summed, name: str, old: str, new: str, fn: SqlFunctions) ->
     every SET expression against the row as it was, on both backends."""
     col = table.column(name)
     o, n = f"{old}.{quote(name)}", f"{new}.{quote(name)}"
-    if col.rule is Rule.SUM:
-        return f"{o} + {n}"
+    if col.rule in (Rule.SUM, Rule.NULLABLE_SUM):
+        limit = _limit(table.table.c[name].type)
+        total = (
+            f"{o} + {n}"
+            if limit is None
+            else f"CASE WHEN {o} > {limit} - {n} THEN {limit} ELSE {o} + {n} END"
+        )
+        return total if col.rule is Rule.SUM else f"coalesce({total}, {o}, {n})"
     if col.rule is Rule.MIN:
         return f"{fn.least}({o}, {n})"
     if col.rule is Rule.MAX:
         return f"{fn.greatest}({o}, {n})"
-    if col.rule is Rule.NULLABLE_SUM:
-        return f"coalesce({o} + {n}, {o}, {n})"
     if col.rule is Rule.LAST:
         return n
     if col.rule is Rule.LAST_KNOWN:
@@ -245,6 +249,17 @@ def merge_sql(table: Summed, name: str, old: str, new: str, fn: SqlFunctions) ->
             f"ELSE ({o} * {ow} + {n} * {nw}) / nullif({ow} + {nw}, 0) END"
         )
     raise ValueError(f"{name} is a key")
+
+
+def _limit(sql_type: Any) -> int | None:
+    """The largest value of an integer column: additive merges saturate there instead of
+    failing the batch with an overflow (duplicated steps sent under fresh batch ids add
+    up); both sides are non-negative."""
+    if isinstance(sql_type, BigInteger):
+        return INT64_MAX
+    if isinstance(sql_type, Integer):
+        return INT32_MAX
+    return None
 
 
 def set_clause(table: Summed, names: Sequence[str], old: str, new: str, fn: SqlFunctions) -> str:

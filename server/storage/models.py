@@ -38,6 +38,13 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
+#: Largest value of an ``Integer`` column (32-bit on PostgreSQL) and of a ``BigInteger``
+#: one (64-bit on both backends). The ingest schema imports these for every field stored
+#: in such a column, and additive upserts saturate at them, so a value the schema accepts
+#: is always storable.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
 # BIGINT on PostgreSQL, INTEGER on SQLite (where only INTEGER PRIMARY KEY autoincrements).
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -80,6 +87,11 @@ class Run(Base):
     # projected against it; regressions compare with ``baseline_run`` when the
     # fingerprints match.
     target_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: Collector-clock time of the run's newest stored batch (to the second): /metrics
+    #: exports the most recently reporting runs with one index range.
+    last_report_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True, index=True
+    )
     deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     config_fingerprint: Mapped[str | None] = mapped_column(String(128), nullable=True)
     baseline_run: Mapped[str | None] = mapped_column(String(128), nullable=True)
@@ -262,16 +274,28 @@ class JobStep(Base):
 
 
 class IngestedBatch(Base):
-    """Batch ids already stored: a retried batch is acknowledged but not stored twice."""
+    """Batch ids already stored: a retried batch is acknowledged but not stored twice.
+    Scoped by run: one run's writer cannot make another run's batch look like a retry."""
 
     __tablename__ = "ingested_batches"
 
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     rank: Mapped[int] = mapped_column(Integer)
     received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (Index(None, "run_id", "received_at"),)
+
+
+class TokenQuota(Base):
+    """Runs a write token has created (``''``: writes without a token), so that admitting
+    a new run reads and increments one row under its lock (``ingest/admission.py``)
+    instead of counting the token's runs."""
+
+    __tablename__ = "token_quotas"
+
+    token: Mapped[str] = mapped_column(String(64), primary_key=True)
+    runs_created: Mapped[int] = mapped_column(Integer)
 
 
 class Event(Base):

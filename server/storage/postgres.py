@@ -46,9 +46,9 @@ _CLAIM = """
     SELECT b, r, k, now()
     FROM unnest(CAST(%(batch_id)s AS text[]), CAST(%(run_id)s AS bigint[]),
                 CAST(%(rank)s AS int[])) AS u(b, r, k)
-    ORDER BY 1
-    ON CONFLICT (batch_id) DO NOTHING
-    RETURNING batch_id
+    ORDER BY 2, 1
+    ON CONFLICT (run_id, batch_id) DO NOTHING
+    RETURNING run_id, batch_id
     """
 
 #: Analysis locks: the run id in the low bits of a PostgreSQL advisory lock key.
@@ -65,7 +65,9 @@ class PostgresStorage:
     def insert(self, table: Table) -> Any:
         return postgresql.insert(table)
 
-    def claim(self, conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> set[str]:
+    def claim(
+        self, conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]
+    ) -> set[tuple[int, str]]:
         rows = conn.exec_driver_sql(
             _CLAIM,
             {
@@ -74,7 +76,7 @@ class PostgresStorage:
                 "rank": _literal([p.rank.rank for p in payloads]),
             },
         )
-        return {r[0] for r in rows}
+        return {(r[0], r[1]) for r in rows}
 
     def write(self, conn: Connection, rows: Rows) -> None:
         for table, cols in rows.tables():

@@ -30,19 +30,21 @@ class SqliteStorage:
     def insert(self, table: Table) -> Any:
         return sqlite.insert(table)
 
-    def claim(self, conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> set[str]:
+    def claim(
+        self, conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]
+    ) -> set[tuple[int, str]]:
         batches = cast(Table, IngestedBatch.__table__)
         now = datetime.now(timezone.utc)
-        new: set[str] = set()
+        new: set[tuple[int, str]] = set()
         for p, run_id in zip(payloads, run_ids, strict=True):
             claimed = conn.execute(
                 sqlite.insert(batches)
                 .values(batch_id=p.batch_id, run_id=run_id, rank=p.rank.rank, received_at=now)
-                .on_conflict_do_nothing(index_elements=["batch_id"])
+                .on_conflict_do_nothing(index_elements=["run_id", "batch_id"])
                 .returning(batches.c.batch_id)
             ).first()
             if claimed is not None:
-                new.add(p.batch_id)
+                new.add((run_id, p.batch_id))
         return new
 
     def write(self, conn: Connection, rows: Rows) -> None:

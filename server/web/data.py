@@ -56,17 +56,27 @@ class Heatmap:
     available: list[str] = field(default_factory=list)
 
 
-def runs(conn: Connection) -> list[dict[str, Any]]:
-    out = [r.model_dump() for r in queries.list_runs(conn)]
-    open_counts: dict[int, int] = dict(
+def runs(conn: Connection, *, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """One page of runs (the API's pagination) with their open flags, and the total."""
+    page, total = queries.list_runs(conn, offset=offset)
+    out = [r.model_dump() for r in page]
+    ids = dict(
         conn.execute(
-            select(EV.c.run_id, func.count()).where(EV.c.status == "open").group_by(EV.c.run_id)
+            select(queries.RUNS.c.name, queries.RUNS.c.id).where(
+                queries.RUNS.c.name.in_([r["name"] for r in out])
+            )
         ).all()
     )
-    ids = dict(conn.execute(select(queries.RUNS.c.name, queries.RUNS.c.id)).all())
+    open_counts: dict[int, int] = dict(
+        conn.execute(
+            select(EV.c.run_id, func.count())
+            .where(EV.c.status == "open", EV.c.run_id.in_(list(ids.values())))
+            .group_by(EV.c.run_id)
+        ).all()
+    )
     for r in out:
         r["open_events"] = open_counts.get(ids.get(r["name"], -1), 0)
-    return out
+    return out, total
 
 
 def _series(conn: Connection, run: str, metric: str, max_points: int) -> dict[str, list[Any]] | None:

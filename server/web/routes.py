@@ -16,7 +16,9 @@ from sqlalchemy import Engine
 import stepwatch
 from stepwatch.views.terminal import duration
 
+from ..api.edge import RunPath
 from ..errors import NotFoundError
+from ..reads import queries
 from . import data
 
 router = APIRouter(include_in_schema=False)
@@ -58,25 +60,33 @@ def _engine(request: Request) -> Engine:
 
 
 @router.get("/", response_class=HTMLResponse)
-def runs_page(request: Request) -> HTMLResponse:
+def runs_page(request: Request, offset: Annotated[int, Query(ge=0, le=2**31)] = 0) -> HTMLResponse:
     with _engine(request).connect() as conn:
-        runs = data.runs(conn)
-    return templates.TemplateResponse(request, "runs.html", {"runs": runs})
+        runs, total = data.runs(conn, offset=offset)
+    page = queries.RUNS_PAGE
+    context = {
+        "runs": runs,
+        "total": total,
+        "offset": offset,
+        "prev": max(0, offset - page) if offset else None,
+        "next": offset + page if offset + len(runs) < total else None,
+    }
+    return templates.TemplateResponse(request, "runs.html", context)
 
 
 @router.get("/runs/{run}", response_class=HTMLResponse)
 def run_page(
     request: Request,
-    run: str,
+    run: RunPath,
     heat: Annotated[str | None, Query(description="heatmap metric")] = None,
 ) -> HTMLResponse:
     with _engine(request).connect() as conn:
         try:
             page = data.run_page(conn, run, heat=heat)
         except NotFoundError:
-            runs = data.runs(conn)
+            runs, total = data.runs(conn)
             return templates.TemplateResponse(
-                request, "missing.html", {"run": run, "runs": runs}, status_code=404
+                request, "missing.html", {"run": run, "runs": runs, "total": total}, status_code=404
             )
     chart_data = {
         "charts": page["charts"],

@@ -83,9 +83,10 @@ def test_slow_collector_never_blocks_the_training_thread() -> None:
             sw.step(tokens=1)
         assert slow.received == 1 and sw.stats["sent_batches"] == 0
         assert sw.stats["steps"] == 510 and sw._sender.pending() == 51
-        t0 = time.monotonic()
         assert not sw.close(timeout_s=0.5)  # the deadline holds even with a request in flight
-        assert time.monotonic() - t0 < 0.5 + 1.0
+        thread = sw._sender._thread
+        assert thread is not None and thread.is_alive(), "the hung request was left, not waited for"
+        assert slow.received == 1
 
 
 def _rss_bytes() -> int:
@@ -136,27 +137,29 @@ print("done", flush=True)
 """
 
 
-@pytest.mark.parametrize("collector", ["dead", "slow"])
-def test_exit_flushes_within_the_deadline(collector: str, tmp_path: Path) -> None:
-    deadline_s = 1.0
+@pytest.mark.parametrize(
+    ("collector", "reason"),
+    [("dead", "Connection refused"), ("black-holed", "no answer within"), ("misnamed", "ConnectError")],
+)
+def test_exit_says_what_it_left_behind_and_why(collector: str, reason: str, tmp_path: Path) -> None:
+    """The process ends by itself (no wall time asserted: the deadline itself is tested on
+    ``Sender.close`` with an injected clock) and its last words name the URL and the reason."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(EXIT_SCRIPT))
-    with SlowServer(delay_s=30.0) as slow:
-        url = slow.url if collector == "slow" else f"http://127.0.0.1:{free_port()}"
+    with SlowServer(delay_s=120.0) as hole:
+        url = {
+            "dead": f"http://127.0.0.1:{free_port()}",
+            "black-holed": hole.url,
+            "misnamed": "http://stepwatch-collector.invalid:8321",
+        }[collector]
         proc = subprocess.Popen(
-            [sys.executable, str(script), url, str(deadline_s)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            [sys.executable, str(script), url, "1.0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == b"done"
-        t0 = time.monotonic()
-        rc = proc.wait(30)
-        exit_s = time.monotonic() - t0
-        stderr = proc.stderr.read().decode() if proc.stderr else ""
-    assert rc == 0, stderr
-    assert exit_s <= deadline_s + 1.5, f"exit took {exit_s:.2f} s"
-    assert "not sent before the exit deadline" in stderr  # it says what it left behind
+        out, err = proc.communicate(timeout=60)  # liveness bound, far beyond the 120 s hold
+    stderr = err.decode()
+    assert proc.returncode == 0 and out.strip() == b"done", stderr
+    (last,) = [line for line in stderr.splitlines() if "before the exit deadline" in line]
+    assert f"{url}/api/v1/ingest" in last and reason in last, last
 
 
 def test_forked_dataloader_workers_while_the_sender_runs(sqlite_db: str) -> None:

@@ -113,7 +113,7 @@ def _valid_batches(draw: st.DrawFn) -> dict[str, Any]:
     n = draw(st.integers(1, 40))
     first = draw(st.one_of(st.integers(0, 100), st.just(2**53 - n)))
     p = payload(
-        run=draw(st.sampled_from(["fz-a", "fz-b"])),
+        run=f"fz-{world}-{draw(st.sampled_from('ab'))}",  # a run has one world size
         rank=draw(st.integers(0, world - 1)),
         world=world,
         first=first,
@@ -134,7 +134,7 @@ def _valid_batches(draw: st.DrawFn) -> dict[str, Any]:
             **p["convention"],
             "flops_per_token": draw(st.floats(1e-300, 1e18).filter(lambda x: x > 0)),
             "peak_flops": draw(st.none() | st.floats(1e6, 1e20)),
-            "note": draw(st.text(max_size=40)),
+            "note": draw(st.text(st.characters(exclude_characters="\x00"), max_size=40)),  # NUL: 422
         }
     if draw(st.booleans()):
         p["convention"] = None

@@ -15,6 +15,8 @@ from sqlalchemy import Engine, func, select
 
 from stepwatch_server.api.auth import parse_tokens
 from stepwatch_server.app import create_app
+from stepwatch_server.ingest.store import RunKey
+from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage import migrate
 from stepwatch_server.storage.engine import make_engine
@@ -183,13 +185,13 @@ def test_a_new_runs_first_batches_share_one_quota_check(sqlite_url: str) -> None
     app = create_app(Settings(database_url=sqlite_url, write_tokens=f"a={WRITE}"))
     ingestor = app.state.ingestor
     calls: list[str] = []
-    check = ingestor.admits_run
+    check = ingestor.admit
 
-    def counted(name: str, owner: str | None, limit: int) -> int | None:
-        calls.append(name)
-        return check(name, owner, limit)
+    def counted(p: IngestPayload, owner: str | None, limit: int) -> RunKey:
+        calls.append(p.run)
+        return check(p, owner, limit)
 
-    ingestor.admits_run = counted
+    ingestor.admit = counted
     with TestClient(app) as c, ThreadPoolExecutor(16) as pool:
         codes = list(
             pool.map(

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch.breakdown import StepBreakdown, breakdown, clip, intersect, subtract, total, union
+from stepwatch.profiler.breakdown import StepBreakdown, breakdown, clip, intersect, subtract, total, union
 
 Interval = tuple[float, float]
 

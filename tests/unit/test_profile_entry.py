@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from stepwatch._profile_entry import build_entry, top_ops
-from stepwatch._trace import events_from_chrome_trace, load_chrome_trace
+from stepwatch.profiler._entry import build_entry, top_ops
+from stepwatch.profiler.trace import events_from_chrome_trace, load_chrome_trace
 from stepwatch.sketch import LogSketch
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
-PARTS = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s")
+PARTS = ("compute_s", "copy_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s")
 
 
 def _x(name: str, ts: float, dur: float, cat: str = "cpu_op", tid: int = 1, **args: Any) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def _x(name: str, ts: float, dur: float, cat: str = "cpu_op", tid: int = 1, **ar
 def _sums_hold(entry: dict[str, Any]) -> None:
     for j, t in enumerate(entry["time_s"]):
         parts = math.fsum(entry[p][j] for p in PARTS)
-        assert parts == pytest.approx(t, rel=0.02), "the five parts sum to the step time (within 2%)"
+        assert parts == pytest.approx(t, rel=0.02), "the six parts sum to the step time (within 2%)"
 
 
 def test_cpu_gloo_fixture() -> None:
@@ -57,7 +57,8 @@ def test_cuda_fixture_uses_the_device_timeline_and_nccl_sequence_numbers() -> No
     e = build_entry(load_chrome_trace(FIXTURES / "cuda_ddp_synthetic_rank0.json"), first_step=4, n_steps=2)
     assert (e["first_step"], e["n_steps"], e["device"]) == (4, 2, "cuda")
     assert e["time_s"] == pytest.approx([1050e-6, 950e-6])
-    assert e["compute_s"] == pytest.approx([560e-6, 370e-6])
+    assert e["compute_s"] == pytest.approx([540e-6, 350e-6])
+    assert e["copy_s"] == pytest.approx([20e-6, 20e-6])  # the memcpy, beside no kernel
     assert e["comm_exposed_s"] == pytest.approx([200e-6, 200e-6])
     _sums_hold(e)
     (coll,) = e["collectives"]
@@ -115,3 +116,31 @@ def test_self_time_subtracts_nested_ops() -> None:
     assert ops == pytest.approx(
         {"aten::addmm": 30e-6, "aten::linear": 10e-6, "aten::copy_": 10e-6, "aten::relu": 5e-6}
     )
+
+
+def test_the_collector_accepts_copies_and_keeps_them_inside_compute() -> None:
+    """``copy_s`` and the cost's lasting fields are optional on the wire: the collector's
+    schema takes an entry with them (folding copies into compute, its stored parts still
+    summing to the step) and one without them (an older agent)."""
+    from stepwatch_server.schemas.ingest import ProfileIn
+
+    e = build_entry(load_chrome_trace(FIXTURES / "cuda_ddp_synthetic_rank0.json"), first_step=4, n_steps=2)
+    e["cost"] = {
+        "window_s": 0.2,
+        "on_thread_s": 0.01,
+        "slowdown_s": 0.0,
+        "parse_cpu_s": 0.01,
+        "lasting_s": 0.18,
+        "lasting_ratio": 0.15,
+        "every": 100,
+        "next_every": 200,
+    }
+    p = ProfileIn.model_validate(e)
+    assert p.compute_s == pytest.approx([560e-6, 370e-6]) and p.copy_s is None
+    assert p.cost is not None and p.cost.lasting_s == pytest.approx(0.18)
+    old = {k: v for k, v in e.items() if k not in ("copy_s", "cost")}
+    old["compute_s"] = [c + k for c, k in zip(e["compute_s"], e["copy_s"], strict=True)]
+    assert ProfileIn.model_validate(old).compute_s == pytest.approx(p.compute_s)
+    bad = {**e, "copy_s": [0.0]}
+    with pytest.raises(ValueError, match="copy_s has 1 values"):
+        ProfileIn.model_validate(bad)

@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch")
 import stepwatch  # noqa: E402
 from stepwatch._clock_sync import ClockSync  # noqa: E402
 from stepwatch._env import detect  # noqa: E402
-from stepwatch._profiler import ProfilerWindow  # noqa: E402
 from stepwatch._sender import SenderStats  # noqa: E402
 from stepwatch._window import Window  # noqa: E402
 from stepwatch.config import AgentConfig  # noqa: E402
+from stepwatch.profiler._window import ProfilerWindow  # noqa: E402
 
 PARTS = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s")
 
@@ -204,3 +204,107 @@ def test_a_due_window_waits_for_the_entry_of_its_profiled_steps(monkeypatch: pyt
     assert [w.n_steps for w in rec.windows] == [3]
     (p,) = _encoded(sw, rec.windows[0])["profiles"]
     assert (p["first_step"], p["n_steps"]) == (3, 1)
+
+
+# -- lasting overhead, CUPTI release, trace cap ---------------------------------------
+
+
+class _ExportingProfiler:
+    """Stands in for torch.profiler.profile (start/step/stop are what the window calls) and
+    exports a synthetic CUDA trace (tests/kineto.py): no GPU here."""
+
+    step_num = 0
+
+    def __init__(self, trace: dict[str, Any]) -> None:
+        self.trace = trace
+
+    def start(self) -> None: ...
+
+    def step(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def export_chrome_trace(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.trace, fh)
+
+
+def _window_at(pw: ProfilerWindow, start: int, step_s: float) -> dict[str, Any]:
+    times = array("d", [step_s] * 32)
+    assert pw.edge(start, times, 32) == start + 1 and pw.active
+    pw.edge(start + 1, times, 32)
+    pw.edge(start + 2, times, 32)
+    assert not pw.active and pw._idle.wait(30)
+    (entry,) = pw.take()
+    return entry
+
+
+def _fake_window(**kw: Any) -> ProfilerWindow:
+    from ..kineto import training_trace
+
+    trace = training_trace(steps=2, first_step=11).to_dict()
+    return ProfilerWindow(
+        every=10,
+        steps=2,
+        warmup_end=0,
+        cuda=True,
+        make_profiler=lambda: _ExportingProfiler(trace),
+        other_profiler_active=lambda: False,
+        **{"budget": 1e9, **kw},
+    )
+
+
+def test_a_lasting_slowdown_after_a_window_is_counted_against_the_budget() -> None:
+    """Steps before the first window take 100 ms; before the second, 115 ms: CUPTI stayed
+    attached. The 15 ms is paid by the 8 unprofiled steps of the period."""
+    pw = _fake_window()
+    first = _window_at(pw, 10, 0.100)
+    assert pw.before_first_s == pytest.approx(0.100)
+    assert first["cost"]["lasting_s"] == 0.0 and first["cost"]["lasting_ratio"] is None
+    assert first["n_steps"] == 2 and first["copy_s"], "the synthetic CUDA trace parsed"
+    second = _window_at(pw, 20, 0.115)
+    cost = second["cost"]
+    assert cost["lasting_ratio"] == pytest.approx(0.15)
+    assert cost["lasting_s"] == pytest.approx(0.015 * 8)
+    assert cost["window_s"] >= cost["lasting_s"] + cost["on_thread_s"]
+    third = _window_at(pw, 30, 0.102)  # 2%: noise, not a lasting slowdown
+    assert third["cost"]["lasting_s"] == 0.0 and third["cost"]["lasting_ratio"] == pytest.approx(0.02)
+
+
+def test_the_lasting_cost_stretches_the_period() -> None:
+    pw = _fake_window(budget=0.01)
+    pw._costs.clear()  # no prior: only measured costs count
+    pw._checked_prior = True
+    _window_at(pw, 10, 0.100)
+    pw.every = 10  # whatever the first window's own (tiny, load-dependent) cost did
+    pw._costs.clear()
+    _window_at(pw, 20, 0.130)  # 30% slower for good: 0.24 s per period of 1.3 s
+    assert pw.last_cost is not None and pw.last_cost["lasting_s"] == pytest.approx(0.24)
+    assert pw.every >= 10 * 16, "0.24 s within 1% of the period needs 185 steps or more"
+
+
+def test_a_trace_over_the_cap_is_skipped_and_says_why() -> None:
+    pw = _fake_window(max_trace_bytes=1_000)
+    entry = _window_at(pw, 10, 0.1)
+    assert entry["n_steps"] == 0 and "cap" in entry["skipped"]
+    assert entry["cost"]["window_s"] > 0, "its export still counts"
+
+
+@pytest.mark.parametrize(
+    ("env", "cuda", "on", "after"),
+    [
+        ({}, "12.6", True, "1"),
+        ({}, "13.0", True, "1"),
+        ({}, "12.4", False, None),  # teardown crashes with CUDA graphs before 12.6
+        ({}, None, False, None),  # CPU build
+        ({"TEARDOWN_CUPTI": "0"}, "12.8", False, "0"),  # set by the user or by torch: kept
+        ({"TEARDOWN_CUPTI": "1"}, "11.8", True, "1"),
+    ],
+)
+def test_cupti_is_released_after_windows_where_torch_allows_it(
+    env: dict[str, str], cuda: str | None, on: bool, after: str | None
+) -> None:
+    from stepwatch.profiler._window import release_cupti_after_windows
+
+    assert release_cupti_after_windows(env, cuda) is on
+    assert env.get("TEARDOWN_CUPTI") == after

@@ -1,17 +1,19 @@
 """One finished profiler window -> the ``profile`` entry of a payload (pure; no torch).
 
 Runs on the agent's profiler thread, never on the training thread. Input: the loaded
-Chrome trace of ``profile_steps`` consecutive steps (see :mod:`stepwatch._trace` for the
+Chrome trace of ``profile_steps`` consecutive steps (see :mod:`stepwatch.profiler.trace` for the
 classification rules); output: plain JSON-ready values.
 
 What the entry holds, per profiled step (arrays of ``n_steps``):
-the step time and its five parts (compute only, communication overlapped, communication
-exposed, data wait, idle; they sum to the step time, :mod:`stepwatch.breakdown`).
+the step time and its six parts (compute only, copies, communication overlapped,
+communication exposed, data wait, idle; they sum to the step time,
+:mod:`stepwatch.profiler.breakdown`). ``copy_s`` is optional on the wire (an entry
+without it means no copies), so older agents' entries stay valid.
 
 Per window:
 
 ``collectives``
-    Per operation type (the closed set of :func:`stepwatch._trace.normalize_op`): count,
+    Per operation type (the closed set of :func:`stepwatch.profiler.trace.normalize_op`): count,
     bytes (``None`` as soon as one collective's size is unknown) and a log-bucket sketch
     of the durations in seconds (:class:`stepwatch.sketch.LogSketch`, 1% relative error).
 ``arrivals``
@@ -25,7 +27,7 @@ Per window:
     runs the same collectives in the same order (DDP, FSDP and NCCL all require it).
     "Enter" is when the collective starts to run: the gloo operation's start on its
     worker thread, the NCCL kernel's start on the device. Both sit on the host's
-    Unix clock in the trace (:func:`stepwatch._trace.unix_base_us`).
+    Unix clock in the trace (:func:`stepwatch.profiler.trace.unix_base_us`).
 ``top_ops``
     The ten operations with the most *self* time per step: ATen CPU ops on the training
     thread (CPU path) or GPU kernels (CUDA path), names cut to 96 characters.
@@ -37,7 +39,9 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._trace import (
+from ..sketch import LogSketch
+from .breakdown import Interval, breakdown
+from .trace import (
     CollectiveRecord,
     TraceEvent,
     WindowTrace,
@@ -46,8 +50,6 @@ from ._trace import (
     main_thread,
     unix_base_us,
 )
-from .breakdown import Interval, breakdown
-from .sketch import LogSketch
 
 __all__ = ["MAX_ARRIVALS", "MAX_TOP_OPS", "build_entry", "top_ops"]
 
@@ -198,7 +200,7 @@ def build_entry(trace: Mapping[str, object], *, first_step: int, n_steps: int) -
     steps = [w.steps[i] for i in idx]
     named = len(w.step_numbers) == len(w.steps)
     numbers = [w.step_numbers[i] if named else first_step + k for k, i in enumerate(idx)]
-    parts = [breakdown(s, w.compute, w.comm, w.data_wait).scaled(1e-6) for s in steps]
+    parts = [breakdown(s, w.compute, w.comm, w.data_wait, w.copies).scaled(1e-6) for s in steps]
     starts = [s[0] for s in steps]
     placed: list[tuple[int, CollectiveRecord]] = []
     for r in w.collectives:
@@ -215,6 +217,7 @@ def build_entry(trace: Mapping[str, object], *, first_step: int, n_steps: int) -
         "t0": t0_us * 1e-6,
         "time_s": [b.step_s for b in parts],
         "compute_s": [b.compute_s for b in parts],
+        "copy_s": [b.copy_s for b in parts],
         "comm_overlapped_s": [b.comm_overlapped_s for b in parts],
         "comm_exposed_s": [b.comm_exposed_s for b in parts],
         "data_wait_s": [b.data_wait_s for b in parts],

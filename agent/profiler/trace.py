@@ -44,15 +44,27 @@ CPU (no GPU activity in the trace)
     *steps* = the ``ProfilerStep#N`` spans.
 
 CUDA (any ``kernel`` / ``gpu_memcpy`` / ``gpu_memset`` event)
-    *communication* = NCCL kernels (name contains ``nccl``, any case).
-    *compute* = every other kernel, plus memcpy and memset: the device is busy with
-    non-communication work, so "idle" keeps meaning "the GPU had nothing to do"
-    (as in HTA's temporal breakdown). ``cuda_sync`` and ``gpu_user_annotation``
-    events are not work and are ignored.
+    *communication* = device work launched inside a communication host op, else a
+    kernel with a communication library's name (the table and its order of sources
+    are in :mod:`stepwatch.profiler.collectives`: ``c10d::*``, ``nccl:*``,
+    ``symm_mem::*`` ..., then NCCL/RCCL, NVSHMEM, DeepEP, custom all-reduce kernels).
+    A launch is matched to its host op by the ``correlation`` of its
+    ``cuda_runtime``/``cuda_driver`` event and by time on the launching thread.
+    One collective record per launching host op (or per kernel when no op launched
+    it), with op name and bytes from the kernel's metadata, else from the host ops.
+    *compute* = every other kernel (kernels only, as HTA defines compute).
+    *copies* = memcpy and memset not launched by a collective: their own part of the
+    breakdown, so a copy-bound step is not mistaken for compute or for idle.
+    ``cuda_sync`` and ``gpu_user_annotation`` events are not work and are ignored.
     *steps* = device-side boundaries: a host ``ProfilerStep`` boundary ``b`` maps to
     ``max(b, latest end of GPU work launched before b)``, which is what a CUDA event
-    recorded at ``b`` measures (DESIGN §3). Launch times come from the
-    ``cuda_runtime``/``cuda_driver`` event with the same ``correlation``.
+    recorded at ``b`` measures (DESIGN §3). Launch times come from the launch event
+    with the same ``correlation``. Work without a launch in the trace whose
+    correlation id is below every launch's was launched before the profiler started
+    (correlation ids grow with every launch): it belongs to no profiled step, so the
+    first step starts when that tail of the previous step has drained, not at the
+    host boundary (which would hand the first step a whole step of foreign work).
+    Its device time is kept as ``before_window_us``.
     *data wait* = loader spans on the main thread minus device-busy time: a host
     that is in the loader while the GPU still works through queued kernels is not
     stalling training, only device idle time spent waiting for the loader is.
@@ -73,19 +85,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from stepwatch.breakdown import Interval, StepBreakdown, breakdown, subtract, union
+from .breakdown import Interval, StepBreakdown, breakdown, subtract, union
+from .collectives import (
+    dtype_bytes,
+    host_op_bytes,
+    is_comm_kernel_name,
+    is_launcher,
+    normalize_op,
+    tensor_bytes,
+)
 
 __all__ = [
     "DATA_WAIT_SPAN",
+    "MAX_TRACE_BYTES",
     "CollectiveRecord",
     "TraceEvent",
     "WindowTrace",
     "classify_events",
     "events_from_chrome_trace",
-    "is_nccl_kernel",
     "load_chrome_trace",
     "main_thread",
-    "normalize_op",
     "parse_chrome_trace",
     "trace_from_profiler",
     "unix_base_us",
@@ -95,66 +114,18 @@ __all__ = [
 DATA_WAIT_SPAN = "stepwatch.data_wait"
 """Name of the ``record_function`` span the agent's loader wrapper emits."""
 
+MAX_TRACE_BYTES = 64 * 2**20
+"""Largest exported trace the agent parses in the training process. Real windows of a few
+GPU steps are 5-50 MB of JSON (HTA's test traces: 26-54 MB for 5 steps); Python's
+parsed JSON takes several times that, transiently, so a bigger trace is skipped."""
+
 _STEP_RE = re.compile(r"ProfilerStep#(\d+)\Z")
 _LOADER_PREFIX = "enumerate(DataLoader)"
 _HOST_LAUNCH_PREFIXES = ("c10d::", "record_param_comms", "nccl:")
+_HOST_CATS = frozenset({"cpu_op", "user_annotation"})
 _BACKEND_OP_PREFIXES = ("gloo:", "mpi:", "ucc:")
 _GPU_WORK_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 _LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
-
-# Bytes per element, keyed by lower-cased dtype names as they appear in traces:
-# c10 ScalarType names in record_param_comms ("Float", "BFloat16") and C++ type
-# names in "Input type" ("float", "c10::BFloat16", "long int").
-_DTYPE_BYTES: dict[str, int] = {
-    "float": 4,
-    "float32": 4,
-    "double": 8,
-    "float64": 8,
-    "half": 2,
-    "float16": 2,
-    "c10::half": 2,
-    "bfloat16": 2,
-    "c10::bfloat16": 2,
-    "long": 8,
-    "long int": 8,
-    "int64": 8,
-    "int64_t": 8,
-    "int": 4,
-    "int32": 4,
-    "short": 2,
-    "short int": 2,
-    "int16": 2,
-    "byte": 1,
-    "uint8": 1,
-    "unsigned char": 1,
-    "char": 1,
-    "int8": 1,
-    "signed char": 1,
-    "bool": 1,
-    "complexfloat": 8,
-    "c10::complex<float>": 8,
-    "complexdouble": 16,
-    "c10::complex<double>": 16,
-}
-
-# Canonical op names, matched as prefixes of the name with "_" removed, first match wins.
-_OP_TABLE: tuple[tuple[str, str], ...] = (
-    ("allreduce", "all_reduce"),
-    ("reducescatter", "reduce_scatter"),
-    ("allgather", "all_gather"),
-    ("alltoall", "all_to_all"),
-    ("broadcast", "broadcast"),
-    ("sendrecv", "send_recv"),
-    ("send", "send"),
-    ("recv", "recv"),
-    ("monitoredbarrier", "barrier"),
-    ("barrier", "barrier"),
-    ("reduce", "reduce"),
-    ("gather", "gather"),
-    ("scatter", "scatter"),
-)
-_KERNEL_PREFIXES = ("nccldevkernel_", "ncclkernel_")
-_NAME_PREFIXES = ("c10d::", "gloo:", "nccl:", "mpi:", "ucc:")
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +182,9 @@ class WindowTrace:
     collectives: list[CollectiveRecord]
     device: str  # "cpu" | "cuda"
     step_numbers: list[int] = field(default_factory=list)  # N of each ProfilerStep#N
+    copies: list[Interval] = field(default_factory=list)  # memcpy / memset not launched by a collective
+    #: Device time of work launched before the window (no step of the window holds it).
+    before_window_us: float = 0.0
 
 
 class _ExportsChromeTrace(Protocol):
@@ -220,9 +194,15 @@ class _ExportsChromeTrace(Protocol):
 # -- reading ------------------------------------------------------------------------
 
 
-def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, object]:
-    """Read a Chrome-trace JSON file (``.json`` or ``.json.gz``)."""
+def load_chrome_trace(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> dict[str, object]:
+    """Read a Chrome-trace JSON file (``.json`` or ``.json.gz``).
+
+    ``max_bytes`` refuses (``ValueError``) a file larger than that before reading it:
+    parsed JSON takes several times its size in memory.
+    """
     p = Path(path)
+    if max_bytes is not None and (size := p.stat().st_size) > max_bytes:
+        raise ValueError(f"trace is {size / 2**20:.0f} MiB, over the {max_bytes / 2**20:.0f} MiB cap")
     if p.suffix == ".gz":
         with gzip.open(p, "rt", encoding="utf-8") as fh:
             data = json.load(fh)
@@ -234,17 +214,18 @@ def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, object]:
     return data
 
 
-def trace_from_profiler(prof: _ExportsChromeTrace) -> dict[str, object]:
+def trace_from_profiler(prof: _ExportsChromeTrace, *, max_bytes: int = MAX_TRACE_BYTES) -> dict[str, object]:
     """Export a finished ``torch.profiler.profile`` to a temporary file and load it.
 
     Kineto only writes its trace to a file, so this is the way to its JSON; the
-    file is removed afterwards. Call it off the training thread.
+    file is removed afterwards. Call it off the training thread. A trace over
+    ``max_bytes`` is not parsed (``ValueError``): the window is then skipped.
     """
     fd, name = tempfile.mkstemp(prefix="stepwatch-trace-", suffix=".json")
     os.close(fd)
     try:
         prof.export_chrome_trace(name)
-        return load_chrome_trace(name)
+        return load_chrome_trace(name, max_bytes=max_bytes)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(name)
@@ -294,44 +275,7 @@ def events_from_chrome_trace(trace: Mapping[str, object]) -> list[TraceEvent]:
     return out
 
 
-# -- names ---------------------------------------------------------------------------
-
-
-def is_nccl_kernel(ev: TraceEvent) -> bool:
-    """A GPU kernel that belongs to NCCL/RCCL (``ncclDevKernel_*``, ``ncclKernel_*``, ...)."""
-    return ev.cat.lower() == "kernel" and "nccl" in ev.name.lower()
-
-
-def normalize_op(name: str) -> str:
-    """Canonical collective name from a gloo/c10d/NCCL event or ``Collective name`` value.
-
-    Returns one of ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all``,
-    ``broadcast``, ``send``, ``recv``, ``send_recv``, ``barrier``, ``reduce``,
-    ``gather``, ``scatter``, or ``other``: a closed set keeps label cardinality bounded.
-    NCCL runs all_to_all as grouped send/recv, so a bare ``SendRecv`` kernel is
-    ``send_recv`` unless its ``Collective name`` says more.
-    """
-    low = name.split("(", 1)[0].strip().lower()
-    for prefix in _KERNEL_PREFIXES:
-        if low.startswith(prefix):
-            low = low[len(prefix) :].split("_", 1)[0]
-            break
-    else:
-        for prefix in _NAME_PREFIXES:
-            if low.startswith(prefix):
-                low = low[len(prefix) :]
-                break
-    compact = low.replace("_", "")
-    for key, op in _OP_TABLE:
-        if compact.startswith(key):
-            return op
-    return "other"
-
-
-def _dtype_bytes(v: object) -> int | None:
-    if not isinstance(v, str):
-        return None
-    return _DTYPE_BYTES.get(v.strip().lower())
+# -- values --------------------------------------------------------------------------
 
 
 def _int(v: object) -> int | None:
@@ -356,18 +300,6 @@ def _ranks(v: object) -> tuple[int, ...] | None:
     if isinstance(v, str):
         return tuple(int(x) for x in re.findall(r"-?\d+", v))
     return None
-
-
-def _product(dims: object) -> int | None:
-    if not isinstance(dims, list) or not all(_int(d) is not None for d in dims):
-        return None
-    n = 1
-    for d in dims:
-        n *= _int(d) or 0
-    return n
-
-
-# -- classification ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -428,22 +360,10 @@ def _gloo_records(
         i = bisect_right(launch_starts, ev.start_us) - 1
         if op == "all_reduce" and i >= 0 and launch_ops[i] == "reduce_scatter":
             op = "reduce_scatter"
-        nbytes: int | None = None
-        types = ev.args.get("Input type")
-        dims = ev.args.get("Input Dims")
-        if isinstance(types, list) and isinstance(dims, list) and types and len(types) == len(dims):
-            total = 0
-            for t, d in zip(types, dims, strict=True):
-                size = _dtype_bytes(t)
-                n = _product(d)
-                if size is None or n is None:
-                    total = -1
-                    break
-                total += size * n
-            if total >= 0:
-                nbytes = total
-                if op == "all_gather":
-                    nbytes = None if group.size is None else total * group.size
+        sizes = tensor_bytes(ev.args)
+        nbytes = None if sizes is None else sum(sizes)
+        if nbytes is not None and op == "all_gather":
+            nbytes = None if group.size is None else nbytes * group.size
         out.append(
             CollectiveRecord(
                 op=op,
@@ -459,48 +379,121 @@ def _gloo_records(
     return out
 
 
-def _nccl_records(
-    kernels: Sequence[TraceEvent], param_comms: Mapping[int, TraceEvent]
+def _launch_chains(
+    events: Sequence[TraceEvent], launch_of: Mapping[int, TraceEvent]
+) -> dict[int, tuple[TraceEvent, ...]]:
+    """correlation -> the communication host ops around its launch, outermost first.
+
+    A sweep per thread over the launcher spans (:func:`collectives.is_launcher`) and the
+    launches of that thread, both sorted by start: O((spans + launches) log n).
+    """
+    spans: dict[tuple[int | str, int | str], list[TraceEvent]] = {}
+    for ev in events:
+        if ev.cat in _HOST_CATS and is_launcher(ev.name):
+            spans.setdefault((ev.pid, ev.tid), []).append(ev)
+    by_thread: dict[tuple[int | str, int | str], list[tuple[float, int]]] = {}
+    for corr, launch in launch_of.items():
+        if (launch.pid, launch.tid) in spans:
+            by_thread.setdefault((launch.pid, launch.tid), []).append((launch.start_us, corr))
+    out: dict[int, tuple[TraceEvent, ...]] = {}
+    for key, launches in by_thread.items():
+        ops = sorted(spans[key], key=lambda e: (e.start_us, -e.dur_us))
+        launches.sort()
+        i = 0
+        open_ops: list[TraceEvent] = []
+        for t, corr in launches:
+            while i < len(ops) and ops[i].start_us <= t:
+                open_ops.append(ops[i])
+                i += 1
+            open_ops = [op for op in open_ops if op.end_us >= t]
+            if open_ops:
+                out[corr] = tuple(open_ops)
+    return out
+
+
+@dataclass
+class _CommWork:
+    """Device work of one collective: the kernels one host op launched (or one kernel)."""
+
+    events: list[TraceEvent]
+    chain: tuple[TraceEvent, ...]
+
+
+def _param_comms(
+    kernel: TraceEvent, chain: Sequence[TraceEvent], by_ext: Mapping[int, TraceEvent]
+) -> tuple[Mapping[str, object], Mapping[str, object]]:
+    """``(metadata, host args)`` of a collective's ``record_param_comms`` op: the
+    metadata on the kernel itself (torch >= 2.1) or on the op; the op is the one the
+    kernel's ``External id`` names, else the one around its launch. ``Seq`` is only
+    ever on the op."""
+    ext = _int(kernel.args.get("External id"))
+    host = by_ext.get(ext) if ext is not None else None
+    if host is None:
+        host = next((op for op in reversed(chain) if op.name == "record_param_comms"), None)
+    host_args: Mapping[str, object] = host.args if host is not None else {}
+    return (kernel.args if "Collective name" in kernel.args else host_args), host_args
+
+
+def _comm_records(
+    work: Sequence[_CommWork], param_comms: Mapping[int, TraceEvent], world_size: int | None
 ) -> list[CollectiveRecord]:
     out: list[CollectiveRecord] = []
-    for ev in sorted(kernels, key=lambda e: e.start_us):
-        a = ev.args
-        ext = _int(a.get("External id"))
-        host = param_comms.get(ext) if ext is not None else None
-        meta: Mapping[str, object] = a if "Collective name" in a or host is None else host.args
+    for w in work:
+        kernels = [e for e in w.events if e.cat.lower() == "kernel"] or list(w.events)
+        first = min(kernels, key=lambda e: e.start_us)
+        meta, host_args = _param_comms(first, w.chain, param_comms)
         coll = meta.get("Collective name")
         op = normalize_op(coll) if isinstance(coll, str) else "other"
-        if op == "other":  # no usable "Collective name": fall back on the kernel's name
-            op = normalize_op(ev.name)
-        size = _dtype_bytes(meta.get("dtype"))
+        for host in reversed(w.chain):  # innermost first: nccl:all_to_all, then c10d::
+            if op != "other":
+                break
+            op = normalize_op(host.name)
+        if op == "other":
+            op = normalize_op(first.name)
+        group_size = _int(meta.get("Group size"))
+        size = dtype_bytes(meta.get("dtype"))
         n_in = _int(meta.get("In msg nelems"))
         n_out = _int(meta.get("Out msg nelems"))
         nelems = max((n for n in (n_in, n_out) if n is not None), default=None)
+        nbytes = None if size is None or nelems is None else size * nelems
+        if nbytes is None:
+            nbytes = host_op_bytes([(h.name, h.args) for h in w.chain], op, group_size or world_size)
         group_name = meta.get("Process Group Name")
+        start = min(e.start_us for e in w.events)
+        end = max(e.end_us for e in w.events)
         out.append(
             CollectiveRecord(
                 op=op,
-                start_us=ev.start_us,
-                dur_us=ev.dur_us,
-                bytes=None if size is None or nelems is None else size * nelems,
+                start_us=start,
+                dur_us=end - start,
+                bytes=nbytes,
                 group_name=None if group_name is None else str(group_name).strip('"'),
-                group_size=_int(meta.get("Group size")),
+                group_size=group_size,
                 group_ranks=_ranks(meta.get("Process Group Ranks")),
-                seq=None if host is None else _int(host.args.get("Seq")),
+                seq=_int(host_args.get("Seq")),
             )
         )
-    return out
+    return sorted(out, key=lambda r: r.start_us)
 
 
 def _device_steps(
     host_steps: Sequence[Interval], gpu: Sequence[TraceEvent], launch_at: Mapping[int, float]
-) -> list[Interval]:
-    """Map host step spans to device-side spans (see the module docstring)."""
+) -> tuple[list[Interval], float]:
+    """Map host step spans to device-side spans (see the module docstring), and the
+    device time of the work launched before the window."""
     work: list[tuple[float, float]] = []  # (launch time, end on device)
+    first_launch = min(launch_at, default=None)
+    before = 0.0
     for ev in gpu:
         corr = _int(ev.args.get("correlation"))
-        launched = launch_at.get(corr, ev.start_us) if corr is not None else ev.start_us
-        work.append((min(launched, ev.start_us), ev.end_us))
+        if corr is not None and corr in launch_at:
+            launched = min(launch_at[corr], ev.start_us)
+        elif corr is not None and first_launch is not None and corr < first_launch:
+            launched = -math.inf  # launched before the profiler started recording
+            before += ev.dur_us
+        else:
+            launched = ev.start_us
+        work.append((launched, ev.end_us))
     work.sort()
     launches = [w[0] for w in work]
     prefix_end: list[float] = []
@@ -517,7 +510,7 @@ def _device_steps(
     for s, e in host_steps:
         ds, de = device_time(s), device_time(e)
         out.append((ds, max(ds, de)))
-    return out
+    return out, before
 
 
 def classify_events(events: Sequence[TraceEvent], distributed_info: object = None) -> WindowTrace:
@@ -556,30 +549,56 @@ def classify_events(events: Sequence[TraceEvent], distributed_info: object = Non
             step_numbers=step_numbers,
         )
 
-    nccl = [ev for ev in gpu if is_nccl_kernel(ev)]
-    comm = union(ev.span for ev in nccl)
-    compute = union(ev.span for ev in gpu if not is_nccl_kernel(ev))
-    launch_at: dict[int, float] = {}
+    launch_of: dict[int, TraceEvent] = {}
     for ev in events:
         if ev.cat in _LAUNCH_CATS:
             corr = _int(ev.args.get("correlation"))
             if corr is not None:
-                launch_at[corr] = ev.start_us
+                launch_of[corr] = ev
+    chains = _launch_chains(events, launch_of)
     param_comms: dict[int, TraceEvent] = {}
     for ev in events:
         if ev.name == "record_param_comms":
             ext = _int(ev.args.get("External id"))
             if ext is not None:
                 param_comms[ext] = ev
-    records = sorted(_nccl_records(nccl, param_comms) + gloo, key=lambda r: r.start_us)
+    by_op: dict[int, _CommWork] = {}  # id() of the outermost launching host op
+    work: list[_CommWork] = []
+    compute_ev: list[Interval] = []
+    copy_ev: list[Interval] = []
+    comm_ev: list[Interval] = []
+    for ev in gpu:
+        corr = _int(ev.args.get("correlation"))
+        chain = chains.get(corr, ()) if corr is not None else ()
+        is_kernel = ev.cat.lower() == "kernel"
+        if chain:
+            comm_ev.append(ev.span)
+            w = by_op.get(id(chain[0]))
+            if w is None:
+                w = by_op[id(chain[0])] = _CommWork([], chain)
+                work.append(w)
+            w.events.append(ev)
+        elif is_kernel and is_comm_kernel_name(ev.name):
+            comm_ev.append(ev.span)
+            work.append(_CommWork([ev], ()))
+        elif is_kernel:
+            compute_ev.append(ev.span)
+        else:
+            copy_ev.append(ev.span)
+    compute, copies, comm = union(compute_ev), union(copy_ev), union(comm_ev)
+    world = _int(distributed_info.get("world_size")) if isinstance(distributed_info, Mapping) else None
+    records = sorted(_comm_records(work, param_comms, world) + gloo, key=lambda r: r.start_us)
+    steps, before = _device_steps(host_steps, gpu, {c: ev.start_us for c, ev in launch_of.items()})
     return WindowTrace(
-        steps=_device_steps(host_steps, gpu, launch_at),
+        steps=steps,
         compute=compute,
         comm=comm,
-        data_wait=subtract(host_wait, union(compute, comm)),
+        data_wait=subtract(host_wait, union(compute, comm, copies)),
         collectives=records,
         device="cuda",
         step_numbers=step_numbers,
+        copies=copies,
+        before_window_us=before,
     )
 
 
@@ -603,4 +622,7 @@ def parse_chrome_trace(trace: Mapping[str, object]) -> WindowTrace:
 
 def window_breakdown(trace: WindowTrace) -> list[StepBreakdown]:
     """The breakdown of every step of the window, in seconds."""
-    return [breakdown(step, trace.compute, trace.comm, trace.data_wait).scaled(1e-6) for step in trace.steps]
+    return [
+        breakdown(step, trace.compute, trace.comm, trace.data_wait, trace.copies).scaled(1e-6)
+        for step in trace.steps
+    ]

@@ -19,7 +19,23 @@ Self-measured cost of a window (seconds), all of it counted against the budget:
 * the slowdown of the profiled steps themselves: their time minus ``k`` times the median
   of the steps just before the window (minus the start/step calls already counted);
 * the profiler thread's CPU time for export and parse (it competes for the GIL and for
-  cores with training).
+  cores with training);
+* the *lasting* slowdown: after ``torch.profiler`` stops, CUPTI can stay attached and slow
+  every later step by 10-20% (pytorch #144455, kineto #1264), which a comparison with the
+  steps just before a window cannot see. So each window also compares the median of the
+  steps just before it (the furthest from the previous window) with the median of the
+  steps before the *first* window; an excess above :data:`LASTING_NOISE` of the latter is
+  paid by every unprofiled step of the period and counted as ``lasting_s``. Since it
+  does not shrink with a longer period, it stretches the period to its cap, and the
+  entry's cost names it.
+
+Where torch offers it, CUPTI is released after each window: on CUDA >= 12.6 the agent
+sets ``TEARDOWN_CUPTI=1`` (Kineto then calls ``cuptiFinalize`` when a window ends) unless
+the variable is already set, by the user or by torch itself (torch sets it to 0 when CUDA
+graphs are in use on older CUDA, where teardown crashes). It is set once, at ``init``.
+
+A trace over :data:`stepwatch.profiler.trace.MAX_TRACE_BYTES` is not parsed: the window
+is skipped and says so, and its export cost still counts.
 
 Budget: the period is stretched to the smallest ``base * 2**j`` for which the median
 cost of the last four windows is at most ``budget`` (default 1%) of ``period x median
@@ -50,14 +66,14 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._clock_sync import ClockSync
-from ._nvml import Nvml
-from ._profile_entry import build_entry
-from ._trace import DATA_WAIT_SPAN, trace_from_profiler
+from .._clock_sync import ClockSync
+from .._nvml import Nvml
+from ._entry import build_entry
+from .trace import DATA_WAIT_SPAN, MAX_TRACE_BYTES, trace_from_profiler
 
 log = logging.getLogger("stepwatch")
 _perf = time.perf_counter
@@ -69,6 +85,37 @@ MAX_PENDING = 8
 PRIOR_COST_S = 0.1
 """Assumed cost of a window before one is measured (measured here: 50-100 ms on a small
 CPU model; pushed out of the median by the first measured windows)."""
+LASTING_NOISE = 0.03
+"""Step-time excess over the steps before the first window that is taken for noise (a
+lasting CUPTI slowdown is 10-20%; step times of a steady run vary by a few percent)."""
+TEARDOWN_FROM_CUDA = (12, 6)
+"""First CUDA version on which Kineto's CUPTI teardown is reliable (kineto #1264)."""
+
+
+def release_cupti_after_windows(environ: MutableMapping[str, str], cuda_version: str | None) -> bool:
+    """Ask Kineto to detach CUPTI when a window stops (see the module docstring).
+
+    Returns whether teardown is on. A value already in ``environ`` is left alone.
+    """
+    if "TEARDOWN_CUPTI" in environ:
+        return environ["TEARDOWN_CUPTI"] == "1"
+    try:
+        version = tuple(int(x) for x in (cuda_version or "").split(".")[:2])
+    except ValueError:
+        return False
+    if len(version) < 2 or version < TEARDOWN_FROM_CUDA:
+        return False
+    environ["TEARDOWN_CUPTI"] = "1"
+    return True
+
+
+def _torch_cuda_version() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    v = getattr(torch.version, "cuda", None)
+    return v if isinstance(v, str) else None
 
 
 @dataclass
@@ -107,6 +154,7 @@ class ProfilerWindow:
         nvml: Nvml | None = None,
         make_profiler: Callable[[], Any] | None = None,
         other_profiler_active: Callable[[], bool] = _other_profiler_active,
+        max_trace_bytes: int = MAX_TRACE_BYTES,
     ) -> None:
         if every < 2 or not (1 <= steps < every):
             raise ValueError(f"need 1 <= profile_steps < profile_every, got {steps} and {every}")
@@ -122,6 +170,7 @@ class ProfilerWindow:
         self.record_shapes = cuda if record_shapes is None else record_shapes
         self.clock_sync = clock_sync
         self.nvml = nvml
+        self.max_trace_bytes = max_trace_bytes
         self._make = make_profiler or self._torch_profiler
         self._other_active = other_profiler_active
         #: True while a window records; the loader wrapper then emits data-wait spans.
@@ -154,6 +203,14 @@ class ProfilerWindow:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+        #: Median step time before the first window: the reference for lasting slowdowns.
+        self.before_first_s: float | None = None
+        #: Whether Kineto was asked to detach CUPTI after each window (CUDA only).
+        self.cupti_teardown = (
+            release_cupti_after_windows(os.environ, _torch_cuda_version())
+            if cuda and make_profiler is None
+            else False
+        )
 
     # -- schedule ------------------------------------------------------------------
     def next_start(self, after: int) -> int:
@@ -209,6 +266,8 @@ class ProfilerWindow:
         self._times = []
         self._calls_s = 0.0
         self._baseline = list(times[max(0, n - BASELINE_STEPS) : n])
+        if self.before_first_s is None and self._baseline:
+            self.before_first_s = statistics.median(self._baseline)
         from torch.profiler import record_function
 
         self.record_function = record_function
@@ -292,6 +351,8 @@ class ProfilerWindow:
             "last_cost": self.last_cost,
             "recent_windows": list(self.recent),
             "warm_cpu_s": self.warm_cpu_s,
+            "before_first_s": self.before_first_s,
+            "cupti_teardown": self.cupti_teardown,
         }
 
     def take(self) -> list[dict[str, Any]]:
@@ -365,7 +426,7 @@ class ProfilerWindow:
         """Export and parse one finished window, account its cost, stretch the period."""
         c0 = time.thread_time()
         try:
-            trace = trace_from_profiler(job.prof)
+            trace = trace_from_profiler(job.prof, max_bytes=self.max_trace_bytes)
             job.prof = None
             entry = build_entry(trace, first_step=job.first_step, n_steps=job.n_steps)
             del trace
@@ -378,7 +439,14 @@ class ProfilerWindow:
         slowdown = 0.0
         if base_step is not None and job.times:
             slowdown = max(0.0, sum(job.times) - len(job.times) * base_step - job.start_s - job.calls_s)
-        total = on_thread + slowdown + parse_s
+        lasting = 0.0
+        lasting_ratio = None
+        ref = self.before_first_s
+        if ref and base_step is not None and self.windows > 0:  # the first window's baseline is ref
+            lasting_ratio = max(0.0, base_step / ref - 1.0)
+            if lasting_ratio > LASTING_NOISE:
+                lasting = (base_step - ref) * max(0, job.every - job.n_steps)
+        total = on_thread + slowdown + parse_s + lasting
         self._costs.append(total)
         self.every = self._stretch(base_step)
         self.windows += 1
@@ -388,6 +456,8 @@ class ProfilerWindow:
             "on_thread_s": on_thread,
             "slowdown_s": slowdown,
             "parse_cpu_s": parse_s,
+            "lasting_s": lasting,
+            "lasting_ratio": lasting_ratio,
             "every": job.every,
             "next_every": self.every,
             "overhead_ratio": total / (job.every * base_step) if base_step else None,

@@ -1,14 +1,17 @@
 """Time breakdown of one training step from activity intervals (DESIGN §3).
 
-A step on one rank splits into five disjoint parts that sum to the step time:
+A step on one rank splits into disjoint parts that sum to the step time:
 
 ``data_wait_s``
     The host is blocked in the data loader.
 ``comm_overlapped_s``
     Communication runs while compute runs too (the communication is hidden).
 ``compute_s``
-    Compute runs and no communication does (*compute only*: the overlapped part
-    is not counted again here).
+    Compute kernels run and no communication does (*compute only*: the overlapped
+    part is not counted again here). Kernels only, as HTA defines compute.
+``copy_s``
+    Only memory copies and sets run (``gpu_memcpy``/``gpu_memset``: no kernel, no
+    communication). The device is busy but not computing; 0 on the CPU path.
 ``comm_exposed_s``
     Communication runs and nothing else does: the rank waits on the network.
 ``idle_s``
@@ -21,11 +24,14 @@ activities goes. Every interval is first clipped to the step span.
    loader is data wait even if a collective of the previous step is still
    draining. The loader is the thing to fix first, and counting the moment twice
    would break the sum.
-2. Of what remains, compute ∩ communication is *overlapped* communication.
-3. Compute without communication is *compute only*.
-4. Communication without compute is *exposed* communication.
-5. Idle is the remainder of the step, so the five parts sum to the step time
-   by construction (up to one floating-point rounding, never below zero).
+2. Of what remains, communication while the device does other work (compute or
+   copies) is *overlapped* communication.
+3. Compute without communication is *compute only*; a copy that runs beside a
+   kernel is inside it.
+4. Copies with neither compute nor communication are *copies*.
+5. Communication without compute or copies is *exposed* communication.
+6. Idle is the remainder of the step, so the parts sum to the step time by
+   construction (up to one floating-point rounding, never below zero).
 
 The overlap ratio is overlapped / (overlapped + exposed): the share of the
 communication time (outside data wait) that compute hid. It is ``None`` when the
@@ -148,6 +154,7 @@ class StepBreakdown:
     comm_exposed_s: float
     data_wait_s: float
     idle_s: float
+    copy_s: float = 0.0
 
     @property
     def comm_s(self) -> float:
@@ -171,6 +178,7 @@ class StepBreakdown:
             comm_exposed_s=self.comm_exposed_s * factor,
             data_wait_s=self.data_wait_s * factor,
             idle_s=self.idle_s * factor,
+            copy_s=self.copy_s * factor,
         )
 
 
@@ -179,8 +187,10 @@ def breakdown(
     compute: Sequence[Interval],
     comm: Sequence[Interval],
     data_wait: Sequence[Interval],
+    copies: Sequence[Interval] = (),
 ) -> StepBreakdown:
-    """Split ``step`` into compute-only, overlapped and exposed communication, data wait and idle.
+    """Split ``step`` into compute-only, copies, overlapped and exposed communication,
+    data wait and idle.
 
     The inputs may overlap among themselves, be unsorted and extend past the step:
     each collection is reduced to its union and clipped to the step span first.
@@ -202,12 +212,15 @@ def breakdown(
 
     wait = rel(data_wait)
     busy = subtract(rel(compute), wait)
+    moving = subtract(subtract(rel(copies), wait), busy)  # copies beside no kernel
     net = subtract(rel(comm), wait)
-    overlapped = total(intersect(busy, net))
+    other = union(busy, moving)
+    overlapped = total(intersect(other, net))
     compute_only = total(subtract(busy, net))
-    exposed = total(subtract(net, busy))
+    copy_only = total(subtract(moving, net))
+    exposed = total(subtract(net, other))
     waited = total(wait)
-    idle = max(0.0, length - (waited + overlapped + compute_only + exposed))
+    idle = max(0.0, length - (waited + overlapped + compute_only + copy_only + exposed))
     return StepBreakdown(
         step_s=length,
         compute_s=compute_only,
@@ -215,4 +228,5 @@ def breakdown(
         comm_exposed_s=exposed,
         data_wait_s=waited,
         idle_s=idle,
+        copy_s=copy_only,
     )

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch_server.ingest.skew import GroupArrivals, split_wait_transfer
+from stepwatch.profiler.lineup import GroupArrivals, split_wait_transfer
 
 
 def _g(enter: list[float], end: list[float], *, step: list[int] | None = None, **kw: object) -> GroupArrivals:

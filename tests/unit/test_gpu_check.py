@@ -1,0 +1,116 @@
+"""``make gpu-check`` (tools/gpu_check.py) without a GPU: its verdicts on recorded and
+synthetic numbers, its error handling, and that without CUDA it runs nothing and exits 0.
+
+What the checks exercise on a GPU is unit-tested elsewhere on the CPU: the CUDA-event
+clock (test_device_clock.py), first-step attribution (test_trace_gpu.py), NVML
+(test_nvml.py, against a stand-in library), the callbacks' token counter
+(tests/integration/test_callbacks.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gc() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", TOOL)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_without_cuda_it_says_so_and_runs_nothing() -> None:
+    out = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines() == [
+        "gpu-check: no CUDA device here: nothing checked (run it on a machine with a GPU)"
+    ]
+
+
+def test_step_times_against_the_reference(gc: ModuleType) -> None:
+    ref = [0.010, 0.020, 0.030]
+    assert gc.compare_step_times([0.0101, 0.0199, 0.0302], ref).status == "PASS"
+    bad = gc.compare_step_times([0.010, 0.025, 0.030], ref)
+    assert bad.status == "FAIL" and "1 of 3" in bad.detail
+    assert gc.compare_step_times([0.01], ref).status == "FAIL"
+
+
+def test_unsynced_events_must_still_see_the_device(gc: ModuleType) -> None:
+    ok = gc.compare_unsynced([0.0202, 0.0199], host_s=[0.001, 0.001], device_ref_s=0.020)
+    assert ok.status == "PASS" and "host ran ahead" in ok.detail
+    assert gc.compare_unsynced([0.001, 0.001], host_s=[0.001], device_ref_s=0.020).status == "FAIL"
+
+
+def test_first_step_verdict(gc: ModuleType) -> None:
+    """Figures of HTA's A100 DLRM trace: 371.6 ms first step before the fix, 216.3 after."""
+    steady = [0.2156, 0.2165, 0.2162, 0.2125]
+    assert gc.first_step_verdict([0.2163, *steady], [0.2163, *steady], 0.155).status == "PASS"
+    assert gc.first_step_verdict([0.3716, *steady], [0.2163, *steady], 0.0).status == "FAIL"
+    assert gc.first_step_verdict([0.2163, *steady], [0.30, *steady], 0.155).status == "FAIL", (
+        "trace vs events"
+    )
+
+
+def test_nvml_verdict(gc: ModuleType) -> None:
+    good = {
+        "gpu_uuid": "GPU-5c0e3c1a-1a2b-4c3d-8e9f-000000000001",
+        "sm_clock_mhz": 1980.0,
+        "power_w": 412.5,
+        "temperature_c": 51.0,
+        "throttle_reasons": [],
+    }
+    assert gc.nvml_verdict(good, "5c0e3c1a-1a2b-4c3d-8e9f-000000000001").status == "PASS"
+    other = gc.nvml_verdict(good, "GPU-ffffffff-0000-0000-0000-000000000000")
+    assert other.status == "FAIL" and "is not torch's device" in other.detail
+    assert gc.nvml_verdict({**good, "power_w": None}, None).status == "FAIL"
+    assert gc.nvml_verdict(None, None).status == "FAIL"
+
+
+def test_tokens_verdict(gc: ModuleType) -> None:
+    assert gc.tokens_verdict(0.002, 0.15, 4096, 4096).status == "PASS"
+    assert gc.tokens_verdict(0.14, 0.15, 4096, 4096).status == "FAIL", "add() waited for the device"
+    assert gc.tokens_verdict(0.002, 0.15, 3000, 4096).status == "FAIL"
+
+
+def test_ddp_verdicts(gc: ModuleType) -> None:
+    sync = {0: [0.055, 0.052, 0.056], 1: [0.004, 0.003, 0.005]}
+    assert gc.ddp_lag_verdict(sync, 0.05, True).status == "PASS"
+    assert gc.ddp_lag_verdict({0: [0.01], 1: [0.01]}, 0.05, True).status == "FAIL", (
+        "no wait for the late rank"
+    )
+    assert gc.ddp_lag_verdict(sync, 0.05, False).status == "FAIL", "gradients changed"
+    assert gc.ddp_lag_verdict({0: [0.05]}, 0.05, True).status == "FAIL"
+    assert gc.ddp_single_verdict([0.002] * 5, [0.03] * 5, 40, True).status == "PASS"
+    synced = gc.ddp_single_verdict([0.03] * 5, [0.03] * 5, 40, True)
+    assert synced.status == "FAIL" and "SYNCED" in synced.detail
+
+
+def test_numbers_under_a_key_anywhere(gc: ModuleType) -> None:
+    doc = [{"comm": {"steps": [{"sync_s": 0.05, "n": 3}, {"sync_s": 0.04}], "ops": {"x_sync_s": [1, True]}}}]
+    assert gc.numbers_under(doc, "sync_s") == [0.05, 0.04, 1.0]
+    assert gc.numbers_under(doc, "missing") == []
+
+
+def test_a_check_that_raises_becomes_a_fail_line(gc: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    def boom() -> list[object]:
+        raise RuntimeError("driver gone")
+
+    def fine() -> list[object]:
+        return [gc.Verdict("fine", "PASS", "ok")]
+
+    verdicts = gc.run([("boom", boom), ("fine", fine)])
+    assert [(v.name, v.status) for v in verdicts] == [("boom", "FAIL"), ("fine", "PASS")]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("FAIL boom: error: RuntimeError: driver gone") and lines[1].startswith(
+        "PASS fine: ok"
+    )

@@ -1,0 +1,502 @@
+"""``make gpu-check``: prove stepwatch's CUDA path on a machine with a GPU, in minutes.
+
+No line of the CUDA path can run in CI (no GPU there); its logic is unit-tested from
+recorded and synthetic inputs (tests/unit/test_gpu_check.py tests the verdicts below,
+tests/unit/test_trace_gpu.py the trace rules). This script runs the real thing and prints
+one verdict line per check, ``PASS``/``FAIL``/``SKIP`` + name + the numbers:
+
+``step_times``   CUDA-event step times (the agent's ``sw.step`` path and its sender-side
+                 ``resolve``) against a reference the script measures itself: steps
+                 bracketed by ``torch.cuda.synchronize()`` and ``perf_counter``; then the
+                 same work without syncs, where the host runs ahead and only the events
+                 can still see the device's steps.
+``ddp``          always-on timing of DDP over NCCL (``sw.watch(ddp_model)``): 2 GPUs with
+                 rank 1 arriving late at every bucket (rank 0 must wait longer), or 1 GPU
+                 with a lagging stream (the hook must not synchronise); gradients equal to
+                 plain DDP's. "not available in this build" where the hook is absent.
+``first_step``   the first profiled step of a live trace, GPU lagging its host by about a
+                 step, against the steady steps and the script's own CUDA events.
+``nvml``         NVML fields of this GPU: UUID matching torch's, clocks, power,
+                 temperature, throttle reasons.
+``tokens``       the callbacks' token counter on CUDA masks: ``add`` returns while the
+                 device is busy (no sync), and the deferred count is exact.
+
+Without CUDA it says so and exits 0 having run nothing. Exit 1 when any check fails.
+Run: ``make gpu-check`` (``GPU_PY=python make gpu-check`` to use your own environment).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DDP_DELAY_S = 0.05
+"""Host delay of the late rank before every backward (2-GPU DDP check)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str
+    status: str  # "PASS" | "FAIL" | "SKIP"
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.status} {self.name}: {self.detail}"
+
+
+# -- verdicts: pure, unit-tested in CI --------------------------------------------------
+
+
+def compare_step_times(
+    measured: Sequence[float], reference: Sequence[float], *, rel: float = 0.03, abs_s: float = 2e-4
+) -> Verdict:
+    """Each measured step within ``rel`` (+ ``abs_s``) of its reference."""
+    if len(measured) != len(reference) or not measured:
+        return Verdict(
+            "step_times", "FAIL", f"{len(measured)} steps measured, {len(reference)} in the reference"
+        )
+    worst = max(abs(m - r) / r if r > 0 else math.inf for m, r in zip(measured, reference, strict=True))
+    bad = [
+        i for i, (m, r) in enumerate(zip(measured, reference, strict=True)) if abs(m - r) > rel * r + abs_s
+    ]
+    ms = statistics.median(reference) * 1e3
+    if bad:
+        return Verdict(
+            "step_times", "FAIL", f"{len(bad)} of {len(measured)} steps off the reference (worst {worst:.1%})"
+        )
+    return Verdict(
+        "step_times",
+        "PASS",
+        f"{len(measured)} steps within {worst:.1%} of the synchronised reference ({ms:.2f} ms)",
+    )
+
+
+def compare_unsynced(event_s: Sequence[float], host_s: Sequence[float], device_ref_s: float) -> Verdict:
+    """Without syncs: the events still give the device's step (median within 5% of the
+    synchronised reference) while the host ran ahead (its median well below)."""
+    ev, host = statistics.median(event_s), statistics.median(host_s)
+    if abs(ev - device_ref_s) > 0.05 * device_ref_s:
+        return Verdict(
+            "step_times_async", "FAIL", f"events {ev * 1e3:.2f} ms vs device {device_ref_s * 1e3:.2f} ms"
+        )
+    note = "host ran ahead" if host < 0.5 * ev else "host did not run ahead (launch-bound?)"
+    return Verdict(
+        "step_times_async",
+        "PASS",
+        f"events {ev * 1e3:.2f} ms = device {device_ref_s * 1e3:.2f} ms; host {host * 1e3:.2f} ms ({note})",
+    )
+
+
+def first_step_verdict(step_s: Sequence[float], events_s: Sequence[float], before_window_s: float) -> Verdict:
+    """The trace's first step equals its steady steps, and the steps match the CUDA events."""
+    if len(step_s) < 3 or len(events_s) != len(step_s):
+        return Verdict("first_step", "FAIL", f"{len(step_s)} steps parsed, {len(events_s)} timed")
+    steady = statistics.median(step_s[1:])
+    off = abs(step_s[0] - steady) / steady
+    worst = max(abs(a - b) / b for a, b in zip(step_s, events_s, strict=True))
+    detail = (
+        f"first {step_s[0] * 1e3:.2f} ms, steady {steady * 1e3:.2f} ms ({off:.1%}); trace vs events worst "
+        f"{worst:.1%}; {before_window_s * 1e3:.2f} ms of pre-window work set apart"
+    )
+    ok = off <= 0.10 and worst <= 0.10
+    return Verdict("first_step", "PASS" if ok else "FAIL", detail)
+
+
+def nvml_verdict(sample: Mapping[str, Any] | None, torch_uuid: str | None) -> Verdict:
+    if sample is None:
+        return Verdict(
+            "nvml", "FAIL", "NVML gave nothing (is nvidia-ml-py installed? pip install stepwatch[nvml])"
+        )
+    problems = []
+    uuid = sample.get("gpu_uuid")
+    if not uuid:
+        problems.append("no UUID")
+    elif torch_uuid and torch_uuid.removeprefix("GPU-") not in uuid:
+        problems.append(f"UUID {uuid} is not torch's device {torch_uuid}")
+    checks: list[tuple[str, Callable[[Any], bool]]] = [
+        ("sm_clock_mhz", lambda v: v > 0),
+        ("power_w", lambda v: v > 0),
+        ("temperature_c", lambda v: 0 < v < 120),
+    ]
+    for key, good in checks:
+        v = sample.get(key)
+        if not isinstance(v, int | float) or not good(v):
+            problems.append(f"{key}={v!r}")
+    if not isinstance(sample.get("throttle_reasons"), list):
+        problems.append("no throttle reasons list")
+    fields = ", ".join(
+        f"{k}={sample.get(k)!r}" for k in ("sm_clock_mhz", "power_w", "temperature_c", "throttle_reasons")
+    )
+    return Verdict(
+        "nvml", "FAIL" if problems else "PASS", ("; ".join(problems) + " | " if problems else "") + fields
+    )
+
+
+def tokens_verdict(add_s: float, busy_s: float, got: int, want: int) -> Verdict:
+    """``add`` took much less than the device's queued work, and the count is exact."""
+    detail = (
+        f"add() {add_s * 1e3:.2f} ms while the device was busy {busy_s * 1e3:.0f} ms; counted {got} of {want}"
+    )
+    ok = add_s < 0.25 * busy_s and got == want
+    return Verdict("tokens", "PASS" if ok else "FAIL", detail)
+
+
+def numbers_under(doc: Any, key_part: str) -> list[float]:
+    """Every number found under a key containing ``key_part``, anywhere in ``doc``
+    (the always-on section's layout belongs to the hook's module; the check only needs
+    its numbers)."""
+    out: list[float] = []
+
+    def walk(node: Any, hit: bool) -> None:
+        if isinstance(node, Mapping):
+            for k, v in node.items():
+                walk(v, hit or key_part in str(k))
+        elif isinstance(node, list | tuple):
+            for v in node:
+                walk(v, hit)
+        elif hit and isinstance(node, int | float) and not isinstance(node, bool) and math.isfinite(node):
+            out.append(float(node))
+
+    walk(doc, False)
+    return out
+
+
+def ddp_lag_verdict(
+    sync_by_rank: Mapping[int, Sequence[float]], delay_s: float, grads_equal: bool
+) -> Verdict:
+    """2 ranks, rank 1 late by ``delay_s``: rank 0's sync (end - last arrival) is longer by
+    about the delay; the gradients are DDP's own."""
+    if not all(sync_by_rank.get(r) for r in (0, 1)):
+        return Verdict("ddp", "FAIL", f"no sync times in the payload for ranks {sorted(sync_by_rank)}")
+    s0, s1 = statistics.median(sync_by_rank[0]), statistics.median(sync_by_rank[1])
+    ok = s0 - s1 >= 0.5 * delay_s and grads_equal
+    detail = (
+        f"sync rank 0 {s0 * 1e3:.1f} ms, rank 1 (late by {delay_s * 1e3:.0f} ms) {s1 * 1e3:.1f} ms; "
+        f"gradients {'equal to' if grads_equal else 'DIFFERENT from'} plain DDP's"
+    )
+    return Verdict("ddp", "PASS" if ok else "FAIL", detail)
+
+
+def ddp_single_verdict(
+    host_s: Sequence[float], device_s: Sequence[float], timed: int, grads_equal: bool
+) -> Verdict:
+    """1 GPU, lagging stream: the host ran ahead of the device (the hook did not sync) and
+    the hook timed the buckets."""
+    host, dev = statistics.median(host_s), statistics.median(device_s)
+    ok = host < 0.5 * dev and timed > 0 and grads_equal
+    detail = (
+        f"host {host * 1e3:.2f} ms/step vs device {dev * 1e3:.2f} ms/step "
+        f"({'no sync' if host < 0.5 * dev else 'SYNCED'}); "
+        f"{timed} timing values in the payload; gradients {'equal' if grads_equal else 'DIFFERENT'}"
+    )
+    return Verdict("ddp", "PASS" if ok else "FAIL", detail + " (1 GPU: world of 1, lagging stream)")
+
+
+# -- measurements: need CUDA ------------------------------------------------------------
+
+
+class _Recorder:
+    """The agent's sender replaced by a list (the HTTP path is tested in CI)."""
+
+    def __init__(self) -> None:
+        from stepwatch._sender import SenderStats
+
+        self.windows: list[Any] = []
+        self.stats = SenderStats()
+
+    def submit(self, window: Any) -> None:
+        self.windows.append(window)
+
+    def pending(self) -> int:
+        return 0
+
+    def flush(self, timeout_s: float) -> bool:
+        return True
+
+    def close(self, timeout_s: float) -> bool:
+        return True
+
+
+def _agent(steps: int, *, rank: int = 0, world: int = 1) -> tuple[Any, _Recorder]:
+    import stepwatch
+    from stepwatch._device_clock import cuda_clock
+    from stepwatch._env import detect
+    from stepwatch.config import AgentConfig
+
+    rec = _Recorder()
+    cfg = AgentConfig(run="gpu-check", send_interval_s=1e9, warmup_steps=0, max_window_steps=max(steps, 16))
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+    clock = cuda_clock(cfg.max_window_steps)
+    if clock is None:
+        raise RuntimeError("the agent found no initialised CUDA context")
+    sw = stepwatch.Stepwatch(
+        cfg,
+        detect(env, host="gpu-check"),
+        convention=None,
+        sender=rec,
+        device_clock=clock,  # type: ignore[arg-type]
+    )
+    return sw, rec
+
+
+def _event_times(sw: Any, rec: _Recorder) -> list[float]:
+    from stepwatch._device_clock import CudaEventClock
+
+    sw.close(10.0)
+    out: list[float] = []
+    for w in rec.windows:
+        if w.device_events is not None:
+            prev, events = w.device_events
+            out.extend(CudaEventClock.resolve(prev, events, w.step_time_s, deadline_s=30.0))
+    return out
+
+
+def check_step_times() -> list[Verdict]:
+    import torch
+
+    a = torch.randn(2048, 2048, device="cuda")
+    sizes = [2, 4, 6] * 8
+
+    def work(k: int) -> None:
+        for _ in range(k):
+            a.matmul(a)
+
+    for _ in range(3):
+        work(4)
+    torch.cuda.synchronize()
+    sw, rec = _agent(len(sizes))
+    ref: list[float] = []
+    t = time.perf_counter()
+    sw.step(tokens=1)  # the boundary before the first timed step
+    for k in sizes:
+        work(k)
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        ref.append(now - t)
+        t = now
+        sw.step(tokens=1)
+    ev = _event_times(sw, rec)[1:]
+    out = [compare_step_times(ev, ref)]
+    by_size = {k: statistics.median(r for r, s in zip(ref, sizes, strict=True) if s == k) for k in set(sizes)}
+    sw, rec = _agent(len(sizes))
+    host: list[float] = []
+    t = time.perf_counter()
+    sw.step(tokens=1)
+    for k in [4] * len(sizes):
+        work(k)
+        now = time.perf_counter()
+        host.append(now - t)
+        t = now
+        sw.step(tokens=1)
+    ev = _event_times(sw, rec)[2:]
+    out.append(compare_unsynced(ev, host[1:], by_size[4]))
+    return out
+
+
+def _ddp_model(device: Any) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(8))).to(device)
+
+
+def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, delay_s: float, lag_cycles: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dev = torch.device("cuda", rank)
+    plain, watched = DDP(_ddp_model(dev), device_ids=[rank]), DDP(_ddp_model(dev), device_ids=[rank])
+    x = torch.randn(64, 1024, device=dev, generator=torch.Generator(dev).manual_seed(rank))
+    plain(x).square().mean().backward()
+    sw, rec = _agent(30, rank=rank, world=world)
+    sw.watch(watched)
+    host: list[float] = []
+    t = time.perf_counter()
+    for _step in range(20):
+        watched.zero_grad()  # no optimizer: the last step's gradients are comparable with plain's
+        loss = watched(x).square().mean()
+        if delay_s and rank == 1:
+            time.sleep(delay_s)
+        if lag_cycles:
+            torch.cuda._sleep(lag_cycles)  # the stream lags its host
+        loss.backward()
+        now = time.perf_counter()
+        host.append(now - t)
+        t = now
+        sw.step(tokens=64)
+    torch.cuda.synchronize()
+    equal = all(
+        torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), watched.parameters(), strict=True)
+    )
+    windows = list(rec.windows)
+    device = _event_times(sw, rec)
+    docs = [json.loads(sw._encode(w, rec.stats)) for w in windows]
+    result = {"rank": rank, "equal": equal, "host": host[1:], "device": device[2:], "payloads": docs}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def check_ddp() -> list[Verdict]:
+    import torch
+    import torch.multiprocessing as mp
+
+    import stepwatch
+
+    if not hasattr(stepwatch, "comm_hook") or not hasattr(stepwatch.Stepwatch, "watch"):
+        return [
+            Verdict("ddp", "SKIP", "not available in this build (no stepwatch.comm_hook / Stepwatch.watch)")
+        ]
+    if not torch.distributed.is_nccl_available():
+        return [Verdict("ddp", "SKIP", "this torch build has no NCCL")]
+    world = 2 if torch.cuda.device_count() >= 2 else 1
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        delay, cycles = (DDP_DELAY_S, 0) if world == 2 else (0.0, 50_000_000)
+        mp.spawn(_ddp_worker, args=(world, init, tmp, delay, cycles), nprocs=world, join=True)
+        results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    equal = all(r["equal"] for r in results)
+    if world == 2:
+        sync = {r["rank"]: numbers_under(r["payloads"], "sync_s") for r in results}
+        return [ddp_lag_verdict(sync, DDP_DELAY_S, equal)]
+    (r,) = results
+    timed = len(numbers_under(r["payloads"], "comm"))
+    return [ddp_single_verdict(r["host"], r["device"], timed, equal)]
+
+
+def check_first_step() -> list[Verdict]:
+    """About one step of GPU lag: each step waits for the step before the previous one."""
+    import torch
+    from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
+    from stepwatch.profiler.trace import parse_chrome_trace, trace_from_profiler, window_breakdown
+
+    a = torch.randn(2048, 2048, device="cuda")
+    n = 6
+    done: list[Any] = []
+    starts: list[Any] = []
+
+    def step() -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        starts.append(ev)
+        for _ in range(6):
+            a.matmul(a)
+        if len(starts) >= 2:
+            starts[-2].synchronize()  # the host stays about one step ahead
+        done.append(ev)
+
+    for _ in range(4):
+        step()
+    prof = profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=lambda _s: ProfilerAction.RECORD
+    )
+    prof.start()
+    first = len(starts)
+    for _ in range(n):
+        step()
+        prof.step()
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    prof.stop()
+    torch.cuda.synchronize()
+    marks = [*starts[first + 1 : first + n], end]
+    events_s = [starts[first + i].elapsed_time(marks[i]) / 1e3 for i in range(n)]
+    w = parse_chrome_trace(trace_from_profiler(prof))
+    steps = [b.step_s for b in window_breakdown(w)]
+    k = min(len(steps), n)
+    return [first_step_verdict(steps[:k], events_s[:k], w.before_window_us * 1e-6)]
+
+
+def check_nvml() -> list[Verdict]:
+    import torch
+
+    from stepwatch._nvml import for_current_cuda_device
+
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    return [nvml_verdict(for_current_cuda_device().sample(), None if uuid is None else str(uuid))]
+
+
+def check_tokens() -> list[Verdict]:
+    import torch
+
+    from stepwatch.integrations._tokens import TokenCounter
+
+    counter = TokenCounter()
+    masks = [(torch.rand(8, 512, device="cuda") > 0.3).long() for _ in range(4)]
+    want = int(sum(int(m.sum().item()) for m in masks))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(200_000_000)  # keep the device busy for a while (~0.1-0.2 s)
+    a0 = time.perf_counter()
+    for m in masks:
+        counter.add({"attention_mask": m})
+    add_s = time.perf_counter() - a0
+    torch.cuda.synchronize()
+    busy_s = time.perf_counter() - t0
+    got = 0
+    deadline = time.monotonic() + 5
+    while got < want and time.monotonic() < deadline:  # take() hands over completed counts
+        tokens, _ = counter.take()
+        got += tokens
+    return [tokens_verdict(add_s, busy_s, got, want)]
+
+
+CHECKS: tuple[tuple[str, Callable[[], list[Verdict]]], ...] = (
+    ("step_times", check_step_times),
+    ("ddp", check_ddp),
+    ("first_step", check_first_step),
+    ("nvml", check_nvml),
+    ("tokens", check_tokens),
+)
+
+
+def run(checks: Iterable[tuple[str, Callable[[], list[Verdict]]]] = CHECKS) -> list[Verdict]:
+    out: list[Verdict] = []
+    for name, fn in checks:
+        t0 = time.perf_counter()
+        try:
+            got = fn()
+        except Exception as exc:
+            tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            got = [Verdict(name, "FAIL", f"error: {tb}")]
+        for v in got:
+            print(f"{v.line()}  [{time.perf_counter() - t0:.1f} s]", flush=True)
+        out.extend(got)
+    return out
+
+
+def main() -> int:
+    try:
+        import torch
+    except ImportError:
+        print("gpu-check: torch is not installed: nothing checked")
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device here: nothing checked (run it on a machine with a GPU)")
+        return 0
+    name = torch.cuda.get_device_name()
+    print(
+        f"gpu-check on {torch.cuda.device_count()} x {name}, "
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+    )
+    verdicts = run()
+    failed = [v for v in verdicts if v.status == "FAIL"]
+    print(f"gpu-check: {len(verdicts) - len(failed)} passed or skipped, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
