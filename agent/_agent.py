@@ -24,9 +24,10 @@ from ._device_clock import CudaEventClock
 from ._env import RankInfo
 from ._payload import build_payload, encode, new_batch_id
 from ._sender import Sender, SenderStats
-from ._window import TAG_CODES, Window
+from ._window import Window
 from .config import AgentConfig
 from .profiler._window import DATA_WAIT_SPAN, NEVER, ProfilerWindow
+from .wire import TAG_CODES
 
 log = logging.getLogger("stepwatch")
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from . import _dtype, _env, config
+from . import _dtype, _env, config, wire
 from ._agent import Stepwatch
 from ._clock_sync import ClockSync
 from ._device_clock import cuda_clock
@@ -19,7 +19,7 @@ from ._nvml import for_current_cuda_device
 from ._payload import plan_section
 from .profiler._window import ProfilerWindow
 
-_FINGERPRINT = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+_FINGERPRINT = re.compile(wire.FINGERPRINT_PATTERN)
 
 log = logging.getLogger("stepwatch")
 _current: Stepwatch | None = None

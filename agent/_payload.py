@@ -15,10 +15,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._window import TAGS, Window
-
-#: 2 adds the optional ``profiles`` list (profiler-window entries, see ``stepwatch.profiler._entry``).
-SCHEMA_VERSION = 2
+from ._window import Window
+from .wire import SCHEMA_VERSION, TAGS
 
 
 def new_batch_id() -> str:

@@ -14,10 +14,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._comm_timing import TimingSlices
 
-#: Step tags. The collector excludes tagged steps from baselines and regressions.
-TAGS: tuple[str, ...] = ("", "warmup", "checkpoint", "eval")
-TAG_CODES: dict[str, int] = {name: code for code, name in enumerate(TAGS) if name}
-
 
 @dataclass
 class Window:

@@ -11,8 +11,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from . import wire
+
 DEFAULT_URL = "http://127.0.0.1:8321"
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+RUN_NAME = re.compile(wire.RUN_NAME_PATTERN)
 
 
 @dataclass(frozen=True)

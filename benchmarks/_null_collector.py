@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from stepwatch_server.app import create_app, tune_gc
 from stepwatch_server.cli import run_uvicorn
 from stepwatch_server.ingest.store import RunKey
-from stepwatch_server.schemas import IngestPayload
+from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.settings import Settings
 
 

@@ -34,9 +34,10 @@ sys.path.insert(0, str(ROOT))  # the tests' payload builder
 from benchmarks._harness import pg_database  # noqa: E402
 from stepwatch_server.app import create_app  # noqa: E402
 from stepwatch_server.ingest.store import Ingestor  # noqa: E402
-from stepwatch_server.schemas import IngestPayload  # noqa: E402
+from stepwatch_server.schemas.ingest import IngestPayload  # noqa: E402
 from stepwatch_server.settings import Settings  # noqa: E402
 from stepwatch_server.storage import migrate  # noqa: E402
+from stepwatch_server.storage.backend import open_storage  # noqa: E402
 from stepwatch_server.storage.engine import make_engine  # noqa: E402
 from stepwatch_server.storage.models import Run  # noqa: E402
 from tests.payloads import payload  # noqa: E402
@@ -47,7 +48,7 @@ BUDGET = {"list_p99_s": 0.050, "page_bytes": 200_000, "scrape_s": 0.500}
 def populate(url: str, runs: int) -> None:
     engine = make_engine(url)
     try:
-        ingestor = Ingestor(engine)
+        ingestor = Ingestor(open_storage(engine))
         for start in range(0, runs, 500):
             group = [
                 IngestPayload.model_validate(payload(run=f"bench-{i:05d}", times=[0.5] * 4))

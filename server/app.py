@@ -28,6 +28,7 @@ from .exporter.registry import CollectorMetrics
 from .ingest.group_commit import GroupCommitter
 from .ingest.store import Ingestor
 from .settings import Settings
+from .storage.backend import open_storage
 from .storage.engine import make_engine
 from .storage.migrate import current_revision, head_revision
 from .worker import AnalysisWorker, WorkerConfig
@@ -48,6 +49,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     settings = settings or Settings()
     owns_engine = engine is None
     engine = engine or make_engine(settings.database_url)
+    storage = open_storage(engine)  # the one place the backend is chosen
 
     metrics = CollectorMetrics()
     notifier: WebhookNotifier | None = None
@@ -62,7 +64,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             on_outcome=lambda outcome: metrics.webhook.labels(outcome).inc(),
         )
     worker = AnalysisWorker(
-        engine,
+        storage,
         _worker_config(settings),
         notify=notifier.notify if notifier is not None else None,
         on_pass=metrics.record_pass,
@@ -92,7 +94,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.settings = settings
     app.state.auth = Authenticator.from_specs(settings.write_tokens, settings.read_tokens)
     app.state.engine = engine
-    app.state.ingestor = ingestor = Ingestor(engine, window_seconds=settings.window_seconds)
+    app.state.ingestor = ingestor = Ingestor(storage, window_seconds=settings.window_seconds)
     app.state.metrics = metrics
     app.state.run_checks = {}  # admissions of new runs in flight (api._admission)
     app.state.shared_writers = frozenset(

@@ -21,13 +21,14 @@ def db_upgrade(*, database_url: str | None, revision: str = "head") -> int:
 
 
 def db_prune(*, database_url: str | None, full_days: float, factor: int, batch_id_days: float) -> int:
+    from .storage.backend import open_storage
     from .storage.engine import make_engine
     from .storage.retention import prune
 
     settings = _settings(database_url=database_url)
     engine = make_engine(settings.database_url)
     try:
-        r = prune(engine, full_days=full_days, factor=factor, batch_id_days=batch_id_days)
+        r = prune(open_storage(engine), full_days=full_days, factor=factor, batch_id_days=batch_id_days)
     finally:
         engine.dispose()
     print(

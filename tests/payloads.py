@@ -9,8 +9,9 @@ from typing import Any
 
 from stepwatch._env import Layout, RankInfo, coords_for
 from stepwatch._payload import build_payload, new_batch_id
-from stepwatch._window import TAG_CODES, Window
+from stepwatch._window import Window
 from stepwatch.flops import resolve_convention
+from stepwatch.wire import TAG_CODES
 
 #: The convention as the agent resolves and sends it (explicit FLOPs per token, a user peak).
 CONVENTION = resolve_convention(

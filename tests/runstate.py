@@ -23,7 +23,7 @@ from stepwatch_server.analysis.pipeline import Change
 from stepwatch_server.analysis.stragglers import StragglerDetector
 from stepwatch_server.ingest.profiles import store_profiles
 from stepwatch_server.ingest.store import Ingestor
-from stepwatch_server.schemas import IngestPayload
+from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.storage.models import Rank, RankWindow, Run
 from stepwatch_server.worker.outputs import write_findings
 

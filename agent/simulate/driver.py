@@ -30,7 +30,8 @@ import httpx
 from .. import __version__
 from .._payload import build_payload, encode, new_batch_id
 from .._sender import Sender, SenderStats
-from .._window import TAG_CODES, Window
+from .._window import Window
+from ..wire import TAG_CODES
 from .entries import profile_entries
 from .model import TimingModel, WindowTimings
 

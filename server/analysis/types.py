@@ -12,14 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from stepwatch import wire
+
 Kind = Literal["straggler", "regression", "hang"]
 Cause = Literal["compute", "link", "data", "host"]
 Status = Literal["open", "closed"]
-StepTag = Literal["warmup", "checkpoint", "eval"]
+StepTag = wire.Tag
 
 #: Steps carrying one of these tags are never evidence of a regression: warm-up is not yet
 #: the steady state, checkpoints and evaluation are planned pauses.
-EXCLUDED_TAGS: frozenset[str] = frozenset({"warmup", "checkpoint", "eval"})
+EXCLUDED_TAGS: frozenset[str] = frozenset(wire.TAG_CODES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,10 @@ import hmac
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from ..errors import ForbiddenError, UnauthorizedError
 
 Scope = Literal["read", "write"]
 bearer = HTTPBearer(auto_error=False, description="A write token for POST /ingest, a read token for GET")
@@ -95,21 +97,16 @@ class Authenticator:
         if self.write_open if scope == "write" else self.read_open:
             return token.name if token is not None and token.scope == scope else None
         if credentials is None:
-            raise HTTPException(
-                status_code=401,
-                detail=f"this collector requires a bearer token to {scope} (Authorization: Bearer ...)",
+            raise UnauthorizedError(
+                f"this collector requires a bearer token to {scope} (Authorization: Bearer ...)",
                 headers={"WWW-Authenticate": "Bearer"},
             )
         if token is None:
-            raise HTTPException(
-                status_code=401,
-                detail="unknown bearer token",
-                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+            raise UnauthorizedError(
+                "unknown bearer token", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}
             )
         if token.scope != scope:
-            raise HTTPException(
-                status_code=403, detail=f"token {token.name!r} may {token.scope} but not {scope}"
-            )
+            raise ForbiddenError(f"token {token.name!r} may {token.scope} but not {scope}")
         return token.name
 
 

@@ -15,7 +15,7 @@ from fastapi import Path
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 
-from ..schemas import RUN_NAME_PATTERN
+from stepwatch.wire import RUN_NAME_PATTERN
 
 #: A ``{run}`` path parameter: only what a run name can be (so never a NUL), else 422.
 RunPath = Annotated[str, Path(pattern=RUN_NAME_PATTERN, description="the run's name")]

@@ -2,7 +2,8 @@
 
 - Validation errors: 422 whose ``detail`` names every offending field
   (``steps.tokens.3: Input should be greater than or equal to 0``).
-- Unknown run or metric: 404.
+- The collector's own errors (``stepwatch_server.errors``): their status (401, 403,
+  404) and message.
 - Database unreachable: 503 with ``Retry-After`` (the agent backs off and keeps its
   buffer), never a 500 that would look like a bug in the batch.
 """
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from ..reads.queries import NotFoundError
+from ..errors import CollectorError
 
 log = logging.getLogger("stepwatch_server")
 RETRY_AFTER_S = 5
@@ -48,9 +49,9 @@ def install(app: FastAPI, *, retry_after_s: int = RETRY_AFTER_S) -> None:
             content={"detail": f"invalid request: {describe(errors)}", "errors": _clean(errors)},
         )
 
-    @app.exception_handler(NotFoundError)
-    async def _not_found(_: Request, exc: NotFoundError) -> JSONResponse:
-        return JSONResponse(status_code=404, content={"detail": str(exc)})
+    @app.exception_handler(CollectorError)
+    async def _collector(_: Request, exc: CollectorError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status, content={"detail": str(exc)}, headers=exc.headers)
 
     async def _db_down(_: Request, exc: Exception) -> JSONResponse:
         log.warning("database unavailable: %s", exc.__class__.__name__)

@@ -7,20 +7,21 @@ import logging
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError
 
+from ..errors import ConflictError, ForbiddenError
 from ..exporter.registry import CollectorMetrics
 from ..ingest.admission import QuotaExceededError, may_write
 from ..ingest.group_commit import GroupCommitter
 from ..ingest.store import Ingestor, RunKey
 from ..reads import queries
-from ..schemas import (
+from ..schemas.ingest import IngestPayload
+from ..schemas.responses import (
     EventOut,
-    IngestPayload,
     IngestResult,
     Problem,
     RankSummary,
@@ -151,21 +152,18 @@ async def _within_limits(request: Request, payload: IngestPayload, owner: str | 
             key = await _admission(request, ingestor, payload, owner, settings.max_runs_per_token)
         except QuotaExceededError as exc:
             who = f"token {owner!r}" if owner else "anonymous writers"
-            raise HTTPException(
-                status_code=403,
-                detail=f"run {payload.run!r} refused: {who} created {exc.used} runs, the limit is "
+            raise ForbiddenError(
+                f"run {payload.run!r} refused: {who} created {exc.used} runs, the limit is "
                 f"{settings.max_runs_per_token} (STEPWATCH_MAX_RUNS_PER_TOKEN)",
             ) from None
     if not may_write(key.owner, owner, request.app.state.shared_writers):
-        raise HTTPException(
-            status_code=403,
-            detail=f"run {payload.run!r} belongs to token {key.owner!r}; token {owner!r} may not write "
+        raise ForbiddenError(
+            f"run {payload.run!r} belongs to token {key.owner!r}; token {owner!r} may not write "
             "into it (STEPWATCH_SHARED_WRITE_TOKENS names tokens that may)",
         )
     if payload.rank.world_size != key.world_size:
-        raise HTTPException(
-            status_code=409,
-            detail=f"rank.world_size: run {payload.run!r} has {key.world_size} ranks, this batch "
+        raise ConflictError(
+            f"rank.world_size: run {payload.run!r} has {key.world_size} ranks, this batch "
             f"declares {payload.rank.world_size}: a restart at another size is a new run, "
             "send it under a new run name",
         )

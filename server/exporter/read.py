@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Float, and_, cast, func, or_, select
 
-from ..storage.models import Event, JobStep, Rank, RankWindow, Run
+from ..storage.models import Event, JobStep, Rank, RankWindow, Run, unix
 from .state import EventRow, RankRow, StepRow
 
 RUNS = Run.__table__
@@ -41,14 +41,6 @@ class RunTail:
     last_step: int | None
     last_step_ts: float | None
     last_profiled_window: int | None
-
-
-def unix(value: datetime | None) -> float | None:
-    if value is None:
-        return None
-    if value.tzinfo is None:  # SQLite returns naive datetimes (stored in UTC)
-        value = value.replace(tzinfo=timezone.utc)
-    return value.timestamp()
 
 
 def reporting_runs(conn: Connection, *, since: float, limit: int) -> tuple[list[RunHead], int]:

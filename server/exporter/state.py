@@ -19,17 +19,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepwatch import wire
 from stepwatch.flops import per_token_rate
 
 from ..analysis.hangs import hang_threshold_s
 from ..analysis.robust import median
+from ..storage.columns import window_of
+
+#: The step tags (stored code = index + 1), as the ``tag`` label of the tagged-steps series.
+TAGS = wire.TAGS[1:]
 
 #: Quantiles across ranks exported for each per-rank quantity (0 and 1 are min and max).
 QUANTILES: tuple[float, ...] = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
 #: The parts of a step (DESIGN §3); they sum to the step time.
-PHASES: tuple[str, ...] = ("compute", "comm_overlapped", "comm_exposed", "data_wait", "idle")
-#: Step tags by the code ingest stores in ``job_steps.tag`` (0 = untagged).
-TAGS: tuple[str, ...] = ("warmup", "checkpoint", "eval")
+PHASES: tuple[str, ...] = tuple(p.removesuffix("_s") for p in wire.STEP_PARTS)
 EVENT_KINDS: tuple[str, ...] = ("straggler", "regression", "hang")
 STRAGGLER_CAUSES: tuple[str, ...] = ("compute", "link", "data", "host", "unknown")
 #: (kind, cause) pairs of the open-events family: causes only for stragglers.
@@ -316,7 +319,7 @@ def windows_in_view(last_step: int | None, window_steps: int) -> tuple[int, int]
     """The newest window (likely still filling) and the one before it (likely complete)."""
     if last_step is None or last_step <= 0:
         return (0, 0)
-    newest = (last_step - 1) // max(1, window_steps)
+    newest = window_of(last_step, max(1, window_steps))
     return (max(0, newest - 1), newest)
 
 

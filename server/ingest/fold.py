@@ -7,35 +7,25 @@ merges a few hundred rows instead of one per rank-step. The per-step work is vec
 with numpy (sort by key, then ``reduceat``): at 4,096 ranks it is the collector's hot
 loop, and a Python loop over every rank-step cost more than the database itself.
 
-The merge rules are the ones the upserts apply between groups: counts and sums add,
-minima and maxima stay extreme, a padded-token sum is null only if no step had one.
+Each column folds by its merge rule (``storage/columns.py``), the rule the upserts
+apply between groups, so a group folded here and the same batches merged one by one
+give the same rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ..schemas import IngestPayload
+from stepwatch import wire
 
-TAG_CODES = {"warmup": 1, "checkpoint": 2, "eval": 3}
-#: Column name -> values: a list (``ranks``) or a numpy array (masked where NULL).
-Columns = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Column-oriented rows for the three tables: numpy arrays for the step-derived tables
-    (sent to PostgreSQL in binary), lists for ``ranks``."""
-
-    ranks: Columns
-    windows: Columns
-    job_steps: Columns
+from ..schemas.ingest import IngestPayload
+from ..storage import columns
+from ..storage.columns import Columns, Rows
 
 
 def fold(payloads: Sequence[IngestPayload], run_ids: Sequence[int], window_steps: Sequence[int]) -> Rows:
@@ -52,9 +42,8 @@ def fold(payloads: Sequence[IngestPayload], run_ids: Sequence[int], window_steps
 
 
 def _ranks(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:
-    # Batches of the same rank in one group: counters keep their maximum, the latest
-    # batch (in arrival order) names the host and version, a final step once known stays,
-    # as successive upserts would.
+    # Batches of the same rank in one group merge by the rules of ``ranks``, in arrival
+    # order, as successive upserts would.
     merged: dict[tuple[int, int], dict[str, Any]] = {}
     for p, run_id in zip(payloads, run_ids, strict=True):
         r, a, s = p.rank, p.agent, p.steps
@@ -75,11 +64,7 @@ def _ranks(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns
         }
         old = merged.get((run_id, r.rank))
         if old is not None:
-            for k in ("last_step", "last_seen", "dropped_windows", "dropped_steps"):
-                row[k] = max(row[k], old[k])
-            for k in ("hot_path_mean_s", "final_step"):
-                if row[k] is None:
-                    row[k] = old[k]
+            row = {k: columns.merge_value(columns.RANKS.column(k).rule, old[k], v) for k, v in row.items()}
         merged[(run_id, r.rank)] = row
     rows = sorted(merged.values(), key=lambda x: (x["run_id"], x["rank"]))
     return {k: [row[k] for row in rows] for k in rows[0]} if rows else {}
@@ -104,7 +89,7 @@ def _fold_steps(
         wait_l += s.data_wait_s
         tok_l += s.tokens
         pad_l += s.padded_tokens if s.padded_tokens is not None else [0] * n
-        tag_l += [TAG_CODES.get(t or "", 0) for t in s.tags] if s.tags is not None else [0] * n
+        tag_l += [wire.TAG_CODES.get(t or "", 0) for t in s.tags] if s.tags is not None else [0] * n
     t = np.array(time_l, dtype=np.float64)
     wait = np.array(wait_l, dtype=np.float64)
     tokens = np.array(tok_l, dtype=np.int64)
@@ -117,7 +102,7 @@ def _fold_steps(
     run = np.repeat(np.array(run_ids, dtype=np.int64), lengths)
     rank = np.repeat(np.array([p.rank.rank for p in payloads], dtype=np.int64), lengths)
     ws = np.repeat(np.array(window_steps, dtype=np.int64), lengths)
-    window = np.where(step > 0, (step - 1) // ws, 0)
+    window = columns.window_of(step, ws)
     batch_end = np.array([p.steps.wall_end for p in payloads], dtype=np.float64)
     # End of each step: its batch's end minus the durations of the later steps in the batch.
     later = np.cumsum(t[::-1])[::-1] - t  # suffix sums over the whole group...
@@ -125,41 +110,51 @@ def _fold_steps(
     step_end = np.repeat(batch_end, lengths) - later
     counts = np.repeat(np.array([p.rank.counts_tokens for p in payloads]), lengths)
 
-    # rank_windows: group by (run, rank, window).
+    # rank_windows: group by (run, rank, window); each column folds by its rule.
+    one = np.ones(total, dtype=np.int64)
+    pad = np.ma.array(padded, mask=~has_pad)
     order, first_idx = _groups(run, rank, window)
-    windows: Columns = {
-        "run_id": run[order][first_idx],
-        "rank": rank[order][first_idx],
-        "window": window[order][first_idx],
-        "first_step": np.minimum.reduceat(step[order], first_idx),
-        "last_step": np.maximum.reduceat(step[order], first_idx),
-        "n_steps": np.diff(np.append(first_idx, total)),
-        "step_time_sum": np.add.reduceat(t[order], first_idx),
-        "step_time_min": np.minimum.reduceat(t[order], first_idx),
-        "step_time_max": np.maximum.reduceat(t[order], first_idx),
-        "data_wait_sum": np.add.reduceat(wait[order], first_idx),
-        "tokens_sum": np.add.reduceat(tokens[order], first_idx),
-        "padded_tokens_sum": _nullable_sum(padded[order], has_pad[order], first_idx),
-        "wall_end": np.maximum.reduceat(np.repeat(batch_end, lengths)[order], first_idx),
-    }
+    windows = columns.fold_table(
+        columns.RANK_WINDOWS,
+        {
+            "run_id": run,
+            "rank": rank,
+            "window": window,
+            "first_step": step,
+            "last_step": step,
+            "n_steps": one,
+            "step_time_sum": t,
+            "step_time_min": t,
+            "step_time_max": t,
+            "data_wait_sum": wait,
+            "tokens_sum": tokens,
+            "padded_tokens_sum": pad,
+            "wall_end": np.repeat(batch_end, lengths),
+        },
+        order,
+        first_idx,
+    )
 
     # job_steps: group by (run, step); only data-parallel leaders' tokens count.
     order, first_idx = _groups(run, step)
-    c = counts[order]
-    pad_counted = np.where(c, padded[order], 0)
-    job: Columns = {
-        "run_id": run[order][first_idx],
-        "step": step[order][first_idx],
-        "ranks": np.diff(np.append(first_idx, total)),
-        "token_ranks": np.add.reduceat(c.astype(np.int64), first_idx),
-        "step_time_sum": np.add.reduceat(t[order], first_idx),
-        "step_time_max": np.maximum.reduceat(t[order], first_idx),
-        "data_wait_max": np.maximum.reduceat(wait[order], first_idx),
-        "tokens": np.add.reduceat(np.where(c, tokens[order], 0), first_idx),
-        "padded_tokens": _nullable_sum(pad_counted, has_pad[order], first_idx),
-        "tag": np.maximum.reduceat(tags[order], first_idx),
-        "wall_end": np.maximum.reduceat(step_end[order], first_idx),
-    }
+    job = columns.fold_table(
+        columns.JOB_STEPS,
+        {
+            "run_id": run,
+            "step": step,
+            "ranks": one,
+            "token_ranks": counts.astype(np.int64),
+            "step_time_sum": t,
+            "step_time_max": t,
+            "data_wait_max": wait,
+            "tokens": np.where(counts, tokens, 0),
+            "padded_tokens": np.ma.array(np.where(counts, padded, 0), mask=~has_pad),
+            "tag": tags,
+            "wall_end": step_end,
+        },
+        order,
+        first_idx,
+    )
     return windows, job
 
 
@@ -173,10 +168,3 @@ def _groups(*keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.intp], npt.NDA
         ks = k[order]
         change[1:] |= ks[1:] != ks[:-1]
     return order, np.flatnonzero(change)
-
-
-def _nullable_sum(
-    values: npt.NDArray[np.int64], present: npt.NDArray[np.bool_], first_idx: npt.NDArray[np.intp]
-) -> np.ma.MaskedArray[Any, np.dtype[np.int64]]:
-    sums = np.add.reduceat(np.where(present, values, 0), first_idx)
-    return np.ma.array(sums, mask=~np.logical_or.reduceat(present, first_idx))

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from sqlalchemy.exc import DataError, IntegrityError
 
-from ..schemas import IngestPayload
+from ..schemas.ingest import IngestPayload
 
 log = logging.getLogger("stepwatch_server")
 StoreMany = Callable[[Sequence[IngestPayload], Sequence[str | None]], list[bool]]

@@ -5,9 +5,10 @@ For each window of one rank (``payload.profiles``):
 1. ``profile_windows``: one row with the breakdown means, top ops, NVML, clock offset and
    the agent's self-measured cost (or the reason the window was skipped).
 2. ``rank_windows``: the breakdown columns are running means per profiled step of the
-   rank window that holds the step (``profiled_steps`` is their weight), updated by one
-   atomic ``UPDATE`` each, so two batches touching one window cannot lose an update. A
-   profile whose steps were never stored (their batch was dropped) updates nothing.
+   rank window that holds the step (``profiled_steps`` is their weight,
+   :func:`~..storage.columns.running_means`), updated by one atomic ``UPDATE`` each, so
+   two batches touching one window cannot lose an update. A profile whose steps were
+   never stored (their batch was dropped) updates nothing.
 3. ``collective_stats``: per op type, count, bytes and the duration sketch.
 4. Wait vs transfer needs every rank's arrival times: the rank's times are staged in
    ``profile_arrivals`` and ``profile_pending.arrivals`` is incremented; the ingest that
@@ -28,13 +29,15 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, bindparam, delete, func, select, update
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy import Connection, Table, bindparam, delete, select, update
 
 from stepwatch.profiler.lineup import GroupArrivals, split_wait_transfer
 from stepwatch.sketch import LogSketch
 
-from ..schemas import IngestPayload, ProfileIn
+from ..schemas.ingest import IngestPayload, ProfileIn
+from ..storage import columns
+from ..storage.backend import Storage
+from ..storage.columns import BREAKDOWN, SKEW, window_of
 from ..storage.models import CollectiveStat, ProfileArrival, ProfilePending, ProfileWindow, Rank, RankWindow
 
 PENDING_KEEP = 16
@@ -45,31 +48,20 @@ PP = cast(Table, ProfilePending.__table__)
 PA = cast(Table, ProfileArrival.__table__)
 RW = cast(Table, RankWindow.__table__)
 RK = cast(Table, Rank.__table__)
-BREAKDOWN = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "idle_s")
 
 Insert = Callable[[Table], Any]
-
-
-def window_of(step: int, window_steps: int) -> int:
-    """The rank-window index of a step (as ingest assigns steps to windows)."""
-    return (step - 1) // window_steps if step > 0 else 0
 
 
 def _mean(values: Sequence[float]) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
-def _running_mean(col: ColumnElement[Any], weight: ColumnElement[Any], add_sum: Any, add_n: Any) -> Any:
-    """``(col * weight + add_sum) / (weight + add_n)`` with NULLs as 0: one atomic update."""
-    w = func.coalesce(weight, 0)
-    return (func.coalesce(col, 0.0) * w + add_sum) / (w + add_n)
-
-
-def store_profiles(
-    conn: Connection, insert: Insert, *, run_id: int, window_steps: int, world_size: int, p: IngestPayload
+def store(
+    conn: Connection, storage: Storage, run_id: int, window_steps: int, world_size: int, p: IngestPayload
 ) -> None:
+    """Store the profiler data a fresh batch carries (most carry none)."""
     for prof in p.profiles or ():
-        _store_one(conn, insert, run_id, window_steps, world_size, p, prof)
+        _store_one(conn, storage.insert, run_id, window_steps, world_size, p, prof)
 
 
 def _store_one(
@@ -168,14 +160,10 @@ def _update_rank_windows(
     by_window: dict[int, list[int]] = {}
     for j in range(prof.n_steps):
         by_window.setdefault(window_of(prof.first_step + j, window_steps), []).append(j)
-    ps = RW.c.profiled_steps
-    values: dict[str, Any] = {"profiled_steps": func.coalesce(ps, 0) + bindparam("k")}
-    for col in BREAKDOWN:
-        values[col] = _running_mean(RW.c[col], ps, bindparam(f"s_{col}"), bindparam("k"))
     stmt = (
         update(RW)
         .where(RW.c.run_id == run_id, RW.c.rank == rank, RW.c.window == bindparam("w"))
-        .values(**values)
+        .values(**columns.running_means(BREAKDOWN))
     )
     params = []
     for w, js in by_window.items():
@@ -234,7 +222,8 @@ def finalize(conn: Connection, *, run_id: int, first_step: int, window_steps: in
             acc[1] += transfer
             acc[2] += 1
         rw_params += [
-            {"r": rank, "w": w, "ws": acc[0], "ts": acc[1], "k": int(acc[2])} for w, acc in per_window.items()
+            {"r": rank, "w": w, "s_comm_wait_s": acc[0], "s_comm_transfer_s": acc[1], "k": int(acc[2])}
+            for w, acc in per_window.items()
         ]
         by_type: dict[int, dict[str, float]] = {}
         for (step, members), transfer in skew.groups.items():
@@ -250,16 +239,11 @@ def finalize(conn: Connection, *, run_id: int, first_step: int, window_steps: in
             {"r": rank, "o": op, "wv": _sketch(waits), "tv": _sketch(transfers)}
             for op, (waits, transfers) in skew.ops.items()
         ]
-    ss = RW.c.skew_steps
     if rw_params:
         conn.execute(
             update(RW)
             .where(RW.c.run_id == run_id, RW.c.rank == bindparam("r"), RW.c.window == bindparam("w"))
-            .values(
-                skew_steps=func.coalesce(ss, 0) + bindparam("k"),
-                comm_wait_s=_running_mean(RW.c.comm_wait_s, ss, bindparam("ws"), bindparam("k")),
-                comm_transfer_s=_running_mean(RW.c.comm_transfer_s, ss, bindparam("ts"), bindparam("k")),
-            ),
+            .values(**columns.running_means(SKEW)),
             rw_params,
         )
     if gt_params:

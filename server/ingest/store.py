@@ -7,9 +7,9 @@ window split across batches, or ranks arriving in any order, add up to the same 
 The caller answers 2xx only after this commits.
 
 ``store_many`` writes a group of batches in one transaction (the group commit that
-``group_commit.py`` feeds): the group is folded into one row per key (``fold.py``)
-and merged with one statement per table on PostgreSQL (``storage/postgres.py``), or with
-executemany of the same upserts on SQLite.
+``group_commit.py`` feeds): the group is folded into one row per key (``fold.py``) and
+handed to the backend (``storage/backend.py``), which merges it by the column rules
+(``storage/columns.py``); profiler windows follow (``profiles.py``).
 """
 
 from __future__ import annotations
@@ -21,20 +21,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Connection, Engine, case, func, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy import Connection, Table, or_, select, update
 
-from ..schemas import IngestPayload, PlanIn
-from ..storage import postgres
-from ..storage.models import INT32_MAX, INT64_MAX, IngestedBatch, JobStep, Rank, RankWindow, Run
-from . import admission, fold
-from .fold import TAG_CODES, Rows
-from .profiles import store_profiles
-
-__all__ = ["TAG_CODES", "Ingestor", "RunKey", "choose_window_steps"]
+from ..schemas.ingest import IngestPayload, PlanIn
+from ..storage.backend import Storage
+from ..storage.models import Run, unix
+from . import admission, fold, profiles
 
 
 @dataclass(frozen=True)
@@ -67,17 +61,9 @@ def _plan_row(plan: PlanIn | None) -> dict[str, Any] | None:
 
 
 def _plan_key(target: Any, deadline: datetime | None, fingerprint: Any, baseline: Any) -> tuple[Any, ...]:
-    if deadline is not None and deadline.tzinfo is None:  # SQLite returns naive UTC datetimes
-        deadline = deadline.replace(tzinfo=timezone.utc)
-    when = None if deadline is None else round(deadline.timestamp(), 3)
+    when = unix(deadline)
+    when = None if when is None else round(when, 3)
     return (target, when, fingerprint, baseline)
-
-
-def _sat(a: ColumnElement[Any], b: ColumnElement[Any], limit: int) -> ColumnElement[Any]:
-    """``a + b`` saturating at ``limit`` (the column's largest value), the same rule as the
-    PostgreSQL statements (``storage/postgres.py``): duplicated steps sent under fresh batch
-    ids add up, and must not overflow the column."""
-    return case((a > limit - b, limit), else_=a + b)
 
 
 def _reported(conn: Connection, run_ids: list[int]) -> None:
@@ -110,24 +96,13 @@ def choose_window_steps(step_times: list[float], window_seconds: float) -> int:
 class Ingestor:
     """Writes batches; holds a small cache of run keys (never of data)."""
 
-    def __init__(self, engine: Engine, *, window_seconds: float = 10.0, cache_size: int = 1024) -> None:
-        self.engine = engine
+    def __init__(self, storage: Storage, *, window_seconds: float = 10.0, cache_size: int = 1024) -> None:
+        self.storage = storage
+        self.engine = storage.engine
         self.window_seconds = window_seconds
-        self._dialect = engine.dialect.name
         self._runs: OrderedDict[str, RunKey] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
-
-    # -- dialect helpers -----------------------------------------------------------
-    def _insert(self, table: Any) -> Any:
-        mod = postgresql if self._dialect == "postgresql" else sqlite
-        return mod.insert(table)
-
-    def _greatest(self, a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
-        return func.greatest(a, b) if self._dialect == "postgresql" else func.max(a, b)
-
-    def _least(self, a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
-        return func.least(a, b) if self._dialect == "postgresql" else func.min(a, b)
 
     # -- runs ----------------------------------------------------------------------
     def cached(self, name: str) -> RunKey | None:
@@ -146,10 +121,10 @@ class Ingestor:
             with self.engine.begin() as conn:
                 key = self._select_key(conn, p.run)
                 if key is None:
-                    admission.take_run(conn, self._insert, owner, limit)
-                    runs = Run.__table__
+                    admission.take_run(conn, self.storage.insert, owner, limit)
+                    runs = cast(Table, Run.__table__)
                     created = conn.execute(
-                        self._insert(runs)
+                        self.storage.insert(runs)
                         .values(**self._new_run(p, _plan_row(p.plan), owner))
                         .on_conflict_do_nothing(index_elements=["name"])
                         .returning(runs.c.id)
@@ -195,7 +170,7 @@ class Ingestor:
     ) -> RunKey:
         key = self._select_key(conn, p.run)
         if key is None:  # stored without the API's admission (tools, tests)
-            stmt = self._insert(Run.__table__).values(**self._new_run(p, plan, owner))
+            stmt = self.storage.insert(cast(Table, Run.__table__)).values(**self._new_run(p, plan, owner))
             conn.execute(stmt.on_conflict_do_nothing(index_elements=["name"]))
             key = self._select_key(conn, p.run)
             assert key is not None
@@ -217,7 +192,7 @@ class Ingestor:
 
     @staticmethod
     def _select_key(conn: Connection, name: str) -> RunKey | None:
-        runs = Run.__table__
+        runs = cast(Table, Run.__table__)
         row = conn.execute(
             select(
                 runs.c.id,
@@ -262,131 +237,17 @@ class Ingestor:
         with self.engine.begin() as conn:
             keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
             run_ids = [k.id for k in keys]
-            if self._dialect == "postgresql":
-                new = postgres.claim(conn, unique, run_ids)
-            else:
-                new = self._claim_rows(conn, unique, keys)
+            new = self.storage.claim(conn, unique, run_ids)
             fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if (k.id, p.batch_id) in new]
             if fresh:
                 _reported(conn, sorted({k.id for _, k in fresh}))
                 rows = fold.fold(
                     [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
                 )
-                if self._dialect == "postgresql":
-                    postgres.write(conn, rows)
-                else:
-                    self._write_rows(conn, rows)
+                self.storage.write(conn, rows)
                 for p, k in fresh:  # profiler windows: a few batches in a thousand
-                    if p.profiles:
-                        store_profiles(
-                            conn,
-                            self._insert,
-                            run_id=k.id,
-                            window_steps=k.window_steps,
-                            world_size=k.world_size,
-                            p=p,
-                        )
+                    profiles.store(conn, self.storage, k.id, k.window_steps, k.world_size, p)
         stored = {(p.run, p.batch_id) for p, _ in fresh}
         return [
             i == first[p.run, p.batch_id] and (p.run, p.batch_id) in stored for i, p in enumerate(payloads)
         ]
-
-    def _claim_rows(
-        self, conn: Connection, payloads: Sequence[IngestPayload], keys: Sequence[RunKey]
-    ) -> set[tuple[int, str]]:
-        """The row path of the claim (SQLite): one insert per batch id."""
-        batches = IngestedBatch.__table__
-        now = datetime.now(timezone.utc)
-        new: set[tuple[int, str]] = set()
-        for p, run in zip(payloads, keys, strict=True):
-            claimed = conn.execute(
-                self._insert(batches)
-                .values(batch_id=p.batch_id, run_id=run.id, rank=p.rank.rank, received_at=now)
-                .on_conflict_do_nothing(index_elements=["run_id", "batch_id"])
-                .returning(batches.c.batch_id)
-            ).first()
-            if claimed is not None:
-                new.add((run.id, p.batch_id))
-        return new
-
-    def _write_rows(self, conn: Connection, rows: Rows) -> None:
-        """The row path of the merge (SQLite): executemany of the same upserts."""
-        for stmt, cols in (
-            (self._rank_upsert(), rows.ranks),
-            (self._window_upsert(), rows.windows),
-            (self._job_step_upsert(), rows.job_steps),
-        ):
-            if cols:
-                names = list(cols)
-                columns = [v.tolist() if hasattr(v, "tolist") else v for v in cols.values()]
-                conn.execute(
-                    stmt,
-                    [dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True)],
-                )
-
-    def _rank_upsert(self) -> Any:
-        t = Rank.__table__
-        stmt = self._insert(t)
-        ex = stmt.excluded
-        # Batches of one rank can arrive out of order (retries): counters only grow.
-        return stmt.on_conflict_do_update(
-            index_elements=["run_id", "rank"],
-            set_={
-                "host": ex.host,
-                "local_rank": ex.local_rank,
-                "coords": ex.coords,
-                "last_step": self._greatest(t.c.last_step, ex.last_step),
-                "last_seen": self._greatest(t.c.last_seen, ex.last_seen),
-                "agent_version": ex.agent_version,
-                "clock": ex.clock,
-                "dropped_windows": self._greatest(t.c.dropped_windows, ex.dropped_windows),
-                "dropped_steps": self._greatest(t.c.dropped_steps, ex.dropped_steps),
-                "hot_path_mean_s": func.coalesce(ex.hot_path_mean_s, t.c.hot_path_mean_s),
-                "final_step": func.coalesce(ex.final_step, t.c.final_step),
-            },
-        )
-
-    def _window_upsert(self) -> Any:
-        t = RankWindow.__table__
-        stmt = self._insert(t)
-        ex = stmt.excluded
-        return stmt.on_conflict_do_update(
-            index_elements=["run_id", "rank", "window"],
-            set_={
-                "first_step": self._least(t.c.first_step, ex.first_step),
-                "last_step": self._greatest(t.c.last_step, ex.last_step),
-                "n_steps": _sat(t.c.n_steps, ex.n_steps, INT32_MAX),
-                "step_time_sum": t.c.step_time_sum + ex.step_time_sum,
-                "step_time_min": self._least(t.c.step_time_min, ex.step_time_min),
-                "step_time_max": self._greatest(t.c.step_time_max, ex.step_time_max),
-                "data_wait_sum": t.c.data_wait_sum + ex.data_wait_sum,
-                "tokens_sum": _sat(t.c.tokens_sum, ex.tokens_sum, INT64_MAX),
-                "padded_tokens_sum": func.coalesce(
-                    _sat(t.c.padded_tokens_sum, ex.padded_tokens_sum, INT64_MAX),
-                    t.c.padded_tokens_sum,
-                    ex.padded_tokens_sum,
-                ),
-                "wall_end": self._greatest(t.c.wall_end, ex.wall_end),
-            },
-        )
-
-    def _job_step_upsert(self) -> Any:
-        t = JobStep.__table__
-        stmt = self._insert(t)
-        ex = stmt.excluded
-        return stmt.on_conflict_do_update(
-            index_elements=["run_id", "step"],
-            set_={
-                "ranks": _sat(t.c.ranks, ex.ranks, INT32_MAX),
-                "token_ranks": _sat(t.c.token_ranks, ex.token_ranks, INT32_MAX),
-                "step_time_sum": t.c.step_time_sum + ex.step_time_sum,
-                "step_time_max": self._greatest(t.c.step_time_max, ex.step_time_max),
-                "data_wait_max": self._greatest(t.c.data_wait_max, ex.data_wait_max),
-                "tokens": _sat(t.c.tokens, ex.tokens, INT64_MAX),
-                "padded_tokens": func.coalesce(
-                    _sat(t.c.padded_tokens, ex.padded_tokens, INT64_MAX), t.c.padded_tokens, ex.padded_tokens
-                ),
-                "tag": self._greatest(t.c.tag, ex.tag),
-                "wall_end": self._greatest(t.c.wall_end, ex.wall_end),
-            },
-        )

@@ -22,8 +22,9 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from stepwatch.sketch import LogSketch
 
-from ..schemas import ClockOut, CollectiveOut, NvmlOut, ProfileOut, Quantiles, Series, SeriesPoint
+from ..schemas.responses import ClockOut, CollectiveOut, NvmlOut, ProfileOut, Quantiles, Series, SeriesPoint
 from ..storage.models import CollectiveStat, ProfileWindow, RankWindow
+from .buckets import buckets
 
 PW = ProfileWindow.__table__
 CS = CollectiveStat.__table__
@@ -201,15 +202,13 @@ def window_series(
         .group_by(RW.c.window)
         .subquery()
     )
+    lo = hi = None
     if from_step is None or to_step is None:
         lo, hi = conn.execute(select(func.min(per_window.c.lo), func.max(per_window.c.hi))).one()
-        if lo is None:
-            return Series(run=name, metric=metric, unit=unit, points=[])
-        from_step = lo if from_step is None else from_step
-        to_step = hi if to_step is None else to_step
-    if to_step < from_step:
+    span = buckets(lo, hi, from_step, to_step, max_points)
+    if span is None:
         return Series(run=name, metric=metric, unit=unit, points=[])
-    width = max(1, math.ceil((to_step - from_step + 1) / max_points))
+    from_step, to_step, width = span
     bucket = ((per_window.c.lo - from_step) // width).label("bucket")
     q = (
         select(

@@ -17,9 +17,8 @@ from sqlalchemy import Connection, select
 
 from ..analysis.pipeline import RunAnalysis
 from ..analysis.progress import calendar_efficiency, project
-from ..schemas import AnalysisOut, PlanOut, ProgressOut
-from ..storage.models import AnalysisState, Run
-from ..worker.inputs import unix
+from ..schemas.responses import AnalysisOut, PlanOut, ProgressOut
+from ..storage.models import AnalysisState, Run, unix
 
 STATE = AnalysisState.__table__
 RUNS = Run.__table__

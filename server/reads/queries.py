@@ -8,7 +8,6 @@ only some ranks have reported yet is still an unbiased estimate.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -16,12 +15,13 @@ from typing import Any, Literal
 from sqlalchemy import Connection, Float, Select, and_, case, cast, exists, func, or_, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from stepwatch.flops import per_token_rate
-
-from ..schemas import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
-from ..storage.models import Event, JobStep, Rank, RankWindow, Run
+from ..errors import NotFoundError
+from ..schemas.responses import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
+from ..storage.models import Event, JobStep, Rank, RankWindow, Run, unix
 from . import progress
+from .buckets import buckets
 from .profiles import BREAKDOWN_METRICS, rank_profiles, window_series
+from .runs import RunInfo, get_run
 
 LATEST_STEPS = 10
 JS = JobStep.__table__
@@ -31,46 +31,11 @@ RW = RankWindow.__table__
 EV = Event.__table__
 
 
-class NotFoundError(LookupError):
-    """The named run (or metric) does not exist."""
-
-
-@dataclass(frozen=True)
-class RunRow:
-    id: int
-    name: str
-    world_size: int
-    dp_size: int
-    layout: dict[str, int]
-    convention: dict[str, Any] | None
-    window_steps: int
-
-    @property
-    def mfu_scale(self) -> float | None:
-        """MFU per token/s: flops_per_token / (devices x peak). None if peak unknown."""
-        return per_token_rate(self.convention, self.world_size)
-
-
-def get_run(conn: Connection, name: str) -> RunRow:
-    row = conn.execute(select(RUNS).where(RUNS.c.name == name)).first()
-    if row is None:
-        raise NotFoundError(f"run {name!r} not found")
-    return RunRow(
-        id=row.id,
-        name=row.name,
-        world_size=row.world_size,
-        dp_size=row.dp_size,
-        layout=row.layout,
-        convention=row.convention,
-        window_steps=row.window_steps,
-    )
-
-
 def _step_time() -> ColumnElement[Any]:
     return JS.c.step_time_sum / JS.c.ranks
 
 
-def _tokens_est(run: RunRow) -> ColumnElement[Any]:
+def _tokens_est(run: RunInfo) -> ColumnElement[Any]:
     return cast(JS.c.tokens, Float) * run.dp_size / JS.c.token_ranks
 
 
@@ -152,19 +117,11 @@ def list_runs(
             world_size=r.world_size,
             ranks_reporting=r.ranks or 0,
             last_step=r.last_step,
-            last_seen=_unix(r.last_seen),
+            last_seen=unix(r.last_seen),
         )
         for r in rows
     ]
     return runs, int(total)
-
-
-def _unix(value: Any) -> float | None:
-    if value is None:
-        return None
-    if value.tzinfo is None:  # SQLite returns naive datetimes for timezone-aware columns
-        value = value.replace(tzinfo=timezone.utc)
-    return float(value.timestamp())
 
 
 def overview(conn: Connection, name: str) -> RunOverview:
@@ -206,7 +163,7 @@ def overview(conn: Connection, name: str) -> RunOverview:
         return float(tokens) / float(seconds) if tokens is not None and seconds else None
 
     tps = Stat(latest=rate(recent[2], recent[0]), mean=rate(steady[2], steady[0]))
-    scale = run.mfu_scale
+    scale = run.mfu_per_token_rate
     mfu = Stat(
         latest=tps.latest * scale if scale and tps.latest is not None else None,
         mean=tps.mean * scale if scale and tps.mean is not None else None,
@@ -216,9 +173,9 @@ def overview(conn: Connection, name: str) -> RunOverview:
     return RunOverview(
         name=run.name,
         world_size=run.world_size,
-        layout=run.layout,
+        layout=dict(run.layout),
         window_steps=run.window_steps,
-        convention=run.convention,
+        convention=None if run.convention is None else dict(run.convention),
         ranks_reporting=ranks_reporting,
         first_step=totals[1],
         last_step=totals[2],
@@ -243,7 +200,7 @@ def _f(v: Any) -> float | None:
 
 
 #: Series metrics: name -> (unit, builder of the per-step SQL expression).
-def _metric_expr(run: RunRow, metric: str) -> tuple[str, ColumnElement[Any]]:
+def _metric_expr(run: RunInfo, metric: str) -> tuple[str, ColumnElement[Any]]:
     st = _step_time()
     if metric == "step_time_s":
         return "s", st
@@ -254,7 +211,7 @@ def _metric_expr(run: RunRow, metric: str) -> tuple[str, ColumnElement[Any]]:
     if metric == "tokens_per_s":
         return "tokens/s", _tokens_est(run) / st
     if metric == "mfu":
-        scale = run.mfu_scale
+        scale = run.mfu_per_token_rate
         if scale is None:
             raise NotFoundError(f"run {run.name!r} has no peak FLOP/s in its convention, so no MFU")
         return "ratio", _tokens_est(run) / st * scale
@@ -280,21 +237,19 @@ def series(
     """Per-step metric downsampled into at most ``max_points`` buckets of equal step
     width, each with min, mean and max of the steps inside it (not of a sample)."""
     run = get_run(conn, name)
-    if metric in BREAKDOWN_METRICS:  # per rank window, mean over ranks (profile_queries)
+    if metric in BREAKDOWN_METRICS:  # per rank window, mean over ranks (profiles.py)
         return window_series(
             conn, run.id, name, metric, from_step=from_step, to_step=to_step, max_points=max_points
         )
     unit, value = _metric_expr(run, metric)
     cond = [JS.c.run_id == run.id, _valid()]
+    lo = hi = None
     if from_step is None or to_step is None:
         lo, hi = conn.execute(select(func.min(JS.c.step), func.max(JS.c.step)).where(*cond)).one()
-        if lo is None:
-            return Series(run=name, metric=metric, unit=unit, points=[])
-        from_step = lo if from_step is None else from_step
-        to_step = hi if to_step is None else to_step
-    if to_step < from_step:
+    span = buckets(lo, hi, from_step, to_step, max_points)
+    if span is None:
         return Series(run=name, metric=metric, unit=unit, points=[])
-    width = max(1, math.ceil((to_step - from_step + 1) / max_points))
+    from_step, to_step, width = span
     bucket = ((JS.c.step - from_step) // width).label("bucket")
     q: Select[Any] = (
         select(
@@ -352,7 +307,7 @@ def ranks(conn: Connection, name: str, *, profile_windows: int = 1) -> list[Rank
                 local_rank=r[RANKS.c.local_rank],
                 coords=r[RANKS.c.coords],
                 last_step=r[RANKS.c.last_step],
-                last_seen=_unix(r[RANKS.c.last_seen]) or 0.0,
+                last_seen=unix(r[RANKS.c.last_seen]) or 0.0,
                 clock=r[RANKS.c.clock],
                 dropped_windows=r[RANKS.c.dropped_windows],
                 dropped_steps=r[RANKS.c.dropped_steps],
@@ -398,8 +353,8 @@ def events(
             cost_seconds=r["cost_seconds"],
             cost_ratio=r["cost_ratio"],
             message=r["message"],
-            opened_at=_unix(r["opened_at"]) or 0.0,
-            updated_at=_unix(r["updated_at"]) or 0.0,
+            opened_at=unix(r["opened_at"]) or 0.0,
+            updated_at=unix(r["updated_at"]) or 0.0,
         )
         for r in rows
     ]

@@ -11,7 +11,7 @@ backend (alembic's recommended naming convention).
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import (
@@ -47,6 +47,16 @@ INT64_MAX = 2**63 - 1
 
 # BIGINT on PostgreSQL, INTEGER on SQLite (where only INTEGER PRIMARY KEY autoincrements).
 BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def unix(value: datetime | None) -> float | None:
+    """A stored timestamp as Unix seconds. Every ``DateTime`` column holds UTC; SQLite
+    returns it naive, PostgreSQL aware."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return value.timestamp()
 
 
 class Base(DeclarativeBase):

@@ -1,7 +1,9 @@
-"""PostgreSQL statements of ingest: a group's rows in one statement per table.
+"""PostgreSQL storage: a group's rows in one statement per table; advisory locks.
 
-The statements are fixed driver SQL (``exec_driver_sql``: no compilation, but
-SQLAlchemy still translates errors and invalidates a dead connection). Each column
+The ingest statements are generated once per table and column set from the column
+rules (``columns.py``) and the models' types; they are fixed driver SQL
+(``exec_driver_sql``: no compilation, but SQLAlchemy still translates errors and
+invalidates a dead connection). Each column
 travels as one array parameter and ``unnest`` turns the arrays back into rows, so a
 table costs one round trip whatever the group's size: numeric columns as binary arrays
 built from numpy (``pg_arrays.py``), the few others as literals (psycopg would adapt
@@ -18,19 +20,26 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Connection,
+    DateTime,
+    Engine,
+    Float,
+    Integer,
+    SmallInteger,
+    String,
+    Table,
+    func,
+    select,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.types import TypeEngine
 
-from ..ingest.fold import Columns, Rows
-from ..schemas import IngestPayload
-from . import pg_arrays
-from .models import INT32_MAX, INT64_MAX
-
-
-def _sat(col: str, limit: int) -> str:
-    """``t.col + excluded.col``, saturating at ``limit`` (the column's largest value)
-    instead of failing the batch with an overflow; both sides are non-negative."""
-    return f"CASE WHEN t.{col} > {limit} - excluded.{col} THEN {limit} ELSE t.{col} + excluded.{col} END"
-
+from ..schemas.ingest import IngestPayload
+from . import columns, pg_arrays
+from .columns import Columns, Rows, Summed
 
 _CLAIM = """
     INSERT INTO ingested_batches (batch_id, run_id, rank, received_at)
@@ -42,120 +51,101 @@ _CLAIM = """
     RETURNING run_id, batch_id
     """
 
-_RANKS = """
-    INSERT INTO ranks AS t (run_id, rank, host, local_rank, coords, last_step, last_seen,
-                            agent_version, clock, dropped_windows, dropped_steps, hot_path_mean_s,
-                            final_step)
-    SELECT run_id, rank, host, local_rank, coords, last_step, to_timestamp(last_seen), agent_version,
-           clock, dropped_windows, dropped_steps, hot_path_mean_s, final_step
-    FROM unnest(CAST(%(run_id)s AS bigint[]), CAST(%(rank)s AS int[]), CAST(%(host)s AS text[]),
-                         CAST(%(local_rank)s AS int[]), CAST(%(coords)s AS json[]),
-                         CAST(%(last_step)s AS bigint[]), CAST(%(last_seen)s AS float8[]),
-                         CAST(%(agent_version)s AS text[]), CAST(%(clock)s AS text[]),
-                         CAST(%(dropped_windows)s AS bigint[]), CAST(%(dropped_steps)s AS bigint[]),
-                         CAST(%(hot_path_mean_s)s AS float8[]), CAST(%(final_step)s AS bigint[]))
-         AS u(run_id, rank, host, local_rank, coords, last_step, last_seen, agent_version, clock,
-              dropped_windows, dropped_steps, hot_path_mean_s, final_step)
-    ON CONFLICT (run_id, rank) DO UPDATE SET
-        host = excluded.host,
-        local_rank = excluded.local_rank,
-        coords = excluded.coords,
-        last_step = greatest(t.last_step, excluded.last_step),
-        last_seen = greatest(t.last_seen, excluded.last_seen),
-        agent_version = excluded.agent_version,
-        clock = excluded.clock,
-        dropped_windows = greatest(t.dropped_windows, excluded.dropped_windows),
-        dropped_steps = greatest(t.dropped_steps, excluded.dropped_steps),
-        hot_path_mean_s = coalesce(excluded.hot_path_mean_s, t.hot_path_mean_s),
-        final_step = coalesce(excluded.final_step, t.final_step)
-    """
-
-_WINDOWS = f"""
-    INSERT INTO rank_windows AS t (run_id, rank, "window", first_step, last_step, n_steps,
-                                   step_time_sum, step_time_min, step_time_max, data_wait_sum,
-                                   tokens_sum, padded_tokens_sum, wall_end)
-    SELECT * FROM unnest(CAST(%(run_id)s AS bigint[]), CAST(%(rank)s AS int[]), CAST(%(window)s AS bigint[]),
-                         CAST(%(first_step)s AS bigint[]), CAST(%(last_step)s AS bigint[]),
-                         CAST(%(n_steps)s AS int[]), CAST(%(step_time_sum)s AS float8[]),
-                         CAST(%(step_time_min)s AS float8[]), CAST(%(step_time_max)s AS float8[]),
-                         CAST(%(data_wait_sum)s AS float8[]), CAST(%(tokens_sum)s AS bigint[]),
-                         CAST(%(padded_tokens_sum)s AS bigint[]), CAST(%(wall_end)s AS float8[]))
-    ON CONFLICT (run_id, rank, "window") DO UPDATE SET
-        first_step = least(t.first_step, excluded.first_step),
-        last_step = greatest(t.last_step, excluded.last_step),
-        n_steps = {_sat("n_steps", INT32_MAX)},
-        step_time_sum = t.step_time_sum + excluded.step_time_sum,
-        step_time_min = least(t.step_time_min, excluded.step_time_min),
-        step_time_max = greatest(t.step_time_max, excluded.step_time_max),
-        data_wait_sum = t.data_wait_sum + excluded.data_wait_sum,
-        tokens_sum = {_sat("tokens_sum", INT64_MAX)},
-        padded_tokens_sum = coalesce({_sat("padded_tokens_sum", INT64_MAX)},
-                                     t.padded_tokens_sum, excluded.padded_tokens_sum),
-        wall_end = greatest(t.wall_end, excluded.wall_end)
-    """
-
-_JOB_STEPS = f"""
-    INSERT INTO job_steps AS t (run_id, step, ranks, token_ranks, step_time_sum, step_time_max,
-                                data_wait_max, tokens, padded_tokens, tag, wall_end)
-    SELECT * FROM unnest(CAST(%(run_id)s AS bigint[]), CAST(%(step)s AS bigint[]), CAST(%(ranks)s AS int[]),
-                         CAST(%(token_ranks)s AS int[]), CAST(%(step_time_sum)s AS float8[]),
-                         CAST(%(step_time_max)s AS float8[]), CAST(%(data_wait_max)s AS float8[]),
-                         CAST(%(tokens)s AS bigint[]), CAST(%(padded_tokens)s AS bigint[]),
-                         CAST(%(tag)s AS smallint[]), CAST(%(wall_end)s AS float8[]))
-    ON CONFLICT (run_id, step) DO UPDATE SET
-        ranks = {_sat("ranks", INT32_MAX)},
-        token_ranks = {_sat("token_ranks", INT32_MAX)},
-        step_time_sum = t.step_time_sum + excluded.step_time_sum,
-        step_time_max = greatest(t.step_time_max, excluded.step_time_max),
-        data_wait_max = greatest(t.data_wait_max, excluded.data_wait_max),
-        tokens = {_sat("tokens", INT64_MAX)},
-        padded_tokens = coalesce({_sat("padded_tokens", INT64_MAX)},
-                                 t.padded_tokens, excluded.padded_tokens),
-        tag = greatest(t.tag, excluded.tag),
-        wall_end = greatest(t.wall_end, excluded.wall_end)
-    """
-
-#: Columns that hold text (quoted in their literal); the rest are numbers.
-_TEXT = frozenset({"host", "coords", "agent_version", "clock"})
+#: Analysis locks: the run id in the low bits of a PostgreSQL advisory lock key.
+_LOCK_NAMESPACE = 0x5357414E << 32
 
 
-def claim(
-    conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]
-) -> set[tuple[int, str]]:
-    """Insert the batch ids; return the (run id, batch id) pairs that were new (a retry's
-    is already there). ``payloads`` must not repeat a batch id within a run."""
-    rows = conn.exec_driver_sql(
-        _CLAIM,
-        {
-            "batch_id": _text_literal([p.batch_id for p in payloads]),
-            "run_id": _literal(run_ids),
-            "rank": _literal([p.rank.rank for p in payloads]),
-        },
+class PostgresStorage:
+    functions = columns.SqlFunctions(least="least", greatest="greatest")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._upserts: dict[tuple[str, tuple[str, ...]], str] = {}
+
+    def insert(self, table: Table) -> Any:
+        return postgresql.insert(table)
+
+    def claim(
+        self, conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]
+    ) -> set[tuple[int, str]]:
+        rows = conn.exec_driver_sql(
+            _CLAIM,
+            {
+                "batch_id": _text_literal([p.batch_id for p in payloads]),
+                "run_id": _literal(run_ids),
+                "rank": _literal([p.rank.rank for p in payloads]),
+            },
+        )
+        return {(r[0], r[1]) for r in rows}
+
+    def write(self, conn: Connection, rows: Rows) -> None:
+        for table, cols in rows.tables():
+            if cols:
+                conn.exec_driver_sql(self._upsert(table, tuple(cols)), _params(table, cols))
+
+    def lock_run(self, conn: Connection, run_id: int) -> bool:
+        key = _LOCK_NAMESPACE | run_id
+        return bool(conn.execute(select(func.pg_try_advisory_xact_lock(key))).scalar())
+
+    def _upsert(self, table: Summed, names: tuple[str, ...]) -> str:
+        key = (table.name, names)
+        stmt = self._upserts.get(key)
+        if stmt is None:
+            stmt = _upsert_sql(table, names, self.functions)
+            self._upserts[key] = stmt
+        return stmt
+
+
+def _upsert_sql(table: Summed, names: Sequence[str], fn: columns.SqlFunctions) -> str:
+    """``INSERT ... SELECT FROM unnest(<one array per column>) ON CONFLICT DO UPDATE``,
+    the arrays typed from the model, the merge from the column rules."""
+    cols = ", ".join(columns.quote(n) for n in names)
+    arrays = ", ".join(f"CAST(%({n})s AS {_pg_type(table.table.c[n].type)}[])" for n in names)
+    select_ = ", ".join(
+        f"to_timestamp({columns.quote(n)})"
+        if isinstance(table.table.c[n].type, DateTime)
+        else columns.quote(n)
+        for n in names
     )
-    return {(r[0], r[1]) for r in rows}
+    return (
+        f"INSERT INTO {table.name} AS t ({cols})\n"
+        f"SELECT {select_} FROM unnest({arrays}) AS u({cols})\n"
+        f"ON CONFLICT ({', '.join(columns.quote(k) for k in table.keys)}) DO UPDATE SET\n"
+        + columns.set_clause(table, names, "t", "excluded", fn)
+    )
 
 
-def write(conn: Connection, rows: Rows) -> None:
-    """Merge folded rows into ranks, rank windows and job steps, in that order."""
-    for stmt, cols in ((_RANKS, rows.ranks), (_WINDOWS, rows.windows), (_JOB_STEPS, rows.job_steps)):
-        if cols:
-            conn.exec_driver_sql(stmt, _params(cols))
+def _pg_type(sql_type: TypeEngine[Any]) -> str:
+    """The array element type a column travels as (a timestamp as Unix seconds)."""
+    for kind, name in (
+        (SmallInteger, "smallint"),
+        (BigInteger, "bigint"),
+        (Integer, "int"),
+        (Float, "float8"),
+        (DateTime, "float8"),
+        (JSON, "json"),
+        (String, "text"),
+    ):
+        if isinstance(sql_type, kind):
+            return name
+    raise TypeError(f"no array type for {sql_type!r}")
 
 
-def _params(cols: Columns) -> dict[str, Any]:
-    params = dict(cols)
-    if "coords" in params:
-        params["coords"] = [json.dumps(c, separators=(",", ":")) for c in params["coords"]]
-    if "last_seen" in params:
-        params["last_seen"] = [d.timestamp() for d in params["last_seen"]]
-    return {
-        k: _text_literal(v)
-        if k in _TEXT
-        else pg_arrays.encode(v)
-        if isinstance(v, np.ndarray)
-        else _literal(v)
-        for k, v in params.items()
-    }
+def _params(table: Summed, cols: Columns) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for name, values in cols.items():
+        kind = table.table.c[name].type
+        if isinstance(kind, JSON):
+            params[name] = _text_literal([json.dumps(c, separators=(",", ":")) for c in values])
+        elif isinstance(kind, String):
+            params[name] = _text_literal(values)
+        elif isinstance(kind, DateTime):
+            params[name] = _literal([d.timestamp() for d in values])
+        elif isinstance(values, np.ndarray):
+            params[name] = pg_arrays.encode(values)
+        else:
+            params[name] = _literal(values)
+    return params
 
 
 def _literal(values: Sequence[int | float | None]) -> str:

@@ -6,10 +6,11 @@ about 35 million rows a day, ~200 bytes each with the primary key). The policy:
 - ``job_steps`` (one row per step for the whole job) is kept: 259,200 rows for a month
   of 10 s steps, tens of megabytes; every job-level series stays exact.
 - ``rank_windows`` older than ``full_days`` are rolled up: ``factor`` consecutive windows
-  of a rank become one row (360 windows of 10 s = one hour). The columns are mergeable
-  (counts and sums add, minima and maxima stay extreme, breakdown means are weighted by
-  profiled steps), so a rolled-up row is exactly the summary of the steps it covers, and
-  rows stay aligned across ranks (``window`` is the first window index of the group).
+  of a rank become one row (360 windows of 10 s = one hour). Every column rolls up by
+  its merge rule (``columns.py``: counts and sums add, minima and maxima stay extreme,
+  breakdown means are weighted by their step counts), so a rolled-up row is exactly the
+  summary of the steps it covers, and rows stay aligned across ranks (``window`` is the
+  first window index of the group).
   The per-group transfer times (``group_transfer_s``) are not kept for rolled-up rows:
   the analysis has long finished with windows that old.
 - ``ingested_batches`` (batch ids kept for idempotent retries) older than
@@ -25,14 +26,16 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import Connection, Engine, delete, func, select, text
+from sqlalchemy import Connection, delete, func, select, text
 
+from . import columns
+from .backend import Storage
+from .columns import RANK_WINDOWS, Rule, SqlFunctions, window_of
 from .models import IngestedBatch, JobStep
 
 JS = JobStep.__table__
 IB = IngestedBatch.__table__
 
-_BREAKDOWN = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "idle_s", "comm_wait_s", "comm_transfer_s")
 #: A window that spans at most ``window_steps`` steps has not been rolled up yet.
 _UNROLLED = 'run_id = :run AND "window" >= :lo AND "window" < :hi AND last_step - first_step < :ws'
 
@@ -46,7 +49,7 @@ class PruneReport:
 
 
 def prune(
-    engine: Engine,
+    storage: Storage,
     *,
     full_days: float = 2.0,
     factor: int = 360,
@@ -58,6 +61,7 @@ def prune(
     if factor < 2:
         raise ValueError(f"factor must be at least 2, got {factor}")
     now = time.time() if now is None else now
+    engine = storage.engine
     report = PruneReport()
     with engine.connect() as conn:
         runs = conn.execute(text("SELECT id, window_steps, world_size FROM runs ORDER BY id")).all()
@@ -70,7 +74,7 @@ def prune(
         while lo < cut:
             hi = min(cut, lo + span)
             with engine.begin() as conn:
-                rolled, written = _roll_up(conn, run_id, ws, factor, lo, hi)
+                rolled, written = _roll_up(conn, storage.functions, run_id, ws, factor, lo, hi)
             report.windows_rolled_up += rolled
             report.rows_written += written
             lo = hi
@@ -89,58 +93,35 @@ def _cut_window(conn: Connection, run_id: int, ws: int, factor: int, cutoff: flo
     ).scalar_one()
     if last_old is None:
         return 0
-    return int(((max(int(last_old), 1) - 1) // ws + 1) // factor * factor)
+    return (window_of(int(last_old), ws) + 1) // factor * factor
 
 
-def _roll_up(conn: Connection, run_id: int, ws: int, factor: int, lo: int, hi: int) -> tuple[int, int]:
+def _roll_up(
+    conn: Connection, fn: SqlFunctions, run_id: int, ws: int, factor: int, lo: int, hi: int
+) -> tuple[int, int]:
     params = {"run": run_id, "ws": ws, "lo": lo, "hi": hi, "f": factor}
-    weighted = ", ".join(
-        f"sum({c} * profiled_steps) / "
-        f"nullif(sum(CASE WHEN {c} IS NULL THEN 0 ELSE profiled_steps END), 0) AS {c}"
-        for c in _BREAKDOWN
-    )
+    rw = RANK_WINDOWS
+    names = [c.name for c in rw.columns if c.rolled_up and c.rule is not Rule.KEY]
+    cols = ", ".join(columns.quote(n) for n in (*rw.keys, *names))
+    aggregates = ", ".join(f"{columns.aggregate_sql(rw, n)} AS {columns.quote(n)}" for n in names)
     conn.execute(text("DROP TABLE IF EXISTS sw_rollup"))
     conn.execute(
         text(
             f"""CREATE TEMPORARY TABLE sw_rollup AS
-            SELECT run_id, rank, ("window" / :f) * :f AS "window", min(first_step) AS first_step,
-                   max(last_step) AS last_step, sum(n_steps) AS n_steps, sum(step_time_sum) AS step_time_sum,
-                   min(step_time_min) AS step_time_min, max(step_time_max) AS step_time_max,
-                   sum(data_wait_sum) AS data_wait_sum, sum(tokens_sum) AS tokens_sum,
-                   sum(padded_tokens_sum) AS padded_tokens_sum, max(wall_end) AS wall_end,
-                   sum(profiled_steps) AS profiled_steps, {weighted}
+            SELECT run_id, rank, ("window" / :f) * :f AS "window", {aggregates}
             FROM rank_windows WHERE {_UNROLLED}
             GROUP BY run_id, rank, "window" / :f"""
         ),
         params,
     )
     rolled = conn.execute(text(f"DELETE FROM rank_windows WHERE {_UNROLLED}"), params).rowcount
-    cols = (
-        'run_id, rank, "window", first_step, last_step, n_steps, step_time_sum, step_time_min, '
-        "step_time_max, data_wait_sum, tokens_sum, padded_tokens_sum, wall_end, profiled_steps, "
-        + ", ".join(_BREAKDOWN)
-    )
-    keep = ", ".join(
-        f"{c} = coalesce(excluded.{c}, rank_windows.{c})" for c in ("profiled_steps", *_BREAKDOWN)
-    )
+    # A rolled-up row already there (windows that arrived after an earlier prune) merges
+    # with the new one by the same rules as ingest.
     written = conn.execute(
         text(
             f"""INSERT INTO rank_windows ({cols}) SELECT {cols} FROM sw_rollup WHERE true
             ON CONFLICT (run_id, rank, "window") DO UPDATE SET
-                first_step = min_of(rank_windows.first_step, excluded.first_step),
-                last_step = max_of(rank_windows.last_step, excluded.last_step),
-                n_steps = rank_windows.n_steps + excluded.n_steps,
-                step_time_sum = rank_windows.step_time_sum + excluded.step_time_sum,
-                step_time_min = min_of(rank_windows.step_time_min, excluded.step_time_min),
-                step_time_max = max_of(rank_windows.step_time_max, excluded.step_time_max),
-                data_wait_sum = rank_windows.data_wait_sum + excluded.data_wait_sum,
-                tokens_sum = rank_windows.tokens_sum + excluded.tokens_sum,
-                padded_tokens_sum = coalesce(rank_windows.padded_tokens_sum + excluded.padded_tokens_sum,
-                                             rank_windows.padded_tokens_sum, excluded.padded_tokens_sum),
-                wall_end = max_of(rank_windows.wall_end, excluded.wall_end),
-                {keep}""".replace("min_of", "least" if conn.dialect.name == "postgresql" else "min").replace(
-                "max_of", "greatest" if conn.dialect.name == "postgresql" else "max"
-            )
+            {columns.set_clause(rw, names, "rank_windows", "excluded", fn)}"""
         )
     ).rowcount
     conn.execute(text("DROP TABLE sw_rollup"))

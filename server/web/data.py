@@ -15,7 +15,9 @@ from typing import Any
 from sqlalchemy import Connection, Float, and_, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
+from ..errors import NotFoundError
 from ..reads import queries
+from ..reads.runs import get_run
 from ..storage.models import Event, RankWindow
 
 RW = RankWindow.__table__
@@ -80,7 +82,7 @@ def runs(conn: Connection, *, offset: int = 0) -> tuple[list[dict[str, Any]], in
 def _series(conn: Connection, run: str, metric: str, max_points: int) -> dict[str, list[Any]] | None:
     try:
         s = queries.series(conn, run, metric, from_step=None, to_step=None, max_points=max_points)
-    except queries.NotFoundError:  # e.g. no MFU without a peak FLOP/s
+    except NotFoundError:  # e.g. no MFU without a peak FLOP/s
         return None
     return {
         "step": [p.step_to for p in s.points],
@@ -209,8 +211,8 @@ def heatmap(
 
 
 def run_page(conn: Connection, name: str, *, heat: str | None = None) -> dict[str, Any]:
-    """Everything the run page shows. Raises ``queries.NotFoundError`` for an unknown run."""
-    run = queries.get_run(conn, name)
+    """Everything the run page shows. Raises ``NotFoundError`` for an unknown run."""
+    run = get_run(conn, name)
     overview = queries.overview(conn, name).model_dump()
     ranks = [r.model_dump() for r in queries.ranks(conn, name)]
     events = [e.model_dump() for e in queries.events(conn, name)]

@@ -17,6 +17,7 @@ import stepwatch
 from stepwatch.views.terminal import duration
 
 from ..api.edge import RunPath
+from ..errors import NotFoundError
 from ..reads import queries
 from . import data
 
@@ -82,7 +83,7 @@ def run_page(
     with _engine(request).connect() as conn:
         try:
             page = data.run_page(conn, run, heat=heat)
-        except queries.NotFoundError:
+        except NotFoundError:
             runs, total = data.runs(conn)
             return templates.TemplateResponse(
                 request, "missing.html", {"run": run, "runs": runs, "total": total}, status_code=404

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any
+from datetime import datetime
 
 from sqlalchemy import Connection, exists, func, select
 
-from stepwatch.flops import per_token_rate
+from stepwatch import wire
 
 from ..analysis.pipeline import StepRow, tag_of
 from ..analysis.robust import median
 from ..analysis.types import RankWindow
-from ..ingest.store import TAG_CODES
-from ..storage.models import IngestedBatch, Rank, Run
+from ..reads.runs import RunInfo, run_info
+from ..storage.columns import window_of
+from ..storage.models import IngestedBatch, Rank, Run, unix
 from ..storage.models import JobStep as JobStepRow
 from ..storage.models import RankWindow as RankWindowRow
 from .readiness import RankProgress
@@ -32,38 +32,8 @@ RANKS = Rank.__table__
 RW = RankWindowRow.__table__
 JS = JobStepRow.__table__
 BATCHES = IngestedBatch.__table__
-TAG_NAMES: tuple[str, ...] = ("", *sorted(TAG_CODES, key=lambda t: TAG_CODES[t]))
 #: Ranks per IN list: keeps the statement well under every backend's parameter limit.
 RANK_CHUNK = 2000
-
-
-def unix(value: datetime | None) -> float | None:
-    """Epoch seconds of a stored timestamp (SQLite gives naive UTC datetimes)."""
-    if value is None:
-        return None
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=timezone.utc)
-    return value.timestamp()
-
-
-@dataclass(frozen=True, slots=True)
-class RunInfo:
-    """What the analysis needs to know about a run."""
-
-    id: int
-    name: str
-    world_size: int
-    dp_size: int
-    layout: Mapping[str, int]
-    convention: Mapping[str, Any] | None
-    window_steps: int
-    config_fingerprint: str | None
-    baseline_run: str | None
-
-    @property
-    def mfu_per_token_rate(self) -> float | None:
-        """MFU per token/s: flops_per_token / (devices x peak); None when the peak is unknown."""
-        return per_token_rate(self.convention, self.world_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,29 +53,10 @@ class RankRow:
         return RankProgress(self.rank, self.last_step, self.final_step)
 
 
-def _run_info(row: Any) -> RunInfo:
-    return RunInfo(
-        id=row.id,
-        name=row.name,
-        world_size=row.world_size,
-        dp_size=row.dp_size,
-        layout=row.layout,
-        convention=row.convention,
-        window_steps=row.window_steps,
-        config_fingerprint=row.config_fingerprint,
-        baseline_run=row.baseline_run,
-    )
-
-
 def active_runs(conn: Connection, since: datetime) -> list[RunInfo]:
     """Runs that received a batch since ``since`` (collector clock), oldest id first."""
     recent = exists().where(BATCHES.c.run_id == RUNS.c.id, BATCHES.c.received_at >= since)
-    return [_run_info(r) for r in conn.execute(select(RUNS).where(recent).order_by(RUNS.c.id))]
-
-
-def run_by_name(conn: Connection, name: str) -> RunInfo | None:
-    row = conn.execute(select(RUNS).where(RUNS.c.name == name)).first()
-    return None if row is None else _run_info(row)
+    return [run_info(r) for r in conn.execute(select(RUNS).where(recent).order_by(RUNS.c.id))]
 
 
 def rank_rows(conn: Connection, run_id: int) -> list[RankRow]:
@@ -248,12 +199,12 @@ def job_steps(conn: Connection, run: RunInfo, first: int, last: int) -> dict[int
         if r.ranks <= 0:
             continue
         tokens = float(r.tokens) * run.dp_size / r.token_ranks if r.token_ranks > 0 else 0.0
-        steps.setdefault((r.step - 1) // ws, []).append(
+        steps.setdefault(window_of(r.step, ws), []).append(
             StepRow(
                 step=r.step,
                 step_time_s=r.step_time_sum / r.ranks,
                 tokens=tokens,
-                tag=tag_of(r.tag, TAG_NAMES),
+                tag=tag_of(r.tag, wire.TAGS),
                 wall_end=float(r.wall_end),
             )
         )

@@ -33,13 +33,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection
 
 from ..analysis.hangs import check_hang
 from ..analysis.peers import StragglerConfig
 from ..analysis.pipeline import Change, RunAnalysis
 from ..analysis.regressions import Baseline, RegressionConfig
 from ..analysis.types import Finding
+from ..reads.runs import RunInfo, find_run
+from ..storage.backend import Storage
 from . import inputs
 from .outputs import (
     StateConflictError,
@@ -53,10 +55,6 @@ from .outputs import (
 from .readiness import ready_windows
 
 log = logging.getLogger("stepwatch_server.analysis")
-
-#: High bits of the advisory-lock key ("SWAN"), so stepwatch's locks cannot collide with
-#: another application's small integer keys on a shared database.
-_LOCK_NAMESPACE = 0x5357414E << 32
 
 
 @dataclass(frozen=True)
@@ -101,19 +99,19 @@ class AnalysisWorker:
 
     def __init__(
         self,
-        engine: Engine,
+        storage: Storage,
         config: WorkerConfig | None = None,
         *,
         notify: Notify | None = None,
         on_pass: Callable[[PassReport, float], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.engine = engine
+        self.storage = storage
+        self.engine = storage.engine
         self.config = config or WorkerConfig()
         self._notify = notify
         self._on_pass = on_pass
         self._clock = clock
-        self._postgres = engine.dialect.name == "postgresql"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -179,16 +177,10 @@ class AnalysisWorker:
             except Exception:
                 log.exception("webhook notify failed")
 
-    def _lock(self, conn: Connection, run_id: int) -> bool:
-        if not self._postgres:
-            return True  # SQLite: one collector process; its one worker thread analyses
-        key = _LOCK_NAMESPACE | run_id
-        return bool(conn.execute(select(func.pg_try_advisory_xact_lock(key))).scalar())
-
-    def _analyse(self, run: inputs.RunInfo, now: float) -> _RunResult:
+    def _analyse(self, run: RunInfo, now: float) -> _RunResult:
         cfg = self.config
         with self.engine.connect() as conn, conn.begin():
-            if not self._lock(conn, run.id):
+            if not self.storage.lock_run(conn, run.id):
                 return _RunResult(0, True, [])
             stored = load_state(conn, run.id)
             analysis, source = self._analysis(conn, run, stored)
@@ -242,7 +234,7 @@ class AnalysisWorker:
         return _RunResult(len(ready.windows), False, transitions)
 
     def _analysis(
-        self, conn: Connection, run: inputs.RunInfo, stored: StoredState | None
+        self, conn: Connection, run: RunInfo, stored: StoredState | None
     ) -> tuple[RunAnalysis, str]:
         if stored is not None:
             return RunAnalysis.from_state(run.name, stored.state), stored.baseline_source
@@ -256,11 +248,11 @@ class AnalysisWorker:
         )
         return analysis, source
 
-    def _baseline(self, conn: Connection, run: inputs.RunInfo) -> tuple[Baseline | None, str]:
+    def _baseline(self, conn: Connection, run: RunInfo) -> tuple[Baseline | None, str]:
         """The named baseline run's frozen baseline when the fingerprints match, else own."""
         if not run.baseline_run:
             return None, "own"
-        other = inputs.run_by_name(conn, run.baseline_run)
+        other = find_run(conn, run.baseline_run)
         stored = None if other is None else load_state(conn, other.id)
         if other is None or stored is None:
             return None, f"own (baseline run {run.baseline_run} not found or not analysed)"
@@ -277,7 +269,7 @@ class AnalysisWorker:
     def _hangs(
         self,
         conn: Connection,
-        run: inputs.RunInfo,
+        run: RunInfo,
         ranks: list[inputs.RankRow],
         now: float,
         window: int,

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..storage.columns import window_of
+
 
 @dataclass(frozen=True, slots=True)
 class RankProgress:
@@ -66,7 +68,7 @@ def ready_windows(
     if max_step < 1 or window_steps < 1:
         return Readiness((), {})
     ws = window_steps
-    last_window = (max_step - 1) // ws
+    last_window = window_of(max_step, ws)
     all_finished = bool(ranks) and all(r.finished for r in ranks)
     if len(ranks) >= world_size and ranks:
         done = [r.last_step for r in ranks if not r.finished]

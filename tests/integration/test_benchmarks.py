@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks import ingest, loadgen, query, run_listing
 from benchmarks.__main__ import discover
-from stepwatch_server.schemas import IngestPayload
+from stepwatch_server.schemas.ingest import IngestPayload
 
 
 def test_every_benchmark_is_discovered() -> None:

@@ -18,8 +18,9 @@ from sqlalchemy import Engine, select
 
 from stepwatch_server.ingest.group_commit import GroupCommitter
 from stepwatch_server.ingest.store import Ingestor
-from stepwatch_server.schemas import IngestPayload
+from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.storage import migrate
+from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.engine import make_engine
 from stepwatch_server.storage.models import IngestedBatch, Rank, RankWindow
 
@@ -71,7 +72,7 @@ def test_one_group_stores_what_batch_by_batch_stores(
             migrate.upgrade(url)
             engines.append(make_engine(url))
             stack.callback(engines[-1].dispose)
-        one, group = (Ingestor(e, window_seconds=2.0) for e in engines)
+        one, group = (Ingestor(open_storage(e), window_seconds=2.0) for e in engines)
         batches = _batches()
         singly = [one.store_many([b])[0] for b in batches]
         grouped = group.store_many(batches)
@@ -84,7 +85,7 @@ def test_one_group_stores_what_batch_by_batch_stores(
 def test_concurrent_submissions_are_grouped_and_answered_each(engine: Engine) -> None:
     batches = _batches()
     groups: list[int] = []
-    ingestor = Ingestor(engine, window_seconds=2.0)
+    ingestor = Ingestor(open_storage(engine), window_seconds=2.0)
     committer = GroupCommitter(ingestor.store_many, on_group=groups.append)
 
     async def submit_all() -> list[bool]:

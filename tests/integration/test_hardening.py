@@ -16,7 +16,7 @@ from sqlalchemy import Engine, func, select
 from stepwatch_server.api.auth import parse_tokens
 from stepwatch_server.app import create_app
 from stepwatch_server.ingest.store import RunKey
-from stepwatch_server.schemas import IngestPayload
+from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage import migrate
 from stepwatch_server.storage.engine import make_engine

@@ -16,6 +16,7 @@ from sqlalchemy import Engine
 from stepwatch_server.exporter import ExporterConfig, RunStateCollector
 from stepwatch_server.exporter.catalog import series_per_run
 from stepwatch_server.ingest.store import Ingestor
+from stepwatch_server.storage.backend import open_storage
 
 from ..runstate import feed, fill_breakdown, open_straggler
 
@@ -27,7 +28,7 @@ def series(reg: CollectorRegistry) -> list[tuple[str, dict[str, str], float]]:
 
 def test_a_flood_of_runs_ranks_and_flags_stays_within_the_bound(engine: Engine) -> None:
     rng = random.Random(5)
-    ingestor = Ingestor(engine, window_seconds=2.0)
+    ingestor = Ingestor(open_storage(engine), window_seconds=2.0)
     cfg = ExporterConfig(max_runs=5, top_k=3, max_flagged=4)
     names = [f"flood-{rng.getrandbits(48):012x}" for _ in range(40)]
     for name in names:

@@ -13,6 +13,7 @@ from stepwatch_server.app import create_app
 from stepwatch_server.exporter import ExporterConfig, RunStateCollector
 from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.engine import make_engine
 
 from ..payloads import CONVENTION
@@ -30,7 +31,7 @@ def registry(
 
 @pytest.fixture
 def ingestor(engine: Engine) -> Ingestor:
-    return Ingestor(engine, window_seconds=2.0)  # 0.5 s steps -> 4 steps per window
+    return Ingestor(open_storage(engine), window_seconds=2.0)  # 0.5 s steps -> 4 steps per window
 
 
 def test_run_values_match_the_rest_overview(engine: Engine, db_url: str, ingestor: Ingestor) -> None:

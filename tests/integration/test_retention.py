@@ -15,6 +15,7 @@ from sqlalchemy import Engine, func, select, update
 
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.models import IngestedBatch, JobStep, RankWindow
 from stepwatch_server.storage.retention import prune
 
@@ -76,7 +77,7 @@ def test_prune_rolls_up_old_windows_and_keeps_their_sums(db_url: str, engine: En
             .values(received_at=datetime.now(timezone.utc) - timedelta(days=30))
         )
 
-    report = prune(engine, full_days=2, factor=FACTOR, batch_id_days=7, now=now)
+    report = prune(open_storage(engine), full_days=2, factor=FACTOR, batch_id_days=7, now=now)
 
     rows = _rows(engine)
     # Steps 1..40 are old: windows 0..39, rolled up in whole groups of 8 (0-7, ..., 32-39).
@@ -95,7 +96,7 @@ def test_prune_rolls_up_old_windows_and_keeps_their_sums(db_url: str, engine: En
         assert conn.execute(select(func.count()).select_from(IngestedBatch)).scalar_one() == 2
         assert conn.execute(select(func.count()).select_from(JobStep)).scalar_one() == 50
 
-    again = prune(engine, full_days=2, factor=FACTOR, batch_id_days=7, now=now)
+    again = prune(open_storage(engine), full_days=2, factor=FACTOR, batch_id_days=7, now=now)
     assert (again.windows_rolled_up, again.batch_ids_deleted) == (0, 0)
     assert _rows(engine) == rows
 

@@ -15,8 +15,9 @@ from sqlalchemy import Engine
 
 from stepwatch_server.app import create_app
 from stepwatch_server.ingest.store import Ingestor
-from stepwatch_server.schemas import IngestPayload
+from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage.backend import open_storage
 
 from ..payloads import payload
 
@@ -26,7 +27,7 @@ NOW = time.time()
 
 @pytest.fixture
 def client(db_url: str, engine: Engine) -> Iterator[TestClient]:
-    ingestor = Ingestor(engine)
+    ingestor = Ingestor(open_storage(engine))
     batches = []
     for i in range(N):  # old-000 ... : every third finished; the last 30 reported a day ago
         name = f"{'old' if i < 30 else 'new'}-{i:03d}"

@@ -17,6 +17,7 @@ from sqlalchemy import Engine, select
 from stepwatch_server.analysis.progress import SECONDS_PER_DAY
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.models import Rank, RankWindow
 from stepwatch_server.worker import AnalysisWorker, WorkerConfig
 
@@ -79,7 +80,7 @@ def send_windows(
 
 
 def worker(engine: Engine, clock: Clock | None = None, **cfg: Any) -> AnalysisWorker:
-    return AnalysisWorker(engine, WorkerConfig(**cfg), clock=clock or time.time)
+    return AnalysisWorker(open_storage(engine), WorkerConfig(**cfg), clock=clock or time.time)
 
 
 def events(client: TestClient, run: str = "test-run", **params: str) -> list[dict[str, Any]]:

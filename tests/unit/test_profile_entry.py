@@ -122,7 +122,7 @@ def test_the_collector_accepts_copies_and_keeps_them_inside_compute() -> None:
     """``copy_s`` and the cost's lasting fields are optional on the wire: the collector's
     schema takes an entry with them (folding copies into compute, its stored parts still
     summing to the step) and one without them (an older agent)."""
-    from stepwatch_server.schemas import ProfileIn
+    from stepwatch_server.schemas.ingest import ProfileIn
 
     e = build_entry(load_chrome_trace(FIXTURES / "cuda_ddp_synthetic_rank0.json"), first_step=4, n_steps=2)
     e["cost"] = {

@@ -11,7 +11,7 @@ from stepwatch.profiler.lineup import GroupArrivals, split_wait_transfer
 from stepwatch.simulate import Fault, Noise, TimingModel, Topology, parse_fault
 from stepwatch.simulate.entries import profile_entries
 from stepwatch.simulate.model import RankTiming
-from stepwatch_server.schemas import ProfileIn
+from stepwatch_server.schemas.ingest import ProfileIn
 
 THREE_D = Topology(hosts=4, ranks_per_host=8, tp=4, pp=2)  # dp 4
 

@@ -1,8 +1,8 @@
-"""Wire schemas: the ingest payload (validated whole) and the query responses.
+"""The ingest payload, validated whole at the edge.
 
-Pydantic lives here, at the edge, and nowhere else in the collector: ingest converts a
-validated payload into plain values before storage and analysis touch it. Every bound
-(array lengths, name charset, value ranges) is enforced here, so a bad batch is
+Pydantic lives here (and in ``responses.py``), at the edge, and nowhere else in the
+collector: ingest converts a validated payload into plain values before storage and
+analysis touch it. Every bound (array lengths, name charset, value ranges) is enforced here, so a bad batch is
 rejected with a 422 naming the field and nothing of it is stored.
 """
 
@@ -13,14 +13,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from stepwatch import wire
 from stepwatch.sketch import LogSketch
 
-from .storage.models import INT32_MAX
+from ..storage.models import INT32_MAX
 
-#: Newest payload version; 1 (no ``profiles``) is still accepted.
-SCHEMA_VERSION = 2
-RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
-RunName = Annotated[str, Field(pattern=RUN_NAME_PATTERN)]
+RunName = Annotated[str, Field(pattern=wire.RUN_NAME_PATTERN)]
 HostName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._:-]+$")]
 #: Any non-negative measured quantity (seconds, counts, MHz, W); the bound keeps sums finite.
 NonNeg = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
@@ -42,7 +40,7 @@ Tokens = Annotated[int, Field(ge=0, le=2**40)]
 UnixTime = Annotated[float, Field(gt=0, le=253_402_300_799, allow_inf_nan=False)]
 #: Hard cap on one batch's steps (the configurable limit is STEPWATCH_MAX_STEPS_PER_BATCH).
 MAX_STEPS = 100_000
-Tag = Literal["warmup", "checkpoint", "eval"] | None
+Tag = wire.Tag | None
 
 
 class _Strict(BaseModel):
@@ -66,9 +64,7 @@ class RankIn(_Strict):
     world_size: int = Field(ge=1, le=1_048_576)
     host: HostName
     layout: Layout
-    coords: dict[Literal["tp", "cp", "dp", "pp"], Annotated[int, Field(ge=0, le=1_048_575)]] = Field(
-        default_factory=dict
-    )
+    coords: dict[wire.Dim, Annotated[int, Field(ge=0, le=1_048_575)]] = Field(default_factory=dict)
     counts_tokens: bool = True
 
     @model_validator(mode="after")
@@ -151,7 +147,7 @@ class PlanIn(_Strict):
 
     target_tokens: int | None = Field(default=None, gt=0, le=2**62)
     deadline: UnixTime | None = Field(default=None, description="Unix seconds")
-    config_fingerprint: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:/+=-]{1,128}$")
+    config_fingerprint: str | None = Field(default=None, pattern=wire.FINGERPRINT_PATTERN)
     baseline_run: RunName | None = None
 
 
@@ -160,21 +156,6 @@ class PlanIn(_Strict):
 MAX_PROFILES = 8
 MAX_PROFILE_STEPS = 16
 MAX_ARRIVALS = 4096
-OpName = Literal[
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "all_to_all",
-    "broadcast",
-    "send",
-    "recv",
-    "send_recv",
-    "barrier",
-    "reduce",
-    "gather",
-    "scatter",
-    "other",
-]
 RelSeconds = Annotated[float, Field(ge=-1e6, le=1e6, allow_inf_nan=False)]
 RankId = Annotated[int, Field(ge=0, le=1_048_575)]
 
@@ -193,7 +174,7 @@ class TopOpIn(_Strict):
 class CollectiveIn(_Strict):
     """One operation type of one window: count, bytes and a duration sketch (seconds)."""
 
-    op: OpName
+    op: wire.CollectiveOp
     count: int = Field(ge=0, le=INT32_MAX)
     bytes: Count | None = None
     duration: dict[str, Any]
@@ -215,7 +196,7 @@ class ArrivalsIn(_Strict):
     size: int | None = Field(default=None, ge=1, le=1_048_576)
     key_kind: Literal["seq", "order"]
     step: list[Annotated[int, Field(ge=0, le=2**53)]] = Field(max_length=MAX_ARRIVALS)
-    op: list[OpName] = Field(max_length=MAX_ARRIVALS)
+    op: list[wire.CollectiveOp] = Field(max_length=MAX_ARRIVALS)
     key: list[Annotated[int, Field(ge=0, le=2**53)]] = Field(max_length=MAX_ARRIVALS)
     enter: list[RelSeconds] = Field(max_length=MAX_ARRIVALS)
     end: list[RelSeconds] = Field(max_length=MAX_ARRIVALS)
@@ -289,7 +270,7 @@ class ProfileIn(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> ProfileIn:
         n = self.n_steps
-        for name in ("time_s", "compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s"):
+        for name in ("time_s", *wire.STEP_PARTS):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} values but n_steps is {n}")
         if self.copy_s is not None:
@@ -409,224 +390,3 @@ class IngestPayload(_Strict):
         if not self.steps.time_s and not self.final:
             raise ValueError("steps.time_s is empty; only a final batch may carry no step")
         return self
-
-
-class IngestResult(BaseModel):
-    batch_id: str
-    stored: bool = Field(description="False when this batch id was already stored (a retry)")
-    steps: int
-
-
-class RunSummary(BaseModel):
-    name: str
-    world_size: int
-    ranks_reporting: int
-    last_step: int | None
-    last_seen: float | None = Field(description="Unix time of the latest step reported by any rank")
-
-
-class Stat(BaseModel):
-    latest: float | None = Field(description="Mean over the most recent complete steps")
-    mean: float | None = Field(description="Over all complete steps that are not tagged (warm-up etc.)")
-
-
-class PlanOut(BaseModel):
-    """The run's plan as ``stepwatch.init`` gave it."""
-
-    target_tokens: int | None
-    deadline: float | None = Field(description="Unix seconds")
-    config_fingerprint: str | None
-    baseline_run: str | None
-
-
-class ProgressOut(BaseModel):
-    """Progress and goodput, from the analysed windows (see ``analysis``) and the live total.
-
-    Calendar efficiency is productive step time (all steps but checkpoint and evaluation)
-    over wall time since the first step started, restarts and pauses included. The
-    projection is remaining tokens / current throughput / calendar efficiency; the band
-    uses the p10 and p90 throughput of recent windows.
-    """
-
-    tokens_done: float
-    target_tokens: int | None
-    fraction_done: float | None
-    tokens_per_s: float | None = Field(description="Current: untagged steps of recent windows")
-    step_time_s: float | None = Field(description="Current mean step time (untagged steps)")
-    tokens_per_step: float | None
-    productive_s: float
-    wall_s: float | None
-    calendar_efficiency: float | None
-    remaining_tokens: float | None
-    remaining_steps: float | None
-    eta_s: float | None
-    finish_at: float | None = Field(description="Unix seconds")
-    finish_early_at: float | None
-    finish_late_at: float | None
-    deadline: float | None
-    required_step_time_s: float | None = Field(description="Step time that meets the deadline")
-    on_track: bool | None
-
-
-class AnalysisOut(BaseModel):
-    """How far the analysis worker has come with this run."""
-
-    windows_analysed: int
-    analysed_through_step: int
-    baseline: str = Field(description="'own' or the baseline run the regressions compare against")
-    updated_at: float
-    stage_imbalance: str | None = Field(description="Static pipeline-stage imbalance (efficiency)")
-
-
-class RunOverview(BaseModel):
-    name: str
-    world_size: int
-    layout: dict[str, int]
-    window_steps: int
-    convention: dict[str, Any] | None
-    ranks_reporting: int
-    first_step: int | None
-    last_step: int | None
-    steps_stored: int
-    tokens_total: int
-    step_time_s: Stat
-    tokens_per_s: Stat
-    mfu: Stat
-    data_wait_s: Stat
-    padding_ratio: float | None
-    plan: PlanOut | None = None
-    progress: ProgressOut | None = None
-    analysis: AnalysisOut | None = None
-
-
-class SeriesPoint(BaseModel):
-    step_from: int
-    step_to: int
-    count: int
-    min: float | None
-    mean: float | None
-    max: float | None
-
-
-class Series(BaseModel):
-    run: str
-    metric: str
-    unit: str
-    points: list[SeriesPoint]
-
-
-class Quantiles(BaseModel):
-    """Quantiles in seconds from merged log-bucket sketches (1% relative error)."""
-
-    count: int
-    p50: float | None
-    p99: float | None
-    max: float | None
-
-
-class CollectiveOut(BaseModel):
-    op: str
-    windows: int = Field(description="Profiler windows merged")
-    count: int
-    bytes: int | None = Field(description="Total bytes (nccl-tests convention); null when unknown")
-    duration_s: Quantiles
-    wait_s: Quantiles | None = Field(
-        description="Waiting for the last peer to arrive; null until all peers reported"
-    )
-    transfer_s: Quantiles | None = Field(description="From the last arrival to the end")
-
-
-class NvmlOut(BaseModel):
-    gpu_uuid: str | None
-    sm_clock_mhz: float | None
-    power_w: float | None
-    temperature_c: float | None
-    throttle_reasons: list[str] | None
-
-
-class ClockOut(BaseModel):
-    offset_s: float | None = Field(description="Added to this rank's clock to get rank 0's")
-    uncertainty_s: float | None
-    method: str | None
-
-
-class ProfileOut(BaseModel):
-    """The rank's latest profiler window with data: means per profiled step, in seconds.
-
-    compute (only) + comm_overlapped + comm_exposed + data_wait + idle = step.
-    """
-
-    first_step: int
-    n_steps: int
-    device: str | None
-    step_s: float | None
-    compute_s: float | None
-    comm_overlapped_s: float | None
-    comm_exposed_s: float | None
-    data_wait_s: float | None
-    idle_s: float | None
-    overlap_ratio: float | None = Field(description="Overlapped / all communication (0-1)")
-    comm_wait_s: float | None = Field(description="Per step, summed over collectives")
-    comm_transfer_s: float | None = Field(description="Per step, summed over collectives")
-    top_ops: list[dict[str, Any]] | None
-    nvml: NvmlOut | None
-    clock: ClockOut
-    cost_s: float | None = Field(description="The window's self-measured cost")
-    overhead_ratio: float | None = Field(description="cost / (period x step time)")
-    profile_every: int | None
-
-
-class RankSummary(BaseModel):
-    rank: int
-    host: str
-    local_rank: int
-    coords: dict[str, int]
-    last_step: int
-    last_seen: float
-    clock: str
-    dropped_windows: int
-    dropped_steps: int
-    hot_path_mean_s: float | None
-    window: int | None
-    window_first_step: int | None
-    window_last_step: int | None
-    step_time_s: float | None = Field(description="Mean step time of the rank's latest window")
-    step_time_max_s: float | None
-    data_wait_s: float | None = Field(description="Mean data-loader wait per step, latest window")
-    tokens_per_s: float | None
-    profile: ProfileOut | None = None
-    profile_skipped: str | None = Field(
-        default=None, description="Why the rank's newest profiler window has no data, if it has none"
-    )
-    collectives: list[CollectiveOut] = Field(
-        default_factory=list, description="Per op type, merged over the newest profiled windows"
-    )
-
-
-class Problem(BaseModel):
-    """Error body: ``detail`` says what is wrong; ``errors`` lists each field for 422."""
-
-    detail: str
-    errors: list[dict[str, Any]] | None = None
-
-
-class EventOut(BaseModel):
-    """A straggler, regression or hang flag, with its evidence and its cost."""
-
-    id: int
-    key: str
-    kind: Literal["straggler", "regression", "hang"]
-    cause: Literal["compute", "link", "data", "host"] | None
-    ranks: list[int]
-    hosts: list[str]
-    first_step: int
-    last_step: int
-    status: Literal["open", "closed"]
-    evidence: dict[str, Any]
-    cost_seconds: float = Field(
-        description="Seconds per step the flag costs (what-if the rank ran at its peers' median)"
-    )
-    cost_ratio: float = Field(description="cost_seconds as a share of step time (0-1)")
-    message: str
-    opened_at: float
-    updated_at: float

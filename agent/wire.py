@@ -1,0 +1,51 @@
+"""The wire contract: every name and pattern that the agent and the collector both spell.
+
+The agent builds payloads with these (``_payload.py``), the
+collector validates them with these (``stepwatch_server.schemas.ingest``), so a tag, a step
+part or a pattern is defined once. Standard library only: a training job imports it,
+and the collector imports it without the agent's dependencies.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+#: The payload version the agent sends (the collector also accepts 1); 2 adds the
+#: optional ``profiles`` list (profiler-window entries, ``stepwatch.profiler._entry``).
+SCHEMA_VERSION = 2
+
+#: Step tags: steps the collector excludes from baselines and regressions.
+Tag = Literal["warmup", "checkpoint", "eval"]
+#: Index = the code stored per step (0: untagged).
+TAGS: tuple[str, ...] = ("", *get_args(Tag))
+TAG_CODES: dict[str, int] = {name: code for code, name in enumerate(TAGS) if name}
+
+#: The five parts a profiled step's time splits into (they sum to the step time).
+StepPart = Literal["compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s"]
+STEP_PARTS: tuple[str, ...] = get_args(StepPart)
+
+#: Collective operation types, as the profiler names them.
+CollectiveOp = Literal[
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "all_to_all",
+    "broadcast",
+    "send",
+    "recv",
+    "send_recv",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "other",
+]
+COLLECTIVE_OPS: tuple[str, ...] = get_args(CollectiveOp)
+
+#: Parallelism dimensions of a rank's coordinates and communicator groups.
+Dim = Literal["tp", "cp", "dp", "pp"]
+
+#: A run name (also a baseline run's name).
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+#: A training configuration's fingerprint (regressions compare runs that share one).
+FINGERPRINT_PATTERN = r"^[A-Za-z0-9._:/+=-]{1,128}$"

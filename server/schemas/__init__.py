@@ -1,0 +1,1 @@
+"""Wire schemas: the ingest payload (``ingest``) and the API responses (``responses``)."""

@@ -1,0 +1,58 @@
+"""The storage interface: what ingest, retention and the worker need of a backend.
+
+The collector speaks to SQLite (one process, a file) and to PostgreSQL (replicas, a
+server); the tables and every merge rule are shared (``models.py``, ``columns.py``),
+the statements that apply them differ. The backend is chosen once, by
+:func:`open_storage` from the engine's dialect (the app factory, the CLI), and everything
+backend-specific is a method of :class:`Storage`: ``sqlite.py`` and ``postgres.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from sqlalchemy import Connection, Engine, Table
+
+from ..schemas.ingest import IngestPayload
+from .columns import Rows, SqlFunctions
+
+
+class Storage(Protocol):
+    """One backend. Methods that take a connection run inside the caller's transaction."""
+
+    engine: Engine
+    #: The two-argument ``least``/``greatest`` functions in this backend's spelling.
+    functions: SqlFunctions
+
+    def insert(self, table: Table) -> Any:
+        """This dialect's INSERT (with ``on_conflict_do_nothing``/``_do_update``)."""
+        ...
+
+    def claim(
+        self, conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]
+    ) -> set[tuple[int, str]]:
+        """Insert the batch ids; return the (run id, batch id) pairs that were new (a
+        retry's is already there). ``payloads`` must not repeat a batch id within a run."""
+        ...
+
+    def write(self, conn: Connection, rows: Rows) -> None:
+        """Merge folded rows into ranks, rank windows and job steps, in that order, each
+        column by its rule (``columns.py``)."""
+        ...
+
+    def lock_run(self, conn: Connection, run_id: int) -> bool:
+        """Take the run's analysis lock for this transaction; False if another collector
+        holds it."""
+        ...
+
+
+def open_storage(engine: Engine) -> Storage:
+    """The implementation for ``engine``'s backend."""
+    if engine.dialect.name == "postgresql":
+        from .postgres import PostgresStorage
+
+        return PostgresStorage(engine)
+    from .sqlite import SqliteStorage
+
+    return SqliteStorage(engine)

@@ -1,0 +1,74 @@
+"""SQLite statements: one collector process, row-by-row statements.
+
+The merges are the upserts generated from the column rules (``columns.py``), sent with
+executemany; SQLAlchemy's types bind the values (JSON, timezone-aware datetimes) as the
+models read them back. One process writes, so the analysis lock is always granted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any, cast
+
+from sqlalchemy import Connection, Engine, Table, literal_column
+from sqlalchemy.dialects import sqlite
+
+from ..schemas.ingest import IngestPayload
+from . import columns
+from .columns import Rows, Summed
+from .models import IngestedBatch
+
+
+class SqliteStorage:
+    functions = columns.SqlFunctions(least="min", greatest="max")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._upserts: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def insert(self, table: Table) -> Any:
+        return sqlite.insert(table)
+
+    def claim(
+        self, conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]
+    ) -> set[tuple[int, str]]:
+        batches = cast(Table, IngestedBatch.__table__)
+        now = datetime.now(timezone.utc)
+        new: set[tuple[int, str]] = set()
+        for p, run_id in zip(payloads, run_ids, strict=True):
+            claimed = conn.execute(
+                sqlite.insert(batches)
+                .values(batch_id=p.batch_id, run_id=run_id, rank=p.rank.rank, received_at=now)
+                .on_conflict_do_nothing(index_elements=["run_id", "batch_id"])
+                .returning(batches.c.batch_id)
+            ).first()
+            if claimed is not None:
+                new.add((run_id, p.batch_id))
+        return new
+
+    def write(self, conn: Connection, rows: Rows) -> None:
+        for table, cols in rows.tables():
+            if cols:
+                names = tuple(cols)
+                values = [v.tolist() if hasattr(v, "tolist") else v for v in cols.values()]
+                params = [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
+                conn.execute(self._upsert(table, names), params)
+
+    def _upsert(self, table: Summed, names: tuple[str, ...]) -> Any:
+        key = (table.name, names)
+        stmt = self._upserts.get(key)
+        if stmt is None:
+            merge: dict[str, Any] = {
+                n: literal_column(columns.merge_sql(table, n, table.name, "excluded", self.functions))
+                for n in names
+                if n not in table.keys
+            }
+            stmt = sqlite.insert(table.table).on_conflict_do_update(
+                index_elements=list(table.keys), set_=merge
+            )
+            self._upserts[key] = stmt
+        return stmt
+
+    def lock_run(self, conn: Connection, run_id: int) -> bool:
+        return True  # one collector process; its one worker thread analyses
