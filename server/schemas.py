@@ -9,11 +9,14 @@ rejected with a 422 naming the field and nothing of it is stored.
 from __future__ import annotations
 
 import math
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stepwatch.sketch import LogSketch
+
+from .reads.status import RunStatus
 
 #: Newest payload version; 1 (no ``profiles``) is still accepted.
 SCHEMA_VERSION = 2
@@ -363,7 +366,11 @@ class RunSummary(BaseModel):
     world_size: int
     ranks_reporting: int
     last_step: int | None
-    last_seen: float | None = Field(description="Unix time of the latest step reported by any rank")
+    last_seen: datetime | None = Field(description="ISO-8601 UTC time of the latest step any rank reported")
+    status: RunStatus = Field(
+        description="live, finished (every rank sent its final batch), stalled (no step for longer than "
+        "the hang threshold) or hung (an open hang event)"
+    )
 
 
 class Stat(BaseModel):
@@ -426,6 +433,10 @@ class RunOverview(BaseModel):
     window_steps: int
     convention: dict[str, Any] | None
     ranks_reporting: int
+    ranks_finished: int = Field(description="Ranks that sent their final batch")
+    status: RunStatus = Field(description="As in the run list")
+    mfu_unavailable: str | None = Field(description="Why there is no MFU and what to pass (null: there is)")
+    last_seen: datetime | None = Field(description="ISO-8601 UTC time of the latest step any rank reported")
     first_step: int | None
     last_step: int | None
     steps_stored: int
@@ -454,6 +465,9 @@ class Series(BaseModel):
     metric: str
     unit: str
     points: list[SeriesPoint]
+    reason: str | None = Field(
+        default=None, description="Why the series cannot have points (e.g. MFU without a peak FLOP/s)"
+    )
 
 
 class Quantiles(BaseModel):

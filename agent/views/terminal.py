@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from rich.console import Group, RenderableType
@@ -46,9 +47,15 @@ def pct(v: Any) -> str:
     return "–" if v is None else f"{100 * v:.2f}%"
 
 
-def ago(ts: float | None, now: float | None = None) -> str:
+def ago(ts: float | str | None, now: float | None = None) -> str:
+    """``ts``: ISO-8601 (this collector) or epoch seconds (collectors before run status)."""
     if not ts:
         return "never"
+    if isinstance(ts, str):
+        try:
+            ts = datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return str(ts)
     s = max(0.0, (now or time.time()) - ts)
     if s < 90:
         return f"{s:.0f} s ago"
@@ -239,7 +246,11 @@ def headline(overview: Mapping[str, Any]) -> Table:
     )
     for label, key, f in rows:
         stat = overview.get(key) or {}
-        table.add_row(label, f(stat.get("latest")), f(stat.get("mean")))
+        why = overview.get("mfu_unavailable") if key == "mfu" else None
+        if why:  # say what to pass instead of two dashes
+            table.add_row(label, Text(str(why), style="yellow"), "")
+        else:
+            table.add_row(label, f(stat.get("latest")), f(stat.get("mean")))
     return table
 
 
@@ -266,6 +277,7 @@ def run_view(snap: Snapshot, *, max_rows: int = 16) -> Group:
     title = Text.assemble(
         ("run ", "dim"),
         (str(ov.get("name")), "bold"),
+        *status_badge(ov.get("status")),
         f"  {ov.get('ranks_reporting')}/{ov.get('world_size')} ranks  step {ov.get('last_step') or 0}",
         ("  MFU formula: " + str(conv.get("id") or conv.get("formula") or "none (no peak FLOP/s)"), "dim"),
         (dtype_note(conv), "dim"),
@@ -291,15 +303,28 @@ def run_view(snap: Snapshot, *, max_rows: int = 16) -> Group:
     return Group(*parts)
 
 
+#: Colour of each run status (the collector's ``reads/status.py`` defines them).
+STATUS_STYLE = {"live": "bold green", "finished": "dim", "stalled": "bold yellow", "hung": "bold red"}
+
+
+def status_badge(status: object) -> tuple[tuple[str, str], ...]:
+    """`` [status]`` coloured, or nothing from a collector that predates run status."""
+    if not status:
+        return ()
+    return (("  [", "dim"), (str(status), STATUS_STYLE.get(str(status), "")), ("]", "dim"))
+
+
 def runs_table(runs: Sequence[JSON], selected: str | None = None) -> Table:
     table = Table(title="runs", title_justify="left")
-    for col in ("run", "ranks", "last step", "last seen"):
+    for col in ("run", "status", "ranks", "last step", "last seen"):
         table.add_column(col, justify="left" if col == "run" else "right")
     now = time.time()
     for r in runs:
         name = Text(r["name"], style="bold" if r["name"] == selected else "")
+        status = str(r.get("status") or "–")
         table.add_row(
             name,
+            Text(status, style=STATUS_STYLE.get(status, "")),
             f"{r.get('ranks_reporting')}/{r.get('world_size')}",
             str(r.get("last_step") if r.get("last_step") is not None else "–"),
             ago(r.get("last_seen"), now),

@@ -15,6 +15,7 @@ from ..exporter.registry import CollectorMetrics
 from ..ingest.group_commit import GroupCommitter
 from ..ingest.store import Ingestor
 from ..reads import queries
+from ..reads.status import StatusRule
 from ..schemas import (
     EventOut,
     IngestPayload,
@@ -155,13 +156,13 @@ def _invalid(loc: tuple[str, ...], msg: str) -> RequestValidationError:
 @router.get("/runs", response_model=list[RunSummary], responses={503: _ERRORS[503]})
 def list_runs(request: Request) -> list[RunSummary]:
     with _engine(request).connect() as conn:
-        return queries.list_runs(conn)
+        return queries.list_runs(conn, rule=StatusRule.from_settings(request.app.state.settings))
 
 
 @router.get("/runs/{run}", response_model=RunOverview, responses=_ERRORS)
 def run_overview(run: str, request: Request) -> RunOverview:
     with _engine(request).connect() as conn:
-        return queries.overview(conn, run)
+        return queries.overview(conn, run, rule=StatusRule.from_settings(request.app.state.settings))
 
 
 @router.get("/runs/{run}/series", response_model=Series, responses=_ERRORS)

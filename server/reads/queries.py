@@ -20,7 +20,8 @@ from ..schemas import EventOut, RankSummary, RunOverview, RunSummary, Series, Se
 from ..storage.models import Event, JobStep, Rank, RankWindow, Run
 from . import progress
 from .profiles import BREAKDOWN_METRICS, rank_profiles, window_series
-from .utilization import per_token_rate
+from .status import DEFAULT_RULE, StatusRule, run_states
+from .utilization import mfu_unavailable, per_token_rate
 
 LATEST_STEPS = 10
 JS = JobStep.__table__
@@ -32,6 +33,10 @@ EV = Event.__table__
 
 class NotFoundError(LookupError):
     """The named run (or metric) does not exist."""
+
+
+class NoSeriesError(Exception):
+    """The metric exists but this run cannot have it; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,7 @@ def _valid() -> ColumnElement[bool]:
     return and_(JS.c.token_ranks > 0, JS.c.step_time_sum > 0)
 
 
-def list_runs(conn: Connection) -> list[RunSummary]:
+def list_runs(conn: Connection, *, rule: StatusRule = DEFAULT_RULE) -> list[RunSummary]:
     agg = (
         select(
             RANKS.c.run_id,
@@ -89,17 +94,19 @@ def list_runs(conn: Connection) -> list[RunSummary]:
         .subquery()
     )
     rows = conn.execute(
-        select(RUNS.c.name, RUNS.c.world_size, agg.c.ranks, agg.c.last_step, agg.c.last_seen)
+        select(RUNS.c.id, RUNS.c.name, RUNS.c.world_size, agg.c.ranks, agg.c.last_step)
         .select_from(RUNS.outerjoin(agg, agg.c.run_id == RUNS.c.id))
         .order_by(agg.c.last_seen.desc(), RUNS.c.name)
     ).all()
+    states = run_states(conn, rule=rule)
     return [
         RunSummary(
             name=r.name,
             world_size=r.world_size,
             ranks_reporting=r.ranks or 0,
             last_step=r.last_step,
-            last_seen=_unix(r.last_seen),
+            last_seen=states[r.id].last_seen,
+            status=states[r.id].status,
         )
         for r in rows
     ]
@@ -113,8 +120,9 @@ def _unix(value: Any) -> float | None:
     return float(value.timestamp())
 
 
-def overview(conn: Connection, name: str) -> RunOverview:
+def overview(conn: Connection, name: str, *, rule: StatusRule = DEFAULT_RULE) -> RunOverview:
     run = get_run(conn, name)
+    state = run_states(conn, [run.id], rule=rule)[run.id]
     where_run = JS.c.run_id == run.id
     st, tok = _step_time(), _tokens_est(run)
     # One pass over the run's steps for the totals and the untagged (steady) means: at
@@ -165,6 +173,10 @@ def overview(conn: Connection, name: str) -> RunOverview:
         window_steps=run.window_steps,
         convention=run.convention,
         ranks_reporting=ranks_reporting,
+        ranks_finished=state.ranks_finished,
+        mfu_unavailable=mfu_unavailable(run.convention, run.world_size),
+        status=state.status,
+        last_seen=state.last_seen,
         first_step=totals[1],
         last_step=totals[2],
         steps_stored=totals[0],
@@ -201,7 +213,7 @@ def _metric_expr(run: RunRow, metric: str) -> tuple[str, ColumnElement[Any]]:
     if metric == "mfu":
         scale = run.mfu_scale
         if scale is None:
-            raise NotFoundError(f"run {run.name!r} has no peak FLOP/s in its convention, so no MFU")
+            raise NoSeriesError(mfu_unavailable(run.convention, run.world_size) or "no MFU")
         return "ratio", _tokens_est(run) / st * scale
     if metric == "ranks_reporting":
         return "ranks", cast(JS.c.ranks, Float)
@@ -229,7 +241,10 @@ def series(
         return window_series(
             conn, run.id, name, metric, from_step=from_step, to_step=to_step, max_points=max_points
         )
-    unit, value = _metric_expr(run, metric)
+    try:
+        unit, value = _metric_expr(run, metric)
+    except NoSeriesError as e:
+        return Series(run=name, metric=metric, unit="ratio", points=[], reason=str(e))
     cond = [JS.c.run_id == run.id, _valid()]
     if from_step is None or to_step is None:
         lo, hi = conn.execute(select(func.min(JS.c.step), func.max(JS.c.step)).where(*cond)).one()

@@ -20,3 +20,18 @@ def per_token_rate(
     if not flops or not peak or world_size <= 0:
         return None
     return float(flops) / (world_size * float(peak))
+
+
+#: What the API, the page and ``stepwatch top`` say where MFU is missing for want of a peak.
+MFU_NEEDS_PEAK = "MFU needs a peak FLOP/s: pass peak_flops= (see README: finding a peak)"
+MFU_NEEDS_FLOPS = "MFU needs the model's FLOPs per token: pass model= or flops_per_token="
+
+
+def mfu_unavailable(convention: Mapping[str, Any] | None, world_size: int) -> str | None:
+    """Why a run has no MFU (what to pass to ``stepwatch.init``), or None when it has one."""
+    conv = convention or {}
+    if not conv.get("peak_flops"):
+        return MFU_NEEDS_PEAK
+    if not conv.get("flops_per_token"):
+        return MFU_NEEDS_FLOPS
+    return None

@@ -16,6 +16,7 @@ from sqlalchemy import Connection, Float, and_, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..reads import queries
+from ..reads.status import DEFAULT_RULE, StatusRule
 from ..storage.models import Event, RankWindow
 
 RW = RankWindow.__table__
@@ -54,8 +55,8 @@ class Heatmap:
     available: list[str] = field(default_factory=list)
 
 
-def runs(conn: Connection) -> list[dict[str, Any]]:
-    out = [r.model_dump() for r in queries.list_runs(conn)]
+def runs(conn: Connection, *, rule: StatusRule = DEFAULT_RULE) -> list[dict[str, Any]]:
+    out = [r.model_dump() for r in queries.list_runs(conn, rule=rule)]
     open_counts: dict[int, int] = dict(
         conn.execute(
             select(EV.c.run_id, func.count()).where(EV.c.status == "open").group_by(EV.c.run_id)
@@ -67,16 +68,14 @@ def runs(conn: Connection) -> list[dict[str, Any]]:
     return out
 
 
-def _series(conn: Connection, run: str, metric: str, max_points: int) -> dict[str, list[Any]] | None:
-    try:
-        s = queries.series(conn, run, metric, from_step=None, to_step=None, max_points=max_points)
-    except queries.NotFoundError:  # e.g. no MFU without a peak FLOP/s
-        return None
+def _series(conn: Connection, run: str, metric: str, max_points: int) -> dict[str, Any]:
+    s = queries.series(conn, run, metric, from_step=None, to_step=None, max_points=max_points)
     return {
         "step": [p.step_to for p in s.points],
         "mean": [p.mean for p in s.points],
         "min": [p.min for p in s.points],
         "max": [p.max for p in s.points],
+        "reason": s.reason,  # why there are no points (no MFU without a peak FLOP/s)
     }
 
 
@@ -198,10 +197,12 @@ def heatmap(
     )
 
 
-def run_page(conn: Connection, name: str, *, heat: str | None = None) -> dict[str, Any]:
+def run_page(
+    conn: Connection, name: str, *, heat: str | None = None, rule: StatusRule = DEFAULT_RULE
+) -> dict[str, Any]:
     """Everything the run page shows. Raises ``queries.NotFoundError`` for an unknown run."""
     run = queries.get_run(conn, name)
-    overview = queries.overview(conn, name).model_dump()
+    overview = queries.overview(conn, name, rule=rule).model_dump()
     ranks = [r.model_dump() for r in queries.ranks(conn, name)]
     events = [e.model_dump() for e in queries.events(conn, name)]
     flagged = {int(r) for e in events if e["status"] == "open" for r in e["ranks"]}
@@ -216,5 +217,4 @@ def run_page(conn: Connection, name: str, *, heat: str | None = None) -> dict[st
         "charts": charts,
         "breakdown": None if last is None else breakdown(conn, run.id, since_window=last - 90),
         "heatmap": None if last is None else heatmap(conn, run.id, metric=heat, flagged=flagged, last=last),
-        "last_seen": max((r["last_seen"] for r in ranks), default=None),
     }

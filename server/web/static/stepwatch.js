@@ -40,7 +40,9 @@
     if (!el) return 0;
     const first = seriesList.find(function (s) { return s.data && s.data.step.length; });
     if (!first) {
-      el.innerHTML = '<p class="empty">no data yet</p>';
+      const why = seriesList.map(function (s) { return s.data && s.data.reason; }).find(Boolean);
+      el.innerHTML = '<p class="empty"></p>';
+      el.firstChild.textContent = why || "no data yet";
       el.dataset.points = "0";
       return 0;
     }
