@@ -17,10 +17,11 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ..reads import queries
 from ..reads.status import DEFAULT_RULE, StatusRule
-from ..storage.models import Event, RankWindow
+from ..storage.models import Event, ProfileWindow, RankWindow
 
 RW = RankWindow.__table__
 EV = Event.__table__
+PW = ProfileWindow.__table__
 
 #: Heatmap metrics: key -> (label, SQL expression of the per-step mean in a rank window).
 HEAT_METRICS: dict[str, tuple[str, ColumnElement[Any]]] = {
@@ -106,6 +107,15 @@ def breakdown(conn: Connection, run_id: int, *, since_window: int) -> dict[str, 
     ).one()
     values = [float(v or 0.0) for v in row[:5]]
     total = sum(values)
+    # The steps the profiler actually captured inside that window (a window of 32 steps
+    # may hold one profiled span of 2), not the window's bounds.
+    spans = conn.execute(
+        select(PW.c.first_step, func.max(PW.c.n_steps))
+        .where(PW.c.run_id == run_id, PW.c.window == last, PW.c.n_steps > 0)
+        .group_by(PW.c.first_step)
+        .order_by(PW.c.first_step)
+        .limit(8)
+    ).all()
     parts = [
         {"key": key, "label": label, "color": color, "seconds": v, "share": v / total if total > 0 else 0.0}
         for (key, label, color), v in zip(BREAKDOWN, values, strict=True)
@@ -115,6 +125,7 @@ def breakdown(conn: Connection, run_id: int, *, since_window: int) -> dict[str, 
         "parts": parts,
         "total_s": total,
         "steps": (row[5], row[6]),
+        "profiled": [(first, first + n - 1) for first, n in spans],
         "overlap_ratio": values[1] / comm if comm > 0 else None,
     }
 

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from sqlalchemy import select
 from stepwatch_server.storage.engine import make_engine
 from stepwatch_server.storage.models import Run
 
+from ..browser import browser  # noqa: F401  (a fixture)
 from ..events import insert_event
 from ..live import serve_in_thread
 
@@ -139,48 +139,12 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
     assert "interrupted; the collector and every rank were stopped" in log.read_text()
 
 
-def _driver(user_dir: str) -> Any:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    opts = Options()
-    opts.binary_location = "/usr/bin/chromium"
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--no-first-run",
-        "--hide-scrollbars",
-        "--force-device-scale-factor=1",
-        f"--user-data-dir={user_dir}",
-    ):
-        opts.add_argument(arg)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    os.environ.setdefault("SE_OFFLINE", "true")  # Debian's chromedriver; never download one
-    with tempfile.TemporaryDirectory() as user_dir:
-        driver = _driver(user_dir)
-        try:
-            driver.set_window_size(1360, 1150)
-            yield driver
-        finally:
-            driver.quit()
-
-
 def _severe(driver: Any) -> list[dict[str, Any]]:
     return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
 @pytest.mark.e2e
-def test_web_page_in_chromium_shows_the_run_and_its_straggler(demo: DemoRun, browser: Any) -> None:
+def test_web_page_in_chromium_shows_the_run_and_its_straggler(demo: DemoRun, browser: Any) -> None:  # noqa: F811
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
