@@ -29,11 +29,13 @@ BREAKDOWN: tuple[tuple[str, str, str], ...] = (
     ("idle_s", "idle", "bright_black"),
 )
 #: Per-rank columns compared with the peer median (the straggler's tell-tales).
+#: Per-rank columns, seconds per step (the table's title says so, so that every header
+#: fits on one line of an 80-column terminal).
 RANK_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("step_time_s", "step (s)"),
-    ("compute_s", "compute (s)"),
-    ("comm_wait_s", "comm wait (s)"),
-    ("data_wait_s", "data wait (s)"),
+    ("step_time_s", "step"),
+    ("compute_s", "compute"),
+    ("comm_wait_s", "comm wait"),
+    ("data_wait_s", "data wait"),
 )
 OUTLIER_RATIO = 1.10
 SPARK = "▁▂▃▄▅▆▇█"
@@ -163,17 +165,19 @@ def ranks_table(ranks: Sequence[JSON], events: Sequence[JSON] = (), max_rows: in
         shown.sort(key=lambda r: (r["rank"] not in flags, -(_value(r, "step_time_s") or 0.0)))
         shown = sorted(shown[:max_rows], key=lambda r: int(r["rank"]))
     hidden = len(ranks) - len(shown)
-    title = "ranks (latest window)" + (f", {hidden} more not shown" if hidden else "")
-    table = Table(title=title, title_justify="left", expand=False)
-    table.add_column("rank", justify="right")
-    table.add_column("host")
-    table.add_column("last step", justify="right")
+    title = "ranks (latest window, s per step)" + (f", {hidden} more not shown" if hidden else "")
+    # No box and one space each side of a cell: the table fits 80 columns; a flagged
+    # rank is marked in its own cell (the events table below says what the flag is).
+    table = Table(title=title, title_justify="left", expand=False, box=None, padding=(0, 1), pad_edge=False)
+    table.add_column("rank", justify="right", no_wrap=True)
+    table.add_column("host", no_wrap=True, overflow="ellipsis", max_width=12)
+    table.add_column("last step", justify="right", no_wrap=True)
     for _, label in cols:
-        table.add_column(label, justify="right")
-    table.add_column("tokens/s", justify="right")
-    table.add_column("", style="bold red")
+        table.add_column(label, justify="right", no_wrap=True)
+    table.add_column("tokens/s", justify="right", no_wrap=True)
     for r in shown:
-        cells: list[Text | str] = [str(r["rank"]), str(r.get("host", "")), str(r.get("last_step", ""))]
+        rank_cell = Text(f"⚠ {r['rank']}", style="bold red") if r["rank"] in flags else Text(str(r["rank"]))
+        cells: list[Text | str] = [rank_cell, str(r.get("host", "")), str(r.get("last_step", ""))]
         for key, _ in cols:
             v, med = _value(r, key), medians[key]
             style = ""
@@ -184,7 +188,6 @@ def ranks_table(ranks: Sequence[JSON], events: Sequence[JSON] = (), max_rows: in
                     style = "cyan"
             cells.append(Text(num(v), style=style))
         cells.append(num(r.get("tokens_per_s"), ",.0f"))
-        cells.append(f"⚠ {flags[r['rank']]}" if r["rank"] in flags else "")
         table.add_row(*cells)
     return table
 
