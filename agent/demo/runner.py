@@ -206,7 +206,7 @@ def report(console: Console, client: CollectorClient, run: str, plan: Plan) -> S
 
 def run_demo(
     ranks: int = 4,
-    steps: int = 200,
+    steps: int = 120,
     *,
     slow_rank: int | None = 2,
     slow_ms: float = 120.0,
