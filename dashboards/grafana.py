@@ -34,6 +34,7 @@ from grafana_foundation_sdk.cog.builder import Builder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import (
     BigValueTextMode,
+    FieldTextAlignment,
     HeatmapCellLayout,
     LegendDisplayMode,
     LegendPlacement,
@@ -688,7 +689,7 @@ def fleet(c: Config) -> Dashboard:
                     "Value #G": "last report (s ago)",
                 },
             )
-            .align("auto")  # what Grafana fills in anyway once the table has field config
+            .align(FieldTextAlignment.AUTO)  # what Grafana fills in anyway once the table has field config
             .inspect(False)
             .override_by_name(
                 "run",
