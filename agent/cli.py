@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         "then a short report. Every process it starts is stopped at the end or on Ctrl-C.",
     )
     demo.add_argument("--ranks", type=_positive_int, default=4, help="training processes (gloo, CPU)")
-    demo.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps per rank")
+    demo.add_argument("--steps", type=_positive_int, default=120, help="optimizer steps per rank")
     demo.add_argument("--slow-rank", type=int, default=2, help="the rank slowed down mid-run")
     demo.add_argument("--slow-ms", type=float, default=120.0, help="extra compute per step of the slow rank")
     demo.add_argument("--no-straggler", action="store_true", help="train without the injected straggler")

@@ -34,6 +34,7 @@ from grafana_foundation_sdk.cog.builder import Builder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import (
     BigValueTextMode,
+    FieldTextAlignment,
     HeatmapCellLayout,
     LegendDisplayMode,
     LegendPlacement,
@@ -43,6 +44,7 @@ from grafana_foundation_sdk.models.dashboard import (
     DashboardLinkType,
     DataSourceRef,
     DataTransformerConfig,
+    DynamicConfigValue,
     VariableOption,
     VariableRefresh,
     VariableSort,
@@ -181,12 +183,19 @@ def datasource_var(c: Config) -> DatasourceVariable:
     )
 
 
+#: How far back the ``$run`` picker looks. /metrics drops a run an hour after its last
+#: batch (``STEPWATCH_METRICS_RUN_EXPIRY_S``), so a picker bound to the dashboard's time
+#: range (``label_values``) would lose a finished run while its data is still in Prometheus.
+RUN_PICKER_LOOKBACK = "14d"
+
+
 def run_var() -> QueryVariable:
     return (
         QueryVariable("run")
         .label("Run")
         .datasource(DS)
-        .query("label_values(stepwatch_run_info, run)")
+        .query(f"query_result(max by (run) (last_over_time(stepwatch_run_info[{RUN_PICKER_LOOKBACK}])))")
+        .regex('/run="([^"]+)"/')
         .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(VariableSort.ALPHABETICAL_ASC)
     )
@@ -679,6 +688,22 @@ def fleet(c: Config) -> Dashboard:
                     "Value #F": "open flags",
                     "Value #G": "last report (s ago)",
                 },
+            )
+            .align(FieldTextAlignment.AUTO)  # what Grafana fills in anyway once the table has field config
+            .inspect(False)
+            .override_by_name(
+                "run",
+                [
+                    DynamicConfigValue(
+                        id_val="links",
+                        value=[
+                            {
+                                "title": "Run overview of ${__value.raw}",
+                                "url": "/d/stepwatch-run/?var-run=${__value.raw}&${__url_time_range}",
+                            }
+                        ],
+                    )
+                ],
             )
         )
         .with_panel(ts("MFU by run", "MFU of every run.", "percentunit", q(n.mfu, "{{run}}"), lo=0))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import sys
 
+from .api.auth import Authenticator
 from .settings import Settings
 from .storage import migrate
 
@@ -48,6 +50,11 @@ def serve(
     workers: int | None = None,
 ) -> int:
     settings = _settings(host=host, port=port, database_url=database_url, workers=workers)
+    try:  # before the migrations: a bad token must not leave a migrated database and a traceback
+        Authenticator.from_specs(settings.write_tokens, settings.read_tokens)
+    except ValueError as e:
+        print(f"stepwatch serve: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.migrate_on_start:
         migrate.upgrade(settings.database_url)

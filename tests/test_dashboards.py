@@ -26,7 +26,8 @@ from stepwatch_server.exporter.catalog import FAMILIES, exposed_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DASH = ROOT / "dashboards"
-JSONS = sorted((DASH / "grafana" / "dashboards").glob("*.json"))
+GRAFANA = DASH / "grafana" / "dashboards"
+JSONS = sorted(GRAFANA.glob("*.json"))
 RULES = DASH / "prometheus" / "stepwatch.rules.yml"
 RULE_TESTS = DASH / "prometheus" / "tests" / "alerts_test.yml"
 
@@ -115,6 +116,25 @@ def test_dashboard_structure(path: Path) -> None:
     for ann in model.get("annotations", {}).get("list", []):
         used |= set(re.findall(r"\$(\w+)", ann["expr"]))
     assert used <= set(variables), f"undefined variables {used - set(variables)}"
+
+
+def test_the_fleet_table_links_each_run_to_its_overview() -> None:
+    fleet = load(GRAFANA / "stepwatch-fleet.json")
+    (runs,) = [p for p in fleet["panels"] if p["title"] == "Runs"]
+    (override,) = [o for o in runs["fieldConfig"]["overrides"] if o["matcher"]["options"] == "run"]
+    (links,) = [p["value"] for p in override["properties"] if p["id"] == "links"]
+    assert links[0]["url"].startswith("/d/stepwatch-run/?var-run=${__value.raw}")
+    assert "stepwatch-run" in {path.stem for path in JSONS}
+
+
+def test_the_run_picker_outlives_the_metrics_expiry() -> None:
+    """/metrics drops a run an hour after its last batch; the picker still offers it."""
+    model = load(GRAFANA / "stepwatch-run.json")
+    (run,) = [v for v in model["templating"]["list"] if v["name"] == "run"]
+    query = run["query"] if isinstance(run["query"], str) else run["query"]["query"]
+    assert not query.startswith("label_values(")  # bound to the dashboard's time range
+    (days,) = re.findall(r"\[(\d+)d\]", query)
+    assert int(days) >= 7
 
 
 def _metric_names(expr: str) -> set[str]:

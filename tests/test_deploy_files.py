@@ -64,6 +64,26 @@ def test_secrets_must_come_from_the_environment() -> None:
         assert re.match(r"postgresql://[^:]+:\$\{", url), f"password literal in {url}"
 
 
+def test_grafana_is_not_open_to_anonymous_viewers_by_default(resolved: dict[str, Any]) -> None:
+    env = resolved["services"]["grafana"]["environment"]
+    assert str(env["GF_AUTH_ANONYMOUS_ENABLED"]).lower() == "false"
+    opened = compose("config", env={**ENV, "GRAFANA_ANONYMOUS_VIEWER": "true"})
+    assert opened.returncode == 0, opened.stderr
+    assert (
+        yaml.safe_load(opened.stdout)["services"]["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"]
+        == "true"
+    )
+
+
+def test_the_collector_image_keeps_its_sqlite_file_where_its_user_may_write() -> None:
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    (user,) = re.findall(r"^USER (\S+)$", text, re.M)
+    (url,) = re.findall(r"^ENV STEPWATCH_DATABASE_URL=sqlite:///(\S+)$", text, re.M)
+    directory = str(Path(url).parent)
+    assert directory not in ("/app", "."), url  # WORKDIR belongs to root
+    assert re.search(rf"^RUN .*mkdir -p {re.escape(directory)} && chown {user}\b", text, re.M), text
+
+
 def test_services_are_pinned_healthchecked_and_ordered(resolved: dict[str, Any]) -> None:
     services = resolved["services"]
     assert set(services) == LONG_RUNNING | {"migrate"}

@@ -21,6 +21,8 @@ from types import FrameType
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
+from rich.progress_bar import ProgressBar
+from rich.table import Table
 from rich.text import Text
 
 from ..views.client import CollectorClient, CollectorError, Snapshot
@@ -93,9 +95,8 @@ class Plan:
         if not self.has_straggler or step < self.slow_from:
             return "clean"
         if step <= self.slow_to:
-            steps = f"steps {self.slow_from}-{self.slow_to}"
-            return f"rank {self.slow_rank} slowed by {self.slow_ms:.0f} ms/step ({steps})"
-        return f"straggler cleared at step {self.slow_to}"
+            return f"rank {self.slow_rank} slowed +{self.slow_ms:.0f} ms, {self.slow_from}-{self.slow_to}"
+        return f"straggler cleared at {self.slow_to}"
 
 
 @contextmanager
@@ -116,17 +117,23 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _progress(plan: Plan, snap: Snapshot | None, started: float) -> Text:
+def _progress(plan: Plan, snap: Snapshot | None, started: float) -> Table:
+    """One line: rich's progress bar, the step, the time and the phase of the fault,
+    short enough for 80 columns (the phase folds onto a second line rather than vanish)."""
     step = int(snap.overview.get("last_step") or 0) if snap else 0
-    filled = round(30 * step / plan.steps)
-    text = Text.assemble(
-        ("training ", "bold"),
-        ("█" * filled, "green"),
-        ("░" * (30 - filled), "dim"),
-        f" step {step}/{plan.steps}  {time.monotonic() - started:.0f} s  ",
-    )
+    line = Table.grid(padding=(0, 1))
+    line.add_column(no_wrap=True)
+    line.add_column(width=16, no_wrap=True)
+    line.add_column(no_wrap=True)
+    line.add_column(overflow="fold")
     phase = plan.phase(step)
-    return text.append(phase, style="yellow" if "slowed" in phase else "dim")
+    line.add_row(
+        Text("training", style="bold"),
+        ProgressBar(total=plan.steps, completed=min(step, plan.steps), width=16),
+        f"step {step}/{plan.steps}  {time.monotonic() - started:.0f} s",
+        Text(phase, style="yellow" if "slowed" in phase else "dim"),
+    )
+    return line
 
 
 def live_frame(plan: Plan, snap: Snapshot | None, started: float, page: str) -> RenderableType:
@@ -199,7 +206,7 @@ def report(console: Console, client: CollectorClient, run: str, plan: Plan) -> S
 
 def run_demo(
     ranks: int = 4,
-    steps: int = 200,
+    steps: int = 120,
     *,
     slow_rank: int | None = 2,
     slow_ms: float = 120.0,
@@ -321,5 +328,7 @@ def _next_steps(console: Console, run: str, database: str, *, kept: bool) -> Non
         )
     console.print("  terminal:  stepwatch top --url URL   (any collector)")
     console.print(
-        "  Grafana:   docker compose up   (collector, Prometheus and the dashboards in dashboards/)"
+        "  Grafana:   STEPWATCH_DB_PASSWORD=... GRAFANA_ADMIN_PASSWORD=... docker compose up\n"
+        "             (collector, PostgreSQL, Prometheus, Alertmanager and the dashboards in dashboards/;\n"
+        "             both secrets are required, from the environment or an .env file)"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from rich.console import Group, RenderableType
@@ -28,11 +29,13 @@ BREAKDOWN: tuple[tuple[str, str, str], ...] = (
     ("idle_s", "idle", "bright_black"),
 )
 #: Per-rank columns compared with the peer median (the straggler's tell-tales).
+#: Per-rank columns, seconds per step (the table's title says so, so that every header
+#: fits on one line of an 80-column terminal).
 RANK_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("step_time_s", "step (s)"),
-    ("compute_s", "compute (s)"),
-    ("comm_wait_s", "comm wait (s)"),
-    ("data_wait_s", "data wait (s)"),
+    ("step_time_s", "step"),
+    ("compute_s", "compute"),
+    ("comm_wait_s", "comm wait"),
+    ("data_wait_s", "data wait"),
 )
 OUTLIER_RATIO = 1.10
 SPARK = "▁▂▃▄▅▆▇█"
@@ -46,9 +49,15 @@ def pct(v: Any) -> str:
     return "–" if v is None else f"{100 * v:.2f}%"
 
 
-def ago(ts: float | None, now: float | None = None) -> str:
+def ago(ts: float | str | None, now: float | None = None) -> str:
+    """``ts``: ISO-8601 (this collector) or epoch seconds (collectors before run status)."""
     if not ts:
         return "never"
+    if isinstance(ts, str):
+        try:
+            ts = datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return str(ts)
     s = max(0.0, (now or time.time()) - ts)
     if s < 90:
         return f"{s:.0f} s ago"
@@ -156,17 +165,19 @@ def ranks_table(ranks: Sequence[JSON], events: Sequence[JSON] = (), max_rows: in
         shown.sort(key=lambda r: (r["rank"] not in flags, -(_value(r, "step_time_s") or 0.0)))
         shown = sorted(shown[:max_rows], key=lambda r: int(r["rank"]))
     hidden = len(ranks) - len(shown)
-    title = "ranks (latest window)" + (f", {hidden} more not shown" if hidden else "")
-    table = Table(title=title, title_justify="left", expand=False)
-    table.add_column("rank", justify="right")
-    table.add_column("host")
-    table.add_column("last step", justify="right")
+    title = "ranks (latest window, s per step)" + (f", {hidden} more not shown" if hidden else "")
+    # No box and one space each side of a cell: the table fits 80 columns; a flagged
+    # rank is marked in its own cell (the events table below says what the flag is).
+    table = Table(title=title, title_justify="left", expand=False, box=None, padding=(0, 1), pad_edge=False)
+    table.add_column("rank", justify="right", no_wrap=True)
+    table.add_column("host", no_wrap=True, overflow="ellipsis", max_width=12)
+    table.add_column("last step", justify="right", no_wrap=True)
     for _, label in cols:
-        table.add_column(label, justify="right")
-    table.add_column("tokens/s", justify="right")
-    table.add_column("", style="bold red")
+        table.add_column(label, justify="right", no_wrap=True)
+    table.add_column("tokens/s", justify="right", no_wrap=True)
     for r in shown:
-        cells: list[Text | str] = [str(r["rank"]), str(r.get("host", "")), str(r.get("last_step", ""))]
+        rank_cell = Text(f"⚠ {r['rank']}", style="bold red") if r["rank"] in flags else Text(str(r["rank"]))
+        cells: list[Text | str] = [rank_cell, str(r.get("host", "")), str(r.get("last_step", ""))]
         for key, _ in cols:
             v, med = _value(r, key), medians[key]
             style = ""
@@ -177,7 +188,6 @@ def ranks_table(ranks: Sequence[JSON], events: Sequence[JSON] = (), max_rows: in
                     style = "cyan"
             cells.append(Text(num(v), style=style))
         cells.append(num(r.get("tokens_per_s"), ",.0f"))
-        cells.append(f"⚠ {flags[r['rank']]}" if r["rank"] in flags else "")
         table.add_row(*cells)
     return table
 
@@ -239,7 +249,11 @@ def headline(overview: Mapping[str, Any]) -> Table:
     )
     for label, key, f in rows:
         stat = overview.get(key) or {}
-        table.add_row(label, f(stat.get("latest")), f(stat.get("mean")))
+        why = overview.get("mfu_unavailable") if key == "mfu" else None
+        if why:  # say what to pass instead of two dashes
+            table.add_row(label, Text(str(why), style="yellow"), "")
+        else:
+            table.add_row(label, f(stat.get("latest")), f(stat.get("mean")))
     return table
 
 
@@ -266,6 +280,7 @@ def run_view(snap: Snapshot, *, max_rows: int = 16) -> Group:
     title = Text.assemble(
         ("run ", "dim"),
         (str(ov.get("name")), "bold"),
+        *status_badge(ov.get("status")),
         f"  {ov.get('ranks_reporting')}/{ov.get('world_size')} ranks  step {ov.get('last_step') or 0}",
         ("  MFU formula: " + str(conv.get("id") or conv.get("formula") or "none (no peak FLOP/s)"), "dim"),
         (dtype_note(conv), "dim"),
@@ -291,15 +306,28 @@ def run_view(snap: Snapshot, *, max_rows: int = 16) -> Group:
     return Group(*parts)
 
 
+#: Colour of each run status (the collector's ``reads/status.py`` defines them).
+STATUS_STYLE = {"live": "bold green", "finished": "dim", "stalled": "bold yellow", "hung": "bold red"}
+
+
+def status_badge(status: object) -> tuple[tuple[str, str], ...]:
+    """`` [status]`` coloured, or nothing from a collector that predates run status."""
+    if not status:
+        return ()
+    return (("  [", "dim"), (str(status), STATUS_STYLE.get(str(status), "")), ("]", "dim"))
+
+
 def runs_table(runs: Sequence[JSON], selected: str | None = None) -> Table:
     table = Table(title="runs", title_justify="left")
-    for col in ("run", "ranks", "last step", "last seen"):
+    for col in ("run", "status", "ranks", "last step", "last seen"):
         table.add_column(col, justify="left" if col == "run" else "right")
     now = time.time()
     for r in runs:
         name = Text(r["name"], style="bold" if r["name"] == selected else "")
+        status = str(r.get("status") or "–")
         table.add_row(
             name,
+            Text(status, style=STATUS_STYLE.get(status, "")),
             f"{r.get('ranks_reporting')}/{r.get('world_size')}",
             str(r.get("last_step") if r.get("last_step") is not None else "–"),
             ago(r.get("last_seen"), now),

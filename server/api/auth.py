@@ -44,6 +44,11 @@ def _digest(secret: str) -> bytes:
     return hashlib.sha256(secret.encode()).digest()
 
 
+#: The environment variable each scope's list is read from, named in every complaint.
+SETTING: dict[Scope, str] = {"write": "STEPWATCH_WRITE_TOKENS", "read": "STEPWATCH_READ_TOKENS"}
+MIN_SECRET_CHARS = 16
+
+
 def parse_tokens(spec: str, scope: Scope) -> list[Token]:
     """Parse ``[name=]secret`` / ``[name=]sha256:<hex>`` entries; ValueError names a bad one."""
     tokens = []
@@ -61,10 +66,13 @@ def parse_tokens(spec: str, scope: Scope) -> list[Token]:
             except ValueError:
                 digest = b""
             if len(digest) != 32:
-                raise ValueError(f"{scope} token {name or '?'}: sha256: needs 64 hex digits")
+                raise ValueError(f"{SETTING[scope]}: token {name or '?'}: sha256: needs 64 hex digits")
         else:
-            if len(secret) < 16:
-                raise ValueError(f"{scope} token {name or '?'}: a secret needs at least 16 characters")
+            if len(secret) < MIN_SECRET_CHARS:
+                raise ValueError(
+                    f"{SETTING[scope]}: token {name or '?'} is {len(secret)} characters; a secret needs "
+                    f"at least {MIN_SECRET_CHARS} characters (or give sha256:<64 hex digits>)"
+                )
             digest = _digest(secret)
         tokens.append(Token(name=name or digest.hex()[:12], digest=digest, scope=scope))
     return tokens

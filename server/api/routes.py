@@ -19,6 +19,7 @@ from ..ingest.admission import QuotaExceededError, may_write
 from ..ingest.group_commit import GroupCommitter
 from ..ingest.store import Ingestor, RunKey
 from ..reads import queries
+from ..reads.status import StatusRule
 from ..schemas.ingest import IngestPayload
 from ..schemas.responses import (
     EventOut,
@@ -224,6 +225,7 @@ def list_runs(
             limit=limit,
             offset=offset,
             where=queries.RunFilter(status=status, prefix=prefix, since=since),
+            rule=StatusRule.from_settings(request.app.state.settings),
         )
     response.headers["X-Total-Count"] = str(total)
     if offset + len(runs) < total:
@@ -234,7 +236,7 @@ def list_runs(
 @router.get("/runs/{run}", response_model=RunOverview, responses=_ERRORS)
 def run_overview(run: RunPath, request: Request) -> RunOverview:
     with _engine(request).connect() as conn:
-        return queries.overview(conn, run)
+        return queries.overview(conn, run, rule=StatusRule.from_settings(request.app.state.settings))
 
 
 @router.get("/runs/{run}/series", response_model=Series, responses=_ERRORS)

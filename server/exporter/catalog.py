@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..reads.status import STATUSES
 from .state import EVENT_KINDS, EVENT_SLOTS, PHASES, QUANTILES, TAGS
 
 Kind = Literal["gauge", "counter", "summary", "info"]
@@ -87,12 +88,16 @@ FAMILIES: tuple[Family, ...] = (
     _g("stepwatch_run_info", "run", kind="info",
        labels=("run", "convention", "formula", "dtype", "device", "peak_source"),
        help="The run's FLOPs convention: an MFU is only comparable between runs with the same convention."),
+    _g("stepwatch_run_status", "run_enum", labels=("run", "status"), enum=len(STATUSES),
+       help="1 for the run's status, 0 for the others (live, finished: every rank sent its final batch, "
+       "stalled: no step for longer than the hang threshold, hung: an open hang event)."),
     _g("stepwatch_run_world_size_ranks", "run", "Ranks in the run (world size)."),
     _g("stepwatch_run_reporting_ranks", "run", "Ranks that reported one of the run's two newest windows."),
     _c("stepwatch_run_steps_total", "run", "Newest optimizer step reported by any rank."),
     _c("stepwatch_run_tokens_total", "run",
        "Global non-padding tokens processed, estimated from the reporting data-parallel replicas "
-       "(lags the newest step by two windows, so it never goes back)."),
+       "(lags the newest step by two windows while the run steps, so it never goes back; "
+       "complete once the run finished or stalled)."),
     _g("stepwatch_run_last_step_timestamp_seconds", "run",
        "Unix time (training host's clock) at which the newest reported step ended."),
     _g("stepwatch_run_last_report_timestamp_seconds", "run",

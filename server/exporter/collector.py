@@ -29,12 +29,16 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from ..reads.status import DEFAULT_RULE, RunStatus, StatusRule, run_states
 from ..settings import Settings
 from . import read, state
 from .catalog import series_bound
 from .families import empty_families, families
 
 log = logging.getLogger(__name__)
+
+#: Statuses after which no more steps are expected, so every step's tokens are counted.
+SETTLED: frozenset[RunStatus] = frozenset({"finished", "stalled"})
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class ExporterConfig:
     run_expiry_s: float = 3600.0
     recent_steps: int = 256
     baseline_steps: int = 100
+    status_rule: StatusRule = DEFAULT_RULE
 
     @classmethod
     def from_settings(cls, s: Settings) -> ExporterConfig:
@@ -55,6 +60,7 @@ class ExporterConfig:
             run_expiry_s=s.metrics_run_expiry_s,
             recent_steps=s.metrics_recent_steps,
             baseline_steps=s.metrics_baseline_steps,
+            status_rule=StatusRule.from_settings(s),
         )
 
     @property
@@ -118,9 +124,14 @@ class RunStateCollector(Collector):
         tails = read.tails(conn, ids)
         tail = {h.id: tails.get(h.id, read.RunTail(None, None, None)) for h in heads}
         steps = read.recent_steps(conn, {i: (t.last_step or 0) - cfg.recent_steps for i, t in tail.items()})
-        # Tokens: only the steps that settled since the previous scrape are summed.
+        states = run_states(conn, ids, rule=cfg.status_rule, now=self._clock())
+        # Tokens: only the steps that settled since the previous scrape are summed; all of
+        # them once the run is done, so that the total ends equal to the API's.
         spans = {
-            h.id: (mem[h.id].tokens_through, state.settled_through(t.last_step, h.window_steps))
+            h.id: (
+                mem[h.id].tokens_through,
+                state.settled_through(t.last_step, h.window_steps, done=states[h.id].status in SETTLED),
+            )
             for h in heads
             if (t := tail[h.id]).last_step is not None
         }
@@ -144,7 +155,7 @@ class RunStateCollector(Collector):
             m.longest_tagged_s = max(m.longest_tagged_s, state.longest_tagged_step(steps[h.id]))
             if not m.baseline_frozen:
                 self._update_baseline(conn, h, m, tail[h.id].last_step)
-            views.append(_view(h, tail[h.id], rank_rows[h.id], events[h.id], cfg))
+            views.append(_view(h, tail[h.id], rank_rows[h.id], events[h.id], cfg, states[h.id].status))
         identity = read.rank_identity(conn, {v.head.id: v.selected for v in views})
         return [
             _snapshot(v, mem[v.head.id], steps[v.head.id], events[v.head.id], totals[v.head.id], identity)
@@ -188,6 +199,7 @@ class _View:
     selected: list[int]
     breakdown: dict[str, float] | None
     overlap: float | None
+    status: RunStatus
 
 
 def _view(
@@ -196,6 +208,7 @@ def _view(
     rows: list[state.RankRow],
     events: list[state.EventRow],
     cfg: ExporterConfig,
+    status: RunStatus,
 ) -> _View:
     _, newest = state.windows_in_view(tail.last_step, h.window_steps)
     complete, reporting = state.complete_window(rows, newest)
@@ -205,7 +218,7 @@ def _view(
     flagged = state.flagged_ranks(events, cfg.max_flagged)
     selected = list(dict.fromkeys([r for r, _, _ in flagged] + state.slowest(values, cfg.top_k)))
     breakdown, overlap = state.breakdown_of(profiled.values())
-    return _View(h, tail, reporting, values, flagged, selected, breakdown, overlap)
+    return _View(h, tail, reporting, values, flagged, selected, breakdown, overlap, status)
 
 
 def _snapshot(
@@ -248,6 +261,7 @@ def _snapshot(
         last_step=v.tail.last_step,
         last_step_ts=v.tail.last_step_ts,
         tokens_total=m.tokens_total if v.tail.last_step is not None else None,
+        status=v.status,
         rates=state.current_rates(steps, h.dp_size),
         baseline=m.baseline,
         hang_threshold_s=state.hang_threshold(steps, m.longest_tagged_s) if steps else None,

@@ -11,6 +11,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from ..reads.status import STATUSES
 from .catalog import BY_NAME, FAMILIES, Family
 from .state import EVENT_KINDS, EVENT_SLOTS, PHASES, TAGS, RunSnapshot, Snapshot
 
@@ -56,6 +57,8 @@ class _Builder:
                 "peak_source": c.peak_source,
             },
         )
+        for status in STATUSES:
+            self.add("stepwatch_run_status", (s.name, status), 1.0 if s.status == status else 0.0)
         self.add("stepwatch_run_world_size_ranks", run, s.world_size)
         self.add("stepwatch_run_reporting_ranks", run, s.ranks_reporting)
         self.add("stepwatch_run_steps_total", run, s.last_step)

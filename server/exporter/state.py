@@ -24,6 +24,7 @@ from stepwatch.flops import per_token_rate
 
 from ..analysis.hangs import hang_threshold_s
 from ..analysis.robust import median
+from ..reads.status import RunStatus
 from ..storage.columns import window_of
 
 #: The step tags (stored code = index + 1), as the ``tag`` label of the tagged-steps series.
@@ -187,6 +188,7 @@ class RunSnapshot:
     last_step: int | None = None
     last_step_ts: float | None = None
     tokens_total: float | None = None
+    status: RunStatus = "live"
     rates: Rates | None = None
     baseline: Baseline | None = None
     hang_threshold_s: float | None = None
@@ -285,10 +287,13 @@ def hang_threshold(
     return max(base, TAGGED_STEP_SLACK * longest_tagged_s)
 
 
-def settled_through(last_step: int, window_steps: int) -> int:
-    """Steps up to here have been reported by every rank that will report them (two
-    windows behind the newest step), so their token estimate no longer changes."""
-    return last_step - max(2 * window_steps, 16)
+def settled_through(last_step: int, window_steps: int, *, done: bool = False) -> int:
+    """Steps up to here have been reported by every rank that will report them, so their
+    token estimate no longer changes: two windows behind the newest step while the run
+    steps, the newest step itself once it is done (finished, or stalled: no step for
+    longer than the hang threshold), or a short or finished run would never count its
+    last two windows."""
+    return last_step if done else last_step - max(2 * window_steps, 16)
 
 
 # -- across ranks --------------------------------------------------------------------

@@ -22,6 +22,8 @@ from . import progress
 from .buckets import buckets
 from .profiles import BREAKDOWN_METRICS, rank_profiles, window_series
 from .runs import RunInfo, get_run
+from .status import DEFAULT_RULE, StatusRule, run_states
+from .utilization import mfu_unavailable
 
 LATEST_STEPS = 10
 JS = JobStep.__table__
@@ -29,6 +31,10 @@ RUNS = Run.__table__
 RANKS = Rank.__table__
 RW = RankWindow.__table__
 EV = Event.__table__
+
+
+class NoSeriesError(Exception):
+    """The metric exists but this run cannot have it; the message says why."""
 
 
 def _step_time() -> ColumnElement[Any]:
@@ -46,7 +52,7 @@ def _valid() -> ColumnElement[bool]:
 #: Runs listed per page by default, and at most.
 RUNS_PAGE = 100
 RUNS_PAGE_MAX = 1000
-RunStatus = Literal["running", "finished"]
+ListStatus = Literal["running", "finished"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,7 @@ class RunFilter:
     batch) or finished (every rank has), a name ``prefix``, and ``since`` (Unix seconds:
     some rank reported at or after it)."""
 
-    status: RunStatus | None = None
+    status: ListStatus | None = None
     prefix: str | None = None
     since: float | None = None
 
@@ -79,7 +85,12 @@ class RunFilter:
 
 
 def list_runs(
-    conn: Connection, *, limit: int = RUNS_PAGE, offset: int = 0, where: RunFilter | None = None
+    conn: Connection,
+    *,
+    limit: int = RUNS_PAGE,
+    offset: int = 0,
+    where: RunFilter | None = None,
+    rule: StatusRule = DEFAULT_RULE,
 ) -> tuple[list[RunSummary], int]:
     """One page of runs, newest first, and how many runs match in all.
 
@@ -107,25 +118,28 @@ def list_runs(
         .subquery()
     )
     rows = conn.execute(
-        select(page.c.name, page.c.world_size, agg.c.ranks, agg.c.last_step, agg.c.last_seen)
+        select(page.c.id, page.c.name, page.c.world_size, agg.c.ranks, agg.c.last_step, agg.c.last_seen)
         .select_from(page.outerjoin(agg, agg.c.run_id == page.c.id))
         .order_by(page.c.id.desc())
     ).all()
+    states = run_states(conn, [r.id for r in rows], rule=rule)
     runs = [
         RunSummary(
             name=r.name,
             world_size=r.world_size,
             ranks_reporting=r.ranks or 0,
             last_step=r.last_step,
-            last_seen=unix(r.last_seen),
+            last_seen=states[r.id].last_seen,
+            status=states[r.id].status,
         )
         for r in rows
     ]
     return runs, int(total)
 
 
-def overview(conn: Connection, name: str) -> RunOverview:
+def overview(conn: Connection, name: str, *, rule: StatusRule = DEFAULT_RULE) -> RunOverview:
     run = get_run(conn, name)
+    state = run_states(conn, [run.id], rule=rule)[run.id]
     where_run = JS.c.run_id == run.id
     st, tok = _step_time(), _tokens_est(run)
     # One pass over the run's steps for the totals and the untagged (steady) means: at
@@ -177,6 +191,10 @@ def overview(conn: Connection, name: str) -> RunOverview:
         window_steps=run.window_steps,
         convention=None if run.convention is None else dict(run.convention),
         ranks_reporting=ranks_reporting,
+        ranks_finished=state.ranks_finished,
+        mfu_unavailable=mfu_unavailable(run.convention, run.world_size),
+        status=state.status,
+        last_seen=state.last_seen,
         first_step=totals[1],
         last_step=totals[2],
         steps_stored=totals[0],
@@ -213,7 +231,7 @@ def _metric_expr(run: RunInfo, metric: str) -> tuple[str, ColumnElement[Any]]:
     if metric == "mfu":
         scale = run.mfu_per_token_rate
         if scale is None:
-            raise NotFoundError(f"run {run.name!r} has no peak FLOP/s in its convention, so no MFU")
+            raise NoSeriesError(mfu_unavailable(run.convention, run.world_size) or "no MFU")
         return "ratio", _tokens_est(run) / st * scale
     if metric == "ranks_reporting":
         return "ranks", cast(JS.c.ranks, Float)
@@ -241,7 +259,10 @@ def series(
         return window_series(
             conn, run.id, name, metric, from_step=from_step, to_step=to_step, max_points=max_points
         )
-    unit, value = _metric_expr(run, metric)
+    try:
+        unit, value = _metric_expr(run, metric)
+    except NoSeriesError as e:
+        return Series(run=name, metric=metric, unit="ratio", points=[], reason=str(e))
     cond = [JS.c.run_id == run.id, _valid()]
     lo = hi = None
     if from_step is None or to_step is None:

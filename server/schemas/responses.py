@@ -6,9 +6,12 @@ rows (``reads/``); the OpenAPI document names every field.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
+
+from ..reads.status import RunStatus
 
 
 class IngestResult(BaseModel):
@@ -22,7 +25,11 @@ class RunSummary(BaseModel):
     world_size: int
     ranks_reporting: int
     last_step: int | None
-    last_seen: float | None = Field(description="Unix time of the latest step reported by any rank")
+    last_seen: datetime | None = Field(description="ISO-8601 UTC time of the latest step any rank reported")
+    status: RunStatus = Field(
+        description="live, finished (every rank sent its final batch), stalled (no step for longer than "
+        "the hang threshold) or hung (an open hang event)"
+    )
 
 
 class Stat(BaseModel):
@@ -85,6 +92,10 @@ class RunOverview(BaseModel):
     window_steps: int
     convention: dict[str, Any] | None
     ranks_reporting: int
+    ranks_finished: int = Field(description="Ranks that sent their final batch")
+    status: RunStatus = Field(description="As in the run list")
+    mfu_unavailable: str | None = Field(description="Why there is no MFU and what to pass (null: there is)")
+    last_seen: datetime | None = Field(description="ISO-8601 UTC time of the latest step any rank reported")
     first_step: int | None
     last_step: int | None
     steps_stored: int
@@ -113,6 +124,9 @@ class Series(BaseModel):
     metric: str
     unit: str
     points: list[SeriesPoint]
+    reason: str | None = Field(
+        default=None, description="Why the series cannot have points (e.g. MFU without a peak FLOP/s)"
+    )
 
 
 class Quantiles(BaseModel):

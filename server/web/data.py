@@ -15,13 +15,14 @@ from typing import Any
 from sqlalchemy import Connection, Float, and_, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..errors import NotFoundError
 from ..reads import queries
 from ..reads.runs import get_run
-from ..storage.models import Event, RankWindow
+from ..reads.status import DEFAULT_RULE, StatusRule
+from ..storage.models import Event, ProfileWindow, RankWindow
 
 RW = RankWindow.__table__
 EV = Event.__table__
+PW = ProfileWindow.__table__
 
 #: Heatmap metrics: key -> (label, SQL expression of the per-step mean in a rank window).
 HEAT_METRICS: dict[str, tuple[str, ColumnElement[Any]]] = {
@@ -56,9 +57,11 @@ class Heatmap:
     available: list[str] = field(default_factory=list)
 
 
-def runs(conn: Connection, *, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+def runs(
+    conn: Connection, *, offset: int = 0, rule: StatusRule = DEFAULT_RULE
+) -> tuple[list[dict[str, Any]], int]:
     """One page of runs (the API's pagination) with their open flags, and the total."""
-    page, total = queries.list_runs(conn, offset=offset)
+    page, total = queries.list_runs(conn, offset=offset, rule=rule)
     out = [r.model_dump() for r in page]
     ids = dict(
         conn.execute(
@@ -79,16 +82,14 @@ def runs(conn: Connection, *, offset: int = 0) -> tuple[list[dict[str, Any]], in
     return out, total
 
 
-def _series(conn: Connection, run: str, metric: str, max_points: int) -> dict[str, list[Any]] | None:
-    try:
-        s = queries.series(conn, run, metric, from_step=None, to_step=None, max_points=max_points)
-    except NotFoundError:  # e.g. no MFU without a peak FLOP/s
-        return None
+def _series(conn: Connection, run: str, metric: str, max_points: int) -> dict[str, Any]:
+    s = queries.series(conn, run, metric, from_step=None, to_step=None, max_points=max_points)
     return {
         "step": [p.step_to for p in s.points],
         "mean": [p.mean for p in s.points],
         "min": [p.min for p in s.points],
         "max": [p.max for p in s.points],
+        "reason": s.reason,  # why there are no points (no MFU without a peak FLOP/s)
     }
 
 
@@ -119,6 +120,15 @@ def breakdown(conn: Connection, run_id: int, *, since_window: int) -> dict[str, 
     ).one()
     values = [float(v or 0.0) for v in row[:5]]
     total = sum(values)
+    # The steps the profiler actually captured inside that window (a window of 32 steps
+    # may hold one profiled span of 2), not the window's bounds.
+    spans = conn.execute(
+        select(PW.c.first_step, func.max(PW.c.n_steps))
+        .where(PW.c.run_id == run_id, PW.c.window == last, PW.c.n_steps > 0)
+        .group_by(PW.c.first_step)
+        .order_by(PW.c.first_step)
+        .limit(8)
+    ).all()
     parts = [
         {"key": key, "label": label, "color": color, "seconds": v, "share": v / total if total > 0 else 0.0}
         for (key, label, color), v in zip(BREAKDOWN, values, strict=True)
@@ -128,6 +138,7 @@ def breakdown(conn: Connection, run_id: int, *, since_window: int) -> dict[str, 
         "parts": parts,
         "total_s": total,
         "steps": (row[5], row[6]),
+        "profiled": [(first, first + n - 1) for first, n in spans],
         "overlap_ratio": values[1] / comm if comm > 0 else None,
     }
 
@@ -210,10 +221,12 @@ def heatmap(
     )
 
 
-def run_page(conn: Connection, name: str, *, heat: str | None = None) -> dict[str, Any]:
+def run_page(
+    conn: Connection, name: str, *, heat: str | None = None, rule: StatusRule = DEFAULT_RULE
+) -> dict[str, Any]:
     """Everything the run page shows. Raises ``NotFoundError`` for an unknown run."""
     run = get_run(conn, name)
-    overview = queries.overview(conn, name).model_dump()
+    overview = queries.overview(conn, name, rule=rule).model_dump()
     ranks = [r.model_dump() for r in queries.ranks(conn, name)]
     events = [e.model_dump() for e in queries.events(conn, name)]
     flagged = {int(r) for e in events if e["status"] == "open" for r in e["ranks"]}
@@ -228,5 +241,4 @@ def run_page(conn: Connection, name: str, *, heat: str | None = None) -> dict[st
         "charts": charts,
         "breakdown": None if last is None else breakdown(conn, run.id, since_window=last - 90),
         "heatmap": None if last is None else heatmap(conn, run.id, metric=heat, flagged=flagged, last=last),
-        "last_seen": max((r["last_seen"] for r in ranks), default=None),
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,16 +20,17 @@ from stepwatch.views.terminal import duration
 from ..api.edge import RunPath
 from ..errors import NotFoundError
 from ..reads import queries
+from ..reads.status import MEANING, StatusRule
 from . import data
 
 router = APIRouter(include_in_schema=False)
 templates = Jinja2Templates(directory=Path(__file__).parent / "templates")
 
 
-def _ago(ts: float | None) -> str:
+def _ago(ts: float | datetime | None) -> str:
     if not ts:
         return "never"
-    s = max(0.0, time.time() - ts)
+    s = max(0.0, time.time() - (ts.timestamp() if isinstance(ts, datetime) else ts))
     if s < 90:
         return f"{s:.0f} s ago"
     if s < 5400:
@@ -52,6 +54,7 @@ def _date(ts: float | None) -> str:
 
 templates.env.filters.update(ago=_ago, num=_num, pct=_pct, duration=duration, date=_date)
 templates.env.globals["version"] = stepwatch.__version__
+templates.env.globals["status_help"] = MEANING
 
 
 def _engine(request: Request) -> Engine:
@@ -59,10 +62,14 @@ def _engine(request: Request) -> Engine:
     return engine
 
 
+def _rule(request: Request) -> StatusRule:
+    return StatusRule.from_settings(request.app.state.settings)
+
+
 @router.get("/", response_class=HTMLResponse)
 def runs_page(request: Request, offset: Annotated[int, Query(ge=0, le=2**31)] = 0) -> HTMLResponse:
     with _engine(request).connect() as conn:
-        runs, total = data.runs(conn, offset=offset)
+        runs, total = data.runs(conn, offset=offset, rule=_rule(request))
     page = queries.RUNS_PAGE
     context = {
         "runs": runs,
@@ -82,9 +89,9 @@ def run_page(
 ) -> HTMLResponse:
     with _engine(request).connect() as conn:
         try:
-            page = data.run_page(conn, run, heat=heat)
+            page = data.run_page(conn, run, heat=heat, rule=_rule(request))
         except NotFoundError:
-            runs, total = data.runs(conn)
+            runs, total = data.runs(conn, rule=_rule(request))
             return templates.TemplateResponse(
                 request, "missing.html", {"run": run, "runs": runs, "total": total}, status_code=404
             )

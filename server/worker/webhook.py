@@ -16,8 +16,9 @@
 The analysis worker calls :meth:`WebhookNotifier.notify` after its transaction commits;
 the call only appends to a bounded queue (the oldest message is dropped and counted when
 it is full) and wakes a daemon thread, which POSTs with a timeout and retries transient
-failures (connection errors, 408, 425, 429, 5xx) with exponential backoff and jitter,
-up to ``max_attempts``. Ingest never waits for it. Delivery is at most once per
+failures (connection errors, 408, 425, 429, 5xx: :mod:`stepwatch.retry`, the policy the
+agent's sender uses too) with full-jitter backoff, never sooner than the receiver's
+``Retry-After``, up to ``max_attempts``. Ingest never waits for it. Delivery is at most once per
 transition across collector restarts: a message still queued when the process exits is
 lost (the event itself is in the database and on the API).
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import threading
 import time
 from collections import deque
@@ -37,12 +37,13 @@ from typing import Any, Literal
 
 import httpx
 
+from stepwatch.retry import Verdict, full_jitter, retry_after_s, verdict
+
 from ..analysis.types import Finding
 
 log = logging.getLogger("stepwatch_server.worker.webhook")
 
 Format = Literal["slack", "alertmanager"]
-_RETRYABLE = frozenset({408, 425, 429, 500, 502, 503, 504})
 _ALERTNAMES = {
     "straggler": "StepwatchStraggler",
     "regression": "StepwatchRegression",
@@ -251,24 +252,28 @@ class WebhookNotifier:
     def _deliver(self, client: httpx.Client, msg: _Message) -> None:
         msg.attempts += 1
         self.stats.attempts += 1
+        retry_after: str | None = None
         try:
             resp = client.post(self.url, content=msg.body)
             status: int | None = resp.status_code
-            ok = resp.is_success
+            retry_after = resp.headers.get("retry-after")
         except (httpx.HTTPError, OSError) as exc:
-            status, ok = None, False
+            status = None
             log.warning("webhook: POST failed (%s), attempt %d", exc.__class__.__name__, msg.attempts)
-        if ok:
+        outcome = verdict(status)
+        if outcome is Verdict.DONE:
             self.stats.delivered += 1
             self._outcome("delivered")
             return
-        retry = status is None or status in _RETRYABLE
-        if not retry or msg.attempts >= self._max_attempts:
+        # A receiver that is away (WAIT) is retried like one that failed (RETRY): a
+        # notification is worth a bounded number of attempts, not a queue held forever.
+        if outcome is Verdict.REFUSED or msg.attempts >= self._max_attempts:
             self.stats.failed += 1
             self._outcome("failed")
             log.warning("webhook: giving up after %d attempt(s) (last status %s)", msg.attempts, status)
             return
-        backoff = min(self._backoff_max_s, self._backoff_base_s * 2 ** (msg.attempts - 1))
-        msg.due = time.monotonic() + random.uniform(backoff / 2, backoff)
+        wait = full_jitter(msg.attempts, self._backoff_base_s, self._backoff_max_s)
+        wait = max(wait, retry_after_s(retry_after, cap_s=self._backoff_max_s) or 0.0)
+        msg.due = time.monotonic() + wait
         with self._lock:
             self._queue.appendleft(msg)

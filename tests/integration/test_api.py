@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 
 import pytest
 from fastapi.testclient import TestClient
@@ -11,7 +13,7 @@ from sqlalchemy import Engine, func, select
 from stepwatch.flops import Convention
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
-from stepwatch_server.storage.models import IngestedBatch, JobStep, RankWindow
+from stepwatch_server.storage.models import Event, IngestedBatch, JobStep, RankWindow, Run
 
 from ..payloads import CONVENTION, comm_section, payload
 
@@ -122,6 +124,51 @@ def test_unknown_run_and_metric_are_404(client: TestClient) -> None:
     client.post("/api/v1/ingest", json=payload())
     r = client.get("/api/v1/runs/test-run/series", params={"metric": "bogus"})
     assert r.status_code == 404 and "bogus" in r.json()["detail"]
+
+
+def test_mfu_without_a_peak_is_an_empty_series_with_the_reason(client: TestClient) -> None:
+    client.post("/api/v1/ingest", json=payload(convention={**CONVENTION, "peak_flops": None}))
+    r = client.get("/api/v1/runs/test-run/series", params={"metric": "mfu"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["points"] == [] and "peak_flops=" in body["reason"] and "finding a peak" in body["reason"]
+    assert client.get("/api/v1/runs/test-run").json()["mfu_unavailable"] == body["reason"]
+    assert (
+        client.get("/api/v1/runs/test-run/series", params={"metric": "step_time_s"}).json()["reason"] is None
+    )
+
+
+def test_run_status_live_stalled_hung_finished(client: TestClient, engine: Engine) -> None:
+    def status(run: str) -> tuple[str, str]:
+        listed = {r["name"]: r for r in client.get("/api/v1/runs").json()}
+        ov = client.get(f"/api/v1/runs/{run}").json()
+        assert ov["status"] == listed[run]["status"] and ov["last_seen"] == listed[run]["last_seen"]
+        return ov["status"], ov["last_seen"]
+
+    now = time.time()
+    client.post("/api/v1/ingest", json=payload(run="fresh", rank=0, world=2, wall_end=now))
+    client.post("/api/v1/ingest", json=payload(run="quiet", rank=0, world=2, wall_end=now - 300))
+    fresh, seen = status("fresh")
+    assert fresh == "live"
+    assert datetime.fromisoformat(seen) == datetime.fromtimestamp(now, timezone.utc)  # ISO-8601, UTC
+    assert seen.endswith("Z") or seen.endswith("+00:00")
+    assert status("quiet")[0] == "stalled"  # 300 s without a step, 0.5 s steps: past the 60 s floor
+    with engine.begin() as conn:
+        run_id = conn.execute(select(Run.id).where(Run.name == "quiet")).scalar_one()
+        at = datetime.now(timezone.utc)
+        conn.execute(
+            Event.__table__.insert().values(
+                run_id=run_id, key="hang", kind="hang", cause=None, ranks=[0], hosts=["node0"],
+                first_step=4, last_step=4, status="open", evidence={}, cost_seconds=0.0, cost_ratio=0.0,
+                message="hang", opened_at=at, updated_at=at,
+            )
+        )  # fmt: skip
+    assert status("quiet")[0] == "hung"
+    client.post("/api/v1/ingest", json=payload(run="fresh", rank=0, world=2, first=5, times=[], final=True))
+    assert status("fresh")[0] == "live"  # one of two ranks finished
+    client.post("/api/v1/ingest", json=payload(run="fresh", rank=1, world=2, wall_end=now))
+    client.post("/api/v1/ingest", json=payload(run="fresh", rank=1, world=2, first=5, times=[], final=True))
+    assert status("fresh")[0] == "finished"
 
 
 def test_series_downsampling_keeps_true_min_mean_max(client: TestClient) -> None:

@@ -5,6 +5,9 @@ stores nothing."""
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,6 +101,24 @@ def test_token_specs_are_parsed_and_checked() -> None:
         parse_tokens("x=short", "write")
     with pytest.raises(ValueError, match="64 hex digits"):
         parse_tokens("x=sha256:abc", "write")
+
+
+@pytest.mark.parametrize("variable", ["STEPWATCH_WRITE_TOKENS", "STEPWATCH_READ_TOKENS"])
+def test_a_short_token_stops_serve_with_one_line_before_migrating(tmp_path: Path, variable: str) -> None:
+    db = tmp_path / "never.db"
+    env = {**os.environ, variable: "team=short", "STEPWATCH_DATABASE_URL": f"sqlite:///{db}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "stepwatch", "serve", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert variable in lines[0] and "at least 16 characters" in lines[0] and "team" in lines[0]
+    assert not db.exists()  # refused before the migrations touched the database
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.engine import make_engine
 
 from ..payloads import CONVENTION
-from ..runstate import feed, fill_breakdown, open_straggler
+from ..runstate import feed, fill_breakdown, open_straggler, store
 
 
 def registry(
@@ -61,6 +61,29 @@ def test_run_values_match_the_rest_overview(engine: Engine, db_url: str, ingesto
     assert v("stepwatch_run_info", {**info, "device": "test-device", "peak_source": "user"}) == 1
     feed(ingestor, run="r1", world=4, first=33, steps=8)
     assert v("stepwatch_run_tokens_total", run) == pytest.approx(4 * 1000 * (40 - 16))
+
+
+def test_a_finished_run_exports_every_token_and_its_status(engine: Engine, db_url: str) -> None:
+    """A 100-step run that finished (every rank's final batch) counts its last two
+    windows too, so Grafana's tokens done equals the API's total (it stayed lagging)."""
+    ingestor = Ingestor(engine, window_seconds=32.0)  # 0.5 s steps -> 64-step windows
+    for first in range(1, 101, 10):
+        feed(ingestor, run="done", world=2, first=first, steps=10, tokens=1024)
+    reg = registry(engine)
+    v = reg.get_sample_value
+    assert v("stepwatch_run_status", {"run": "done", "status": "live"}) == 1
+    assert v("stepwatch_run_tokens_total", {"run": "done"}) == 0  # still stepping: two windows behind
+    for rank in range(2):
+        store(ingestor, run="done", rank=rank, world=2, first=101, times=[], final=True)
+    app = create_app(Settings(database_url=db_url), engine=engine)
+    with TestClient(app) as client:
+        ov = client.get("/api/v1/runs/done").json()
+        listed = client.get("/api/v1/runs").json()
+    assert ov["tokens_total"] == 2 * 1024 * 100
+    assert v("stepwatch_run_tokens_total", {"run": "done"}) == ov["tokens_total"]
+    assert ov["status"] == listed[0]["status"] == "finished" and ov["ranks_finished"] == 2
+    assert v("stepwatch_run_status", {"run": "done", "status": "finished"}) == 1
+    assert v("stepwatch_run_status", {"run": "done", "status": "live"}) == 0
 
 
 def test_flagged_and_slowest_ranks_get_their_own_series(engine: Engine, ingestor: Ingestor) -> None:

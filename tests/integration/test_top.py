@@ -55,9 +55,12 @@ def test_top_shows_runs_ranks_and_events_for_a_few_refreshes(fed_collector: str)
         assert RUN in frame and f"{RANKS}/{RANKS} ranks" in frame and "step 16" in frame
         assert "MFU" in frame and "explicit/bf16/test-device@100TFLOPs[user]" in frame
         assert "no profiler data yet" in frame, "the breakdown's absence is said, not shown as zeros"
-        rows = [line for line in frame.splitlines() if line.startswith("│") and "node0" in line]
+        rows = [line for line in frame.splitlines() if "node0" in line and not line.startswith("│")]
         assert len(rows) == RANKS, frame
-        assert "⚠ straggler (data)" in rows[1] and all("⚠" not in row for i, row in enumerate(rows) if i != 1)
+        assert rows[1].strip().startswith("⚠ 1") and all(
+            "⚠" not in row for i, row in enumerate(rows) if i != 1
+        )
+        assert "[live]" in frame and "│ top-run │   live │" in frame
         assert "straggler/data" in frame and "rank 1 is a data straggler from step 3" in frame
 
 

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -30,8 +31,10 @@ from ..wait import wait_until
 class Receiver:
     """Records every POST; answers the scripted statuses in order, then 200."""
 
-    def __init__(self, statuses: list[int] | None = None) -> None:
+    def __init__(self, statuses: list[int] | None = None, retry_after: str | None = None) -> None:
         self.statuses = list(statuses or [])
+        self.retry_after = retry_after  # sent with every refusal when set
+        self.arrived: list[float] = []
         self.bodies: list[Any] = []
         self.answered: list[int] = []
         self.release = threading.Event()
@@ -49,7 +52,10 @@ class Receiver:
                     status = rec.statuses.pop(0) if rec.statuses else 200
                     rec.bodies.append(json.loads(body))
                     rec.answered.append(status)
+                    rec.arrived.append(time.monotonic())
                 self.send_response(status)
+                if rec.retry_after is not None and status >= 300:
+                    self.send_header("retry-after", rec.retry_after)
                 self.send_header("content-length", "0")
                 self.end_headers()
 
@@ -99,6 +105,20 @@ def test_slack_body_is_delivered_after_transient_failures() -> None:
         n.close()
     assert rec.answered == [500, 503, 200] and n.stats.attempts == 3 and n.stats.failed == 0
     assert rec.bodies[-1] == {"text": f"[stepwatch] run r: straggler open. {FINDING.message}"}
+
+
+def test_a_retry_waits_at_least_the_receivers_retry_after() -> None:
+    rec = Receiver([429], retry_after="1")
+    with receiving(rec) as url:
+        n = WebhookNotifier(url, fmt="slack", backoff_base_s=0.001, backoff_max_s=5.0)
+        n.start()
+        n.notify("r", FINDING)
+        wait_until(lambda: n.stats.delivered == 1, "n.stats.delivered == 1")
+        n.close()
+    assert rec.answered == [429, 200]
+    # A lower bound only (a loaded machine makes the gap longer, never shorter): the
+    # backoff alone would have retried within milliseconds.
+    assert rec.arrived[1] - rec.arrived[0] >= 0.95
 
 
 def test_a_permanent_rejection_is_not_retried_and_a_dead_receiver_is_given_up() -> None:

@@ -40,7 +40,9 @@
     if (!el) return 0;
     const first = seriesList.find(function (s) { return s.data && s.data.step.length; });
     if (!first) {
-      el.innerHTML = '<p class="empty">no data yet</p>';
+      const why = seriesList.map(function (s) { return s.data && s.data.reason; }).find(Boolean);
+      el.innerHTML = '<p class="empty"></p>';
+      el.firstChild.textContent = why || "no data yet";
       el.dataset.points = "0";
       return 0;
     }
@@ -56,10 +58,19 @@
       width: Math.max(280, el.clientWidth || 400),
       height: 190,
       series: series,
-      scales: { x: { time: false } },
+      // From zero: a rate that barely moves still gets a readable axis with several ticks
+      // (auto-ranging around a flat line leaves one), and a drop reads at its true size.
+      scales: { x: { time: false }, y: { range: function (u, lo, hi) { return [0, hi > 0 ? hi * 1.15 : 1]; } } },
       axes: [
         { label: "step" },
-        { size: 64, values: function (u, vals) { return vals.map(function (v) { return fmt(v, unit); }); } },
+        {
+          size: 64,
+          values: function (u, vals) {
+            const out = vals.map(function (v) { return fmt(v, unit); });
+            el.dataset.yticks = String(new Set(out).size);
+            return out;
+          },
+        },
       ],
       legend: { live: false },
       hooks: { drawAxes: [shade(spans)] },
@@ -86,8 +97,9 @@
     drawn += plot(
       "chart-step",
       [
-        { label: "mean over ranks", color: "#7a4fc9", data: c.step_time_s },
+        // The slowest rank first, so the mean is drawn over it (equal with one rank).
         { label: "slowest rank", color: "#d64545", data: c.step_time_max_s },
+        { label: "mean over ranks", color: "#7a4fc9", data: c.step_time_s },
       ],
       "s",
       spans

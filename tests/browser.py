@@ -1,0 +1,46 @@
+"""Headless Chromium through Debian's chromedriver (selenium), for the page tests."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+def _driver(user_dir: str) -> Any:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = "/usr/bin/chromium"
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+        "--hide-scrollbars",
+        "--force-device-scale-factor=1",
+        f"--user-data-dir={user_dir}",
+    ):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    os.environ.setdefault("SE_OFFLINE", "true")  # Debian's chromedriver; never download one
+    with tempfile.TemporaryDirectory() as user_dir:
+        driver = _driver(user_dir)
+        try:
+            driver.set_window_size(1360, 1150)
+            yield driver
+        finally:
+            driver.quit()
