@@ -211,7 +211,7 @@ def list_runs(
     response: Response,
     limit: Annotated[int, Query(ge=1, le=queries.RUNS_PAGE_MAX)] = queries.RUNS_PAGE,
     offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
-    status: Annotated[queries.RunStatus | None, Query(description="running or finished")] = None,
+    status: Annotated[queries.ListStatus | None, Query(description="running or finished")] = None,
     prefix: Annotated[
         str | None, Query(pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="name prefix")
     ] = None,
