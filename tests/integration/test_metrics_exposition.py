@@ -66,7 +66,7 @@ def test_run_values_match_the_rest_overview(engine: Engine, db_url: str, ingesto
 def test_a_finished_run_exports_every_token_and_its_status(engine: Engine, db_url: str) -> None:
     """A 100-step run that finished (every rank's final batch) counts its last two
     windows too, so Grafana's tokens done equals the API's total (it stayed lagging)."""
-    ingestor = Ingestor(engine, window_seconds=32.0)  # 0.5 s steps -> 64-step windows
+    ingestor = Ingestor(open_storage(engine), window_seconds=32.0)  # 0.5 s steps -> 64-step windows
     for first in range(1, 101, 10):
         feed(ingestor, run="done", world=2, first=first, steps=10, tokens=1024)
     reg = registry(engine)
