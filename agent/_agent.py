@@ -73,9 +73,10 @@ class Stepwatch:
         # Slots no step wrote: a window whose padded counts are all unset sends none.
         self._unset = array("q", [_UNSET]) * cap
         self._padded[:] = self._unset
-        # Tags are written by ``mark()`` into the slot of the step in progress.
+        # Tags (``mark()``) and data-loader waits (``loader()``, ``add_data_wait()``) are
+        # written into the slot of the step in progress, so ``step()`` need not move them.
         self._no_tags = array("b", bytes(cap))
-        self._wait_acc = 0.0
+        self._no_wait = array("d", bytes(8 * cap))
         self._first_step = start_step + 1  # steps are numbered from 1 after start_step
         self._start_step = start_step
         self._warmup_end = start_step + config.warmup_steps  # last warm-up step, inclusive
@@ -127,8 +128,6 @@ class Stepwatch:
             i = self._n
             self._time[i] = now - self._last
             self._last = now
-            self._wait[i] = self._wait_acc
-            self._wait_acc = 0.0
             try:
                 self._tokens[i] = tokens
             except TypeError:
@@ -199,7 +198,14 @@ class Stepwatch:
         for j in range(max(0, min(n, self._warmup_end - first + 1))):
             if not tags[j]:
                 tags[j] = TAG_CODES["warmup"]
-        self._tags[:n] = self._no_tags[:n]
+        wait = self._wait[:n]
+        # A tag or wait already charged to the step in progress (flush() between the
+        # loader and step()) moves with it to the next window's first slot.
+        tag_next, wait_next = (self._tags[n], self._wait[n]) if n < self._cap else (0, 0.0)
+        m = min(n + 1, self._cap)
+        self._tags[:m] = self._no_tags[:m]
+        self._wait[:m] = self._no_wait[:m]
+        self._tags[0], self._wait[0] = tag_next, wait_next
         padded = self._padded[:n]
         unset = padded.count(_UNSET)
         self._padded[:n] = self._unset[:n]
@@ -210,7 +216,7 @@ class Stepwatch:
         window = Window(
             first_step=first,
             step_time_s=self._time[:n],
-            data_wait_s=self._wait[:n],
+            data_wait_s=wait,
             tokens=self._tokens[:n],
             padded_tokens=padded if unset < n else None,
             tags=tags,
@@ -241,7 +247,7 @@ class Stepwatch:
                     item = next(it)
             except StopIteration:
                 return
-            self._wait_acc += _perf() - t0
+            self._wait[self._n] += _perf() - t0
             yield item
 
     def add_data_wait(self, seconds: float) -> None:
@@ -249,7 +255,7 @@ class Stepwatch:
         loader ``sw.loader`` cannot wrap (the Lightning and Hugging Face callbacks)."""
         try:
             if seconds > 0:
-                self._wait_acc += float(seconds)
+                self._wait[self._n] += float(seconds)
         except (TypeError, ValueError):
             pass
 

@@ -249,3 +249,17 @@ def test_disabled_agent_records_nothing_and_says_so_once(clock: FakeClock) -> No
         clock.t += 1.0
         sw.step(tokens=3)
     assert sw.stats["steps"] == 1 and rec.windows == []
+
+
+def test_a_wait_and_tag_charged_before_a_flush_ride_with_their_step(clock: FakeClock) -> None:
+    rec = RecordingSender()
+    sw = make(AgentConfig(run="r", max_window_steps=4, send_interval_s=1e9, warmup_steps=0), rec)
+    sw.step(tokens=1)
+    sw.add_data_wait(0.5)
+    sw.mark("eval")
+    sw.flush()  # between the loader and the step it fed
+    sw.step(tokens=2)
+    sw.step(tokens=3)
+    sw.close()
+    assert [list(w.data_wait_s) for w in rec.windows] == [[0.0], [0.5, 0.0]]
+    assert [list(w.tags or []) for w in rec.windows] == [[0], [3, 0]]
