@@ -17,5 +17,6 @@ __version__ = "0.1.0"
 
 from ._agent import Stepwatch
 from ._api import current, init
+from ._comm_timing import comm_hook
 
-__all__ = ["Stepwatch", "__version__", "current", "init"]
+__all__ = ["Stepwatch", "__version__", "comm_hook", "current", "init"]

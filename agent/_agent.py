@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from . import __version__
+from ._comm_timing import CommTiming, comm_hook
 from ._device_clock import CudaEventClock
 from ._env import RankInfo
 from ._payload import build_payload, encode, new_batch_id
@@ -34,9 +35,6 @@ _perf = time.perf_counter
 _OFF = float("-inf")
 #: Padded-token slot no step wrote (counts are >= 0).
 _UNSET = -1
-#: The common step times itself when its slot count is 1 modulo _SAMPLE (the first step
-#: of each window and every 64th after it; the literal ``63`` in ``step`` saves a load).
-_SAMPLE = 64
 
 
 class Stepwatch:
@@ -84,13 +82,15 @@ class Stepwatch:
         self._last = now
         self._window_start = now
         self._close_at = now + self._interval
-        # Self-timing: the common step is timed one in _SAMPLE (a second clock read per
+        # Self-timing: the common step is timed one in 64 (a second clock read per
         # step was a quarter of its cost); edge and closing steps every time.
         self._hot_s = 0.0
         self._hot_n = 0
         self._rare_s = 0.0
         self._rare_n = 0
         self._dev = device_clock
+        #: Always-on collective timing, filled by the communication hook (``watch``).
+        self.comm_timing = CommTiming(cap, self._position)
         # Profiler window: the hot path compares its slot with the next edge's slot only.
         self._pw = profiler
         self._prof_at = profiler.next_start(start_step) if profiler is not None else NEVER
@@ -108,6 +108,7 @@ class Stepwatch:
                 self._encode,
                 token=config.token,
                 max_windows=max_windows,
+                max_bytes=config.max_buffer_bytes,  # the collective timing makes windows larger
                 timeout_s=config.http_timeout_s,
                 max_attempts=config.max_attempts,
                 label=f"rank {rank.rank}",
@@ -144,7 +145,7 @@ class Stepwatch:
             # An edge, a full or a due window; and every step once the agent is off.
             if i == self._event_i or now >= self._close_at:
                 self._rare_step(i, now)
-            elif i & 63 == 1:  # one common step in _SAMPLE
+            elif i & 63 == 1:  # one common step in 64 times itself: slots 1, 65, 129 ...
                 self._hot_s += _perf() - now
                 self._hot_n += 1
         except Exception as exc:
@@ -183,6 +184,10 @@ class Stepwatch:
         if self._hot_n:
             return (self._hot_s / self._hot_n * common + self._rare_s) / steps
         return self._rare_s / self._rare_n if self._rare_n else None
+
+    def _position(self) -> tuple[int, int]:
+        """(first step of the open window, slot of the step in progress), for the hook."""
+        return self._first_step, self._n
 
     def _may_close(self, now: float) -> bool:
         """A due window waits (up to one more interval) while a profiler window is being
@@ -223,6 +228,8 @@ class Stepwatch:
             wall_end=time.time(),
             device_events=self._dev.take(n) if self._dev is not None else None,
             final=final,
+            comm=self.comm_timing.take(n),
+            perf_end=self._last,
         )
         self._first_step = first + n
         self._n = 0
@@ -230,6 +237,22 @@ class Stepwatch:
         self._close_at = now + self._interval
         self._event_i = self._next_event()
         self._sender.submit(window)
+
+    # -- collectives ----------------------------------------------------------------
+    def watch(self, model: Any, state: Any = None) -> None:
+        """Time every gradient bucket of a DDP ``model`` on every step (arrival, end, bytes),
+        with DDP's own all-reduce: ``sw.watch(ddp_model)`` before the first backward.
+        A model that already has a communication hook keeps it: wrap that hook with
+        ``stepwatch.comm_hook(inner=...)`` instead."""
+        try:
+            model.register_comm_hook(state, comm_hook(timing=self.comm_timing))
+        except RuntimeError as exc:
+            warnings.warn(
+                f"stepwatch: could not install the timing hook ({exc}); "
+                "register stepwatch.comm_hook(inner=your_hook) yourself",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # -- data loading --------------------------------------------------------------
     def loader(self, iterable: Iterable[T]) -> Iterator[T]:
@@ -342,6 +365,11 @@ class Stepwatch:
     def _encode(self, window: Window, stats: SenderStats) -> bytes:
         if not window.batch_id:
             window.batch_id = new_batch_id()
+        if window.comm is not None:  # summarised once (host clock), so a retry sends the same body
+            window.comm_section = self.comm_timing.summarise(
+                window.comm, window.first_step, window.step_time_s, window.perf_end
+            )
+            window.comm = None
         step_times = None
         if window.device_events is not None:
             prev, events = window.device_events
@@ -368,6 +396,7 @@ class Stepwatch:
             sent_at=time.time(),
             plan=self.plan,
             profiles=window.profiles,
+            comm=window.comm_section,
         )
         return encode(payload)
 

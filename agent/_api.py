@@ -95,6 +95,7 @@ def init(
     model's FLOPs per token once, here, with ``torch.utils.flop_counter`` (one forward and
     backward of the real model). ``profile_every``/``profile_steps``/``profile_budget``
     set the profiler window (see ``stepwatch.profiler._window``; ``profile_every=0`` turns it off).
+    A ``DistributedDataParallel`` ``model`` gets the timing hook (``Stepwatch.watch``).
     """
     global _current
     plan = _plan(target_tokens, deadline, config_fingerprint, baseline_run)
@@ -153,6 +154,8 @@ def init(
     )
     if convention is not None and dtype_source in (_dtype.PARAMETERS, _dtype.DEFAULT):
         _dtype.watch_first_forward(model, _autocast_seen(_current))
+    if _is_ddp(model):  # always-on collective timing, with DDP's own all-reduce
+        _current.watch(model)
     return _current
 
 
@@ -172,7 +175,7 @@ def _autocast_seen(sw: Stepwatch) -> Callable[[str], None]:
 def _init_warnings(enabled: bool) -> Iterator[None]:
     """``STEPWATCH_DISABLED=1`` prints nothing at all; and the table's own unknown-peak
     warning (one per rank) gives way to ``_warn_no_peak`` (rank 0's, one per job)."""
-    from .mfu import UnknownPeakWarning
+    from .flops import UnknownPeakWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnknownPeakWarning)
@@ -185,7 +188,7 @@ def _convention(**kwargs: Any) -> dict[str, Any] | None:
     """The run's FLOPs convention as sent, or None (MFU null) with one warning: MFU is
     optional, the rest of the agent works without it. Configuration mistakes raise."""
     try:
-        from .mfu import resolve_convention
+        from .flops import resolve_convention
 
         return resolve_convention(**kwargs).to_dict()
     except ValueError:
@@ -203,7 +206,7 @@ _no_peak_warned: set[tuple[str, str]] = set()
 def _warn_no_peak(convention: dict[str, Any]) -> None:
     """Rank 0 only, once per process per (device, dtype): one line per job saying how to
     get MFU, not the same line from every rank."""
-    from .mfu import UnknownPeakWarning
+    from .flops import UnknownPeakWarning
 
     key = (str(convention.get("device_name")), str(convention.get("dtype")))
     if key in _no_peak_warned:
@@ -220,6 +223,14 @@ def _warn_no_peak(convention: dict[str, Any]) -> None:
         UnknownPeakWarning,
         stacklevel=3,
     )
+
+
+def _is_ddp(model: Any) -> bool:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:
+        return False
+    return isinstance(model, DistributedDataParallel)
 
 
 def _plan(

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ._peaks import normalize_dtype
+from .flops.peaks import normalize_dtype
 
 GIVEN, AUTOCAST, PARAMETERS, DEFAULT = "given", "autocast", "parameters", "default"
 DEFAULT_DTYPE = "bf16"
@@ -141,7 +141,7 @@ def with_dtype(convention: dict[str, Any], dtype: str, how: str) -> dict[str, An
     is looked up again unless the user gave it, the id follows."""
     import dataclasses
 
-    from .mfu import Convention, lookup_peak
+    from .flops import Convention, lookup_peak
 
     conv = Convention.from_dict(convention)
     peak, source = conv.peak_flops, conv.peak_source

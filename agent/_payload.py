@@ -45,15 +45,17 @@ def build_payload(
     step_time_s: Sequence[float] | None = None,
     sent_at: float,
     plan: Mapping[str, Any] | None = None,
-    profile: Mapping[str, Any] | None = None,
     profiles: Sequence[Mapping[str, Any]] | None = None,
+    comm: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble the payload dict for one window (sender thread only).
 
     Optional sections are left out when empty, so a collector that predates them still
     accepts the batch: ``plan`` (run-level: target tokens, deadline, config fingerprint,
-    baseline run), ``profile`` (time-breakdown means of the profiled steps of this window)
-    and ``final`` (the rank's last batch).
+    baseline run), ``profiles`` (the profiler windows finished since the last batch, see
+    :mod:`.profiler._entry`), ``final`` (the rank's last batch) and ``comm`` (the always-on
+    collective timing of these steps, a section with its own ``version``; see
+    ``_comm_timing.summarise``).
     """
     times = step_time_s if step_time_s is not None else window.step_time_s
     tags = window.tags
@@ -78,10 +80,10 @@ def build_payload(
     }
     if plan:
         payload["plan"] = dict(plan)
-    if profile:
-        payload["profile"] = dict(profile)
     if profiles:
         payload["profiles"] = [dict(p) for p in profiles]
+    if comm:
+        payload["comm"] = dict(comm)
     if window.final:
         payload["final"] = True
     return payload

@@ -29,11 +29,13 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import httpx
+from typing import TYPE_CHECKING
 
 from ._window import Window
 from .retry import Verdict, full_jitter, retry_after_s, verdict
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("stepwatch")
 
@@ -90,6 +92,7 @@ class Sender:
         *,
         token: str | None = None,
         max_windows: int = 256,
+        max_bytes: int | None = None,
         timeout_s: float = 5.0,
         poll_s: float = 0.5,
         backoff_base_s: float = 0.5,
@@ -107,6 +110,12 @@ class Sender:
         if token:
             self._headers["authorization"] = f"Bearer {token}"
         self._max_windows = max(1, max_windows)
+        self._max_bytes = max_bytes
+        # Bytes queued = pushed - dropped (training thread only) - popped (sender thread
+        # only): each counter has one writer, so the bound needs no lock.
+        self._pushed_bytes = 0
+        self._dropped_bytes = 0
+        self._popped_bytes = 0
         self._timeout_s = timeout_s
         self._poll_s = poll_s
         self._backoff_base_s = backoff_base_s
@@ -139,14 +148,23 @@ class Sender:
         if self._pid != os.getpid():
             self._reset_after_fork()
         q = self._queue
-        while len(q) >= self._max_windows:
+        size = window.approx_bytes()
+        cap = self._max_bytes
+        while q and (
+            len(q) >= self._max_windows
+            or (
+                cap is not None and self._pushed_bytes - self._dropped_bytes - self._popped_bytes + size > cap
+            )
+        ):
             try:
                 old = q.popleft()
             except IndexError:
                 break
+            self._dropped_bytes += old.approx_bytes()
             self.stats.dropped_windows += 1
             self.stats.dropped_steps += old.n_steps
         self._idle.clear()
+        self._pushed_bytes += size
         q.append(window)
         if self._thread is None:
             self.start()
@@ -208,6 +226,7 @@ class Sender:
         self._inflight = None
         self._attempts = 0
         self._posting_since = None
+        self._pushed_bytes = self._dropped_bytes = self._popped_bytes = 0
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -221,6 +240,11 @@ class Sender:
         return None if self._deadline is None else self._deadline - self._clock()
 
     def _run(self) -> None:
+        # Imported here, on this thread: httpx (and, when they are installed, the rich and
+        # pygments of its command-line client) stays out of `import stepwatch` and off the
+        # training thread.
+        import httpx
+
         with httpx.Client(timeout=self._timeout_s, headers=self._headers) as client:
             failures = 0  # consecutive failed attempts, whatever the batch: the backoff
             while True:
@@ -228,6 +252,7 @@ class Sender:
                     try:
                         self._inflight = self._queue.popleft()
                         self._attempts = 0
+                        self._popped_bytes += self._inflight.approx_bytes()
                     except IndexError:
                         self._idle.set()
                         if self._queue:  # appended meanwhile: not idle after all
@@ -263,6 +288,8 @@ class Sender:
         except Exception as exc:  # a bug in encoding must cost one window, not the thread
             self._give_up(window, f"could not encode it: {exc!r}")
             return None
+        import httpx
+
         left = self._time_left()
         timeout = self._timeout_s if left is None else max(0.01, min(self._timeout_s, left))
         self._posting_since = self._clock()
@@ -331,6 +358,8 @@ class Sender:
 
 def _describe(exc: BaseException, timeout_s: float) -> str:
     """One readable reason for a failed connection: what a user can act on."""
+    import httpx  # already loaded by the sender thread; kept off `import stepwatch`
+
     if isinstance(exc, httpx.TimeoutException):
         return f"no answer within {timeout_s:g} s ({type(exc).__name__})"
     text = str(exc) or type(exc).__name__

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._comm_timing import TimingSlices
 
 #: Step tags. The collector excludes tagged steps from baselines and regressions.
 TAGS: tuple[str, ...] = ("", "warmup", "checkpoint", "eval")
@@ -35,6 +38,12 @@ class Window:
     #: Profiler-window entries riding on this batch; fixed at its first encoding so that
     #: a retry sends the same body.
     profiles: list[dict[str, Any]] | None = None
+    #: The communication hook's slots for these steps (summarised on the sender thread
+    #: into ``comm_section``, once, so that a retry sends the same body).
+    comm: TimingSlices | None = None
+    comm_section: dict[str, Any] | None = None
+    #: Host clock (``perf_counter``) at the end of the last step: places the hook's times.
+    perf_end: float = 0.0
 
     @property
     def n_steps(self) -> int:
@@ -43,4 +52,5 @@ class Window:
     def approx_bytes(self) -> int:
         """Memory held by this window, for the agent's memory bound."""
         n = self.n_steps
-        return 200 + n * (8 + 8 + 8 + (8 if self.padded_tokens is not None else 0) + 1)
+        comm = self.comm.approx_bytes() if self.comm is not None else 0
+        return 200 + comm + n * (8 + 8 + 8 + (8 if self.padded_tokens is not None else 0) + 1)

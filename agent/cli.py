@@ -1,17 +1,59 @@
 """The ``stepwatch`` command: ``serve``, ``db``, ``demo``, ``top``, ``trace``, ``simulate``, ``evaluate``.
 
-Server commands import the collector lazily so that the agent alone (``pip install
-stepwatch``) never needs FastAPI or SQLAlchemy.
+A training job installs the agent alone (``pip install stepwatch``); the other commands
+need an extra (:data:`EXTRAS`) and import it only when they run. Without it a command
+prints one line naming the extra and exits 2, and ``--help`` says which extra each
+command is waiting for.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
 
 from .config import DEFAULT_URL
+
+#: extra -> (what it provides, the modules it must make importable).
+EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "server": (
+        "the collector",
+        (
+            "fastapi",
+            "uvicorn",
+            "sqlalchemy",
+            "alembic",
+            "pydantic_settings",
+            "prometheus_client",
+            "numpy",
+            "rich",
+        ),
+    ),
+    "top": ("the terminal views", ("rich",)),
+    "demo": (
+        "the demo (a collector and a torch training)",
+        ("torch", "fastapi", "uvicorn", "sqlalchemy", "rich"),
+    ),
+}
+#: command -> the extra it needs (``simulate`` needs only the agent).
+NEEDS = {"serve": "server", "db": "server", "evaluate": "server", "top": "top", "demo": "demo"}
+
+
+def missing_extra(command: str) -> str | None:
+    """The extra ``command`` needs and is not installed, or ``None``."""
+    extra = NEEDS.get(command)
+    if extra is None:
+        return None
+    if all(importlib.util.find_spec(m) is not None for m in EXTRAS[extra][1]):
+        return None
+    return extra
+
+
+def _help(command: str, text: str) -> str:
+    extra = missing_extra(command)
+    return text if extra is None else f"{text} [needs pip install 'stepwatch[{extra}]']"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -101,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve",
-        help="run the collector (applies database migrations first)",
+        help=_help("serve", "run the collector (applies database migrations first)"),
         description="Run the collector: REST API under /api/v1, the web page at /, Prometheus at /metrics.",
     )
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1, or STEPWATCH_HOST)")
@@ -115,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
-    db = sub.add_parser("db", help="database maintenance", description="Database maintenance.")
+    db = sub.add_parser("db", help=_help("db", "database maintenance"), description="Database maintenance.")
     db_sub = db.add_subparsers(dest="db_command", required=True, metavar="DB_COMMAND")
     up = db_sub.add_parser(
         "upgrade",
@@ -140,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="collector + a real 4-rank CPU training with a straggler, watched live",
+        help=_help("demo", "collector + a real 4-rank CPU training with a straggler, watched live"),
         description="Start a collector on SQLite and a real multi-rank gloo training of a tiny GPT with "
         "the hook; slow one rank down mid-run and clear it later; show the run live from the API, "
         "then a short report. Every process it starts is stopped at the end or on Ctrl-C.",
@@ -161,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     top = sub.add_parser(
         "top",
-        help="live terminal view of the runs and ranks of a collector",
+        help=_help("top", "live terminal view of the runs and ranks of a collector"),
         description="Live terminal view of a collector: its runs, and for one run the MFU, tokens/s, "
         "step-time trend, time breakdown, per-rank table and events. Ctrl-C quits.",
     )
@@ -197,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser(
         "evaluate",
-        help="score the detectors on simulated faults and clean runs, through a real collector",
+        help=_help(
+            "evaluate", "score the detectors on simulated faults and clean runs, through a real collector"
+        ),
         description="Run every fault scenario and clean runs through the simulator, a real collector "
         "process and its analysis worker (and, at scale, straight into the detectors), then print per "
         "scenario whether the fault was flagged, with the right cause and rank, after how many "
@@ -213,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    extra = missing_extra(args.command)
+    if extra is not None:
+        print(
+            f"`stepwatch {args.command}` needs {EXTRAS[extra][0]}: pip install 'stepwatch[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
     rc: int = args.func(args)
     return rc
 

@@ -155,26 +155,6 @@ class PlanIn(_Strict):
     baseline_run: RunName | None = None
 
 
-class ProfileSummaryIn(_Strict):
-    """Time breakdown of this batch's profiled steps, as means (simulators, external agents);
-    the agent's own profiler sends the detailed ``profiles`` instead. Means per profiled
-    step, in seconds.
-
-    Stored into the rank window that holds the batch's last step (merged, weighted by
-    ``steps``, with what that window already holds). ``group_transfer_s`` is the transfer
-    time the rank saw in each of its communicator groups, keyed by type.
-    """
-
-    steps: int = Field(ge=1, le=1_000_000)
-    compute_s: Seconds
-    comm_overlapped_s: Seconds | None = None
-    comm_exposed_s: Seconds | None = None
-    idle_s: Seconds | None = None
-    comm_wait_s: Seconds | None = None
-    comm_transfer_s: Seconds | None = None
-    group_transfer_s: dict[Literal["dp", "tp", "pp", "cp"], Seconds] | None = None
-
-
 # -- profiler windows (schema_version 2) ---------------------------------------------
 
 MAX_PROFILES = 8
@@ -342,6 +322,40 @@ class ProfileIn(_Strict):
         return self
 
 
+class GroupSeqIn(_Strict):
+    """Per process group: collectives this rank entered and completed so far (a hang's
+    diagnosis: who never entered collective #N)."""
+
+    group: str = Field(max_length=128)
+    entered: Count
+    completed: Count
+
+    @model_validator(mode="after")
+    def _ordered(self) -> GroupSeqIn:
+        if self.completed > self.entered:
+            raise ValueError(f"completed {self.completed} exceeds entered {self.entered}")
+        return self
+
+
+class CommIn(_Strict):
+    """Always-on collective timing of this batch's steps (the agent's communication hook).
+
+    Per step, seconds after the step's start on this rank's clock (``null``: no collective
+    in that step): ``arrive_s`` last bucket ready, ``end_s`` last collective ended,
+    ``sync_s`` end minus arrival of the last bucket, ``cpu_s`` training-thread CPU time.
+    Accepted and validated; the collector does not store it yet.
+    """
+
+    version: Literal[1]
+    clock: Literal["host", "cuda_events"] = "host"
+    arrive_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
+    end_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
+    sync_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
+    cpu_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
+    collectives: list[CollectiveIn] = Field(default_factory=list, max_length=16)
+    groups: list[GroupSeqIn] = Field(default_factory=list, max_length=64)
+
+
 class IngestPayload(_Strict):
     schema_version: Literal[1, 2]
     batch_id: str = Field(pattern=r"^[A-Za-z0-9_-]{8,64}$")
@@ -352,10 +366,21 @@ class IngestPayload(_Strict):
     convention: ConventionIn | None = None
     steps: StepsIn
     plan: PlanIn | None = None
-    profile: ProfileSummaryIn | None = None
     #: The rank's last batch (``close()``): it finished, so its silence is not a hang.
     final: bool = False
     profiles: list[ProfileIn] | None = Field(default=None, max_length=MAX_PROFILES)
+    comm: CommIn | None = None
+
+    @model_validator(mode="after")
+    def _comm_per_step(self) -> IngestPayload:
+        if self.comm is not None:
+            n = len(self.steps.time_s)
+            for name in ("arrive_s", "end_s", "sync_s", "cpu_s"):
+                if len(getattr(self.comm, name)) != n:
+                    raise ValueError(
+                        f"comm.{name} has {len(getattr(self.comm, name))} values but steps.time_s has {n}"
+                    )
+        return self
 
     @field_validator("schema_version", mode="before")
     @classmethod
@@ -364,6 +389,14 @@ class IngestPayload(_Strict):
         if type(v) is not int:
             raise ValueError(f"schema_version must be the integer 1 or 2, not {type(v).__name__}")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_summary(cls, data: Any) -> Any:
+        # The v1 means-only breakdown had a second ingest path that the agent never used.
+        if isinstance(data, dict) and "profile" in data:
+            raise ValueError("profile (the breakdown summary) was removed: send profiler windows as profiles")
+        return data
 
     @model_validator(mode="after")
     def _versioned(self) -> IngestPayload:
@@ -375,8 +408,6 @@ class IngestPayload(_Strict):
     def _steps_or_final(self) -> IngestPayload:
         if not self.steps.time_s and not self.final:
             raise ValueError("steps.time_s is empty; only a final batch may carry no step")
-        if self.profile is not None and not self.steps.time_s:
-            raise ValueError("profile needs at least one step in the batch")
         return self
 
 

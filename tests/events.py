@@ -1,21 +1,18 @@
-"""Insert an event row the way the analysis would store one.
-
-Used by the view tests (terminal and web page) to show a straggler flag while the
-straggler detection that writes events is not on this branch: the row has every field
-the events API serves, so the views are tested against the real read path.
-"""
+"""A flag in a collector's database for the view tests, written by the analysis worker's
+writer (:func:`stepwatch_server.worker.outputs.write_findings`), so the views are tested
+against the rows the worker writes and the real read path. (Detection itself is tested
+with the detectors and the worker; the browser test relies on it.)"""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
-from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import Engine
 
+from stepwatch_server.analysis.types import Cause, Finding, Status
 from stepwatch_server.storage.engine import make_engine
-from stepwatch_server.storage.models import Event, Run
+
+from .runstate import store_finding
 
 
 def insert_event(
@@ -26,38 +23,29 @@ def insert_event(
     last_step: int,
     ranks: Sequence[int] = (2,),
     hosts: Sequence[str] = ("node0",),
-    kind: str = "straggler",
-    cause: str | None = "compute",
-    status: str = "open",
+    cause: Cause = "compute",
+    status: Status = "open",
     cost_seconds: float = 0.05,
     cost_ratio: float = 0.25,
-    message: str | None = None,
-    evidence: dict[str, Any] | None = None,
 ) -> None:
-    engine = make_engine(db_url)
-    now = datetime.fromtimestamp(time.time(), tz=timezone.utc)
+    who = ",".join(map(str, ranks))
+    finding = Finding(
+        kind="straggler",
+        run=run,
+        key=f"straggler:{cause}:rank={who}",
+        cause=cause,
+        ranks=tuple(ranks),
+        hosts=tuple(hosts),
+        first_step=first_step,
+        last_step=last_step,
+        status=status,
+        evidence={},
+        cost_seconds=cost_seconds,
+        cost_ratio=cost_ratio,
+        message=f"rank {who} is a {cause} straggler from step {first_step}",
+    )
+    engine: Engine = make_engine(db_url)
     try:
-        with engine.begin() as conn:
-            run_id = conn.execute(select(Run.__table__.c.id).where(Run.__table__.c.name == run)).scalar_one()
-            conn.execute(
-                insert(Event.__table__).values(
-                    run_id=run_id,
-                    key=f"{kind}:{cause}:rank={','.join(map(str, ranks))}",
-                    kind=kind,
-                    cause=cause,
-                    ranks=list(ranks),
-                    hosts=list(hosts),
-                    first_step=first_step,
-                    last_step=last_step,
-                    status=status,
-                    evidence=evidence or {},
-                    cost_seconds=cost_seconds,
-                    cost_ratio=cost_ratio,
-                    message=message
-                    or f"rank {','.join(map(str, ranks))} is a {cause} straggler from step {first_step}",
-                    opened_at=now,
-                    updated_at=now,
-                )
-            )
+        store_finding(engine, finding)
     finally:
         engine.dispose()

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,6 +18,8 @@ from stepwatch.demo.launch import free_port, wait_ready
 from stepwatch_server.api.timeouts import uvicorn_options
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
+
+from .wait import wait_until
 
 
 @contextmanager
@@ -33,11 +34,13 @@ def serve_in_thread(database_url: str, port: int | None = None, **settings: obje
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:  # uvicorn sets this once the socket listens
-        if not thread.is_alive() or time.monotonic() > deadline:
+
+    def started() -> bool:  # uvicorn sets this once the socket listens
+        if not thread.is_alive():
             raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
+        return bool(server.started)
+
+    wait_until(started, "uvicorn to listen", timeout_s=20, every_s=0.01)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -10,18 +10,12 @@ from typing import Any
 from stepwatch._env import Layout, RankInfo, coords_for
 from stepwatch._payload import build_payload, new_batch_id
 from stepwatch._window import TAG_CODES, Window
+from stepwatch.flops import resolve_convention
 
-CONVENTION = {
-    "formula": "explicit",
-    "attention": None,
-    "flops_per_token": 1.0e9,
-    "hfu_flops_per_token": None,
-    "dtype": "bf16",
-    "device_name": "test-device",
-    "peak_flops": 1.0e14,
-    "peak_source": "user",
-    "id": "explicit/bf16/test-device@100TFLOPs[user]",
-}
+#: The convention as the agent resolves and sends it (explicit FLOPs per token, a user peak).
+CONVENTION = resolve_convention(
+    flops_per_token=1.0e9, peak_flops=1.0e14, device_name="test-device", dtype="bf16"
+).to_dict()
 
 
 def rank_info(rank: int, world: int, host: str | None = None, tp: int = 1, pp: int = 1) -> dict[str, Any]:
@@ -53,8 +47,8 @@ def payload(
     wall_end: float | None = None,
     final: bool = False,
     plan: dict[str, Any] | None = None,
-    profile: dict[str, Any] | None = None,
     profiles: Sequence[dict[str, Any]] | None = None,
+    comm: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     n = len(times)
     window = Window(
@@ -83,9 +77,26 @@ def payload(
         agent=agent,
         sent_at=time.time(),
         plan=plan,
-        profile=profile,
         profiles=profiles,
+        comm=comm,
     )
+
+
+def comm_section(n: int, *, buckets: int = 8, first_step: int = 1) -> dict[str, Any]:
+    """The ``comm`` section the agent's hook timing builds for ``n`` steps of 0.5 s with
+    ``buckets`` all-reduces each (summarised by the agent's own code)."""
+    from stepwatch._comm_timing import CommTiming
+
+    pos = [first_step, 0]
+    timing = CommTiming(max(n, 1), lambda: (pos[0], pos[1]))
+    for i in range(n):
+        pos[1] = i
+        for b in range(buckets):
+            token = timing.arrive("world", b, 4096)
+            timing.done(token, "world")
+    slices = timing.take(n)
+    assert slices is not None
+    return timing.summarise(slices, first_step, [0.5] * n, perf_end=time.perf_counter())
 
 
 def profile_entry(

@@ -1,13 +1,13 @@
-"""Putting a run into a real database for the metrics tests.
+"""Putting a run into a real database for the metrics tests, through the real writers.
 
 Steps arrive through the real ingest code (payloads built by the agent's own code, then
-validated by the collector's schema). Two things are written directly, because their
-producers live in other work streams: the profiler breakdown columns of
-``rank_windows`` (the profiler window fills them) and rows in ``events`` (the collector's
-detection wiring writes them). :func:`detect_stragglers` runs the real straggler detector
-(``stepwatch_server.analysis``) over the stored windows and stores its findings the way
-that wiring will; :func:`open_straggler` writes a flag by hand where a test needs exact
-numbers.
+validated by the collector's schema). :func:`fill_breakdown` gives a stored window the
+profiler breakdown through the collector's profile writer
+(:func:`stepwatch_server.ingest.profiles.store_profiles`: running means, and wait vs
+transfer split from the ranks' arrival times); flags are written by the analysis worker's
+writer (:func:`stepwatch_server.worker.outputs.write_findings`), from findings of the real
+detector (:func:`detect_stragglers`) or built where a test needs exact numbers
+(:func:`open_straggler`).
 """
 
 from __future__ import annotations
@@ -15,15 +15,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, select
+from sqlalchemy.dialects import postgresql, sqlite
 
 from stepwatch_server.analysis import types as analysis
+from stepwatch_server.analysis.pipeline import Change
 from stepwatch_server.analysis.stragglers import StragglerDetector
+from stepwatch_server.ingest.profiles import store_profiles
 from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.schemas import IngestPayload
-from stepwatch_server.storage.models import Event, Rank, RankWindow, Run
+from stepwatch_server.storage.models import Rank, RankWindow, Run
+from stepwatch_server.worker.outputs import write_findings
 
-from .payloads import payload
+from .payloads import payload, profile_entry
 
 
 def store(ingestor: Ingestor, **kwargs: object) -> None:
@@ -76,29 +80,45 @@ def fill_breakdown(
     idle: float = 0.02,
     window: int | None = None,
 ) -> int:
-    """Write a profiler breakdown into a window of every rank (default: the newest window
-    all ranks have); returns the window. Stand-in for the profiler window's ingest."""
+    """Store a two-step profiler window of every rank into a stored window (default: the
+    newest window all ranks have) with the collector's profile writer; returns the window.
+
+    ``comm_wait(rank)`` sets when each rank enters the window's all-reduces: the rank with
+    the smallest value arrives last and waits 0, every other rank waits the difference (as
+    the collector derives it). Transfer is 10 ms.
+    """
     rid = run_id(engine, run)
     t = RankWindow.__table__
+    insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
     with engine.begin() as conn:
+        world, window_steps = conn.execute(
+            select(Run.world_size, Run.window_steps).where(Run.id == rid)
+        ).one()
+        rows = conn.execute(select(t.c.rank, t.c.window, t.c.first_step).where(t.c.run_id == rid)).all()
         if window is None:
-            rows = conn.execute(select(t.c.rank, t.c.window).where(t.c.run_id == rid)).all()
-            ranks = {r for r, _ in rows}
-            window = max(w for w in {w for _, w in rows} if all((r, w) in set(rows) for r in ranks))
-        for (rank,) in conn.execute(select(t.c.rank).where(t.c.run_id == rid, t.c.window == window)).all():
-            conn.execute(
-                update(t)
-                .where(t.c.run_id == rid, t.c.rank == rank, t.c.window == window)
-                .values(
-                    profiled_steps=2,
-                    compute_s=compute(rank),
-                    comm_overlapped_s=overlapped,
-                    comm_exposed_s=exposed,
-                    idle_s=idle,
-                    comm_wait_s=comm_wait(rank),
-                    comm_transfer_s=0.01,
-                )
+            ranks = {r for r, _, _ in rows}
+            have = {(r, w) for r, w, _ in rows}
+            window = max(w for w in {w for _, w, _ in rows} if all((r, w) in have for r in ranks))
+        firsts = {r: f for r, w, f in rows if w == window}
+        last_in = min(comm_wait(r) for r in firsts)
+        for rank, first in sorted(firsts.items()):
+            wait = comm_wait(rank) - last_in
+            step_s = compute(rank) + overlapped + exposed + idle
+            entry = profile_entry(
+                first_step=first,
+                enter=[0.2 - wait + 10.0 * j for j in range(2)],  # one period for all ranks
+                end=[0.21 + 10.0 * j for j in range(2)],
+                compute=compute(rank),
+                overlapped=overlapped,
+                exposed=exposed,
+                data_wait=0.0,
+                step_s=step_s,
+                ranks=None,
             )
+            entry["arrivals"][0]["size"] = world
+            body = payload(run=run, rank=rank, world=world, first=first, times=[step_s] * 2, profiles=[entry])
+            p = IngestPayload.model_validate(body)
+            store_profiles(conn, insert, run_id=rid, window_steps=window_steps, world_size=world, p=p)
     return window
 
 
@@ -110,31 +130,28 @@ def open_straggler(
     host: str,
     cost_seconds: float,
     cost_ratio: float,
-    cause: str = "compute",
+    cause: analysis.Cause = "compute",
     first_step: int = 1,
 ) -> None:
-    """An open straggler flag as the detector writes it. Stand-in for the detector."""
-    now = datetime.now(timezone.utc)
-    with engine.begin() as conn:
-        conn.execute(
-            Event.__table__.insert().values(
-                run_id=run_id(engine, run),
-                key=f"straggler:{cause}:rank={rank}",
-                kind="straggler",
-                cause=cause,
-                ranks=[rank],
-                hosts=[host],
-                first_step=first_step,
-                last_step=first_step,
-                status="open",
-                evidence={"ratio": 1.5},
-                cost_seconds=cost_seconds,
-                cost_ratio=cost_ratio,
-                message=f"Rank {rank} on {host} computes longer than its peers.",
-                opened_at=now,
-                updated_at=now,
-            )
-        )
+    """An open straggler flag with exact numbers, written by the worker's writer."""
+    store_finding(
+        engine,
+        analysis.Finding(
+            kind="straggler",
+            run=run,
+            key=f"straggler:{cause}:rank={rank}",
+            cause=cause,
+            ranks=(rank,),
+            hosts=(host,),
+            first_step=first_step,
+            last_step=first_step,
+            status="open",
+            evidence={"ratio": 1.5},
+            cost_seconds=cost_seconds,
+            cost_ratio=cost_ratio,
+            message=f"Rank {rank} on {host} computes longer than its peers.",
+        ),
+    )
 
 
 def analysis_windows(engine: Engine, run: str, window: int) -> list[analysis.RankWindow]:
@@ -176,30 +193,12 @@ def detect_stragglers(engine: Engine, detector: StragglerDetector, window: int) 
     """Run the detector over one stored window and upsert what it opens or closes."""
     findings = detector.update(analysis_windows(engine, detector.run, window))
     for f in findings:
-        store_finding(engine, f)
+        store_finding(engine, f, window)
     return findings
 
 
-def store_finding(engine: Engine, f: analysis.Finding) -> None:
-    now = datetime.now(timezone.utc)
-    t = Event.__table__
+def store_finding(engine: Engine, f: analysis.Finding, window: int = 0) -> None:
+    """Upsert one flag as the analysis worker does (:func:`write_findings`)."""
     rid = run_id(engine, f.run)
-    values = {
-        "kind": f.kind,
-        "cause": f.cause,
-        "ranks": list(f.ranks),
-        "hosts": list(f.hosts),
-        "last_step": f.last_step,
-        "status": f.status,
-        "evidence": dict(f.evidence),
-        "cost_seconds": f.cost_seconds,
-        "cost_ratio": f.cost_ratio,
-        "message": f.message,
-        "updated_at": now,
-    }
     with engine.begin() as conn:
-        where = (t.c.run_id == rid) & (t.c.key == f.key) & (t.c.first_step == f.first_step)
-        if conn.execute(update(t).where(where).values(**values)).rowcount == 0:
-            conn.execute(
-                t.insert().values(run_id=rid, key=f.key, first_step=f.first_step, opened_at=now, **values)
-            )
+        write_findings(conn, rid, [Change(f, window)], [], datetime.now(timezone.utc))

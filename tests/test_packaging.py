@@ -1,5 +1,7 @@
 """Both install modes import the mapped folders correctly (agent/ -> stepwatch,
-server/ -> stepwatch_server, migrations/ -> stepwatch_server.migrations)."""
+server/ -> stepwatch_server, migrations/ -> stepwatch_server.migrations), and the agent
+alone (a wheel installed without extras into a fresh venv) is what a training job gets:
+a light ``import stepwatch`` and one-line answers from the commands it cannot run."""
 
 from __future__ import annotations
 
@@ -9,7 +11,111 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+#: What `import stepwatch` must not pull into a training process.
+HEAVY = (
+    "stepwatch_server",
+    "stepwatch.demo",
+    "stepwatch.simulate",
+    "stepwatch.views",
+    "rich",
+    "numpy",
+    "httpx",
+)
+DEMO_HINT = "pip install 'stepwatch[demo]'"
+LIGHT_CHECK = (
+    "import sys, stepwatch; heavy = {heavy!r};"
+    "bad = sorted(m for m in sys.modules if any(m == h or m.startswith(h + '.') for h in heavy));"
+    "assert not bad, bad; print('light')"
+)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (built,) = out.glob("stepwatch-*.whl")
+    return built
+
+
+def test_import_stepwatch_stays_light_with_everything_installed() -> None:
+    # The development venv has every extra installed: importing the agent still loads none of them.
+    r = subprocess.run(
+        [sys.executable, "-c", LIGHT_CHECK.format(heavy=HEAVY)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "light", r.stdout + r.stderr
+
+
+def test_wheel_without_extras_runs_the_agent_and_names_the_missing_extra(wheel: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
+    pip = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert pip.returncode == 0, pip.stderr
+    python, cli = str(venv / "bin" / "python"), str(venv / "bin" / "stepwatch")
+    light = subprocess.run(
+        [python, "-c", LIGHT_CHECK.format(heavy=HEAVY)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert light.returncode == 0 and light.stdout.strip() == "light", light.stdout + light.stderr
+    for argv, line in [
+        (["serve"], "`stepwatch serve` needs the collector: pip install 'stepwatch[server]'"),
+        (["db", "upgrade"], "`stepwatch db` needs the collector: pip install 'stepwatch[server]'"),
+        (["evaluate", "--fast"], "`stepwatch evaluate` needs the collector: pip install 'stepwatch[server]'"),
+        (["top"], "`stepwatch top` needs the terminal views: pip install 'stepwatch[top]'"),
+        (["demo"], "`stepwatch demo` needs the demo (a collector and a torch training): " + DEMO_HINT),
+    ]:
+        r = subprocess.run([cli, *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert (r.returncode, r.stdout, r.stderr) == (2, "", line + "\n"), (argv, r.stdout, r.stderr)
+    helped = subprocess.run([cli, "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert helped.returncode == 0
+    listing = " ".join(helped.stdout.split())  # argparse wraps the help column
+    # Each command's line of the listing says which extra it waits for; simulate's says nothing.
+    commands = ["serve", "db", "demo", "top", "simulate", "evaluate"]
+    lines = {
+        c: listing.split(f" {c} ", 1)[1].split(f" {commands[i + 1]} ", 1)[0] if i + 1 < len(commands) else ""
+        for i, c in enumerate(commands)
+    }
+    lines["evaluate"] = listing.split(" evaluate ", 1)[1]
+    for command, extra in [
+        ("serve", "server"),
+        ("db", "server"),
+        ("demo", "demo"),
+        ("top", "top"),
+        ("evaluate", "server"),
+    ]:
+        assert f"[needs pip install 'stepwatch[{extra}]']" in lines[command], (command, lines[command])
+    assert "needs" not in lines["simulate"], lines["simulate"]
+    # The simulator needs the agent only.
+    sim = subprocess.run(
+        [cli, "simulate", "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert sim.returncode == 0 and "--fault" in sim.stdout, sim.stderr
 
 
 def test_editable_install_maps_folders_to_import_names() -> None:
@@ -22,25 +128,7 @@ def test_editable_install_maps_folders_to_import_names() -> None:
     assert Path(stepwatch_server.migrations.__file__).parent == ROOT / "migrations"
 
 
-def test_built_wheel_carries_everything_and_works(tmp_path: Path) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    (wheel,) = tmp_path.glob("stepwatch-*.whl")
+def test_built_wheel_carries_everything_and_works(wheel: Path, tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     # Every source and data file of the three mapped folders is in the wheel under its import name.
     mapping = {

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..sketch import LogSketch
-from .breakdown import Interval, breakdown
+from .breakdown import Interval, StepBreakdown, breakdown
 from .trace import (
     CollectiveRecord,
     TraceEvent,
@@ -51,7 +51,7 @@ from .trace import (
     unix_base_us,
 )
 
-__all__ = ["MAX_ARRIVALS", "MAX_TOP_OPS", "build_entry", "top_ops"]
+__all__ = ["MAX_ARRIVALS", "MAX_TOP_OPS", "assemble_entry", "build_entry", "top_ops"]
 
 MAX_TOP_OPS = 10
 MAX_ARRIVALS = 1024
@@ -207,14 +207,41 @@ def build_entry(trace: Mapping[str, object], *, first_step: int, n_steps: int) -
         j = _step_of(starts, steps, r.start_us)
         if j is not None:
             placed.append((j, r))
-    base = unix_base_us(trace)
-    t0_us = base + steps[0][0]
     span = (steps[0][0], steps[-1][1])
+    return assemble_entry(
+        numbers=numbers,
+        device=w.device,
+        parts=parts,
+        collectives=placed,
+        base_us=unix_base_us(trace),
+        t0_us=steps[0][0],
+        top=top_ops(events, span, w.device, len(steps)),
+    )
+
+
+def assemble_entry(
+    *,
+    numbers: Sequence[int],
+    device: str,
+    parts: Sequence[StepBreakdown],
+    collectives: Sequence[tuple[int, CollectiveRecord]],
+    base_us: float,
+    t0_us: float,
+    top: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """The entry from per-step parts (seconds) and the collectives placed in their steps.
+
+    ``collectives`` pairs each record with the index of its step in ``numbers``; record
+    times are on the trace's clock (microseconds), ``base_us`` maps them to Unix time and
+    ``t0_us`` (same clock) is the first step's start. The simulator builds its windows
+    through this too, so what it sends is what the agent sends.
+    """
+    base_t0 = base_us + t0_us
     return {
         "first_step": numbers[0],
-        "n_steps": len(steps),
-        "device": w.device,
-        "t0": t0_us * 1e-6,
+        "n_steps": len(parts),
+        "device": device,
+        "t0": base_t0 * 1e-6,
         "time_s": [b.step_s for b in parts],
         "compute_s": [b.compute_s for b in parts],
         "copy_s": [b.copy_s for b in parts],
@@ -222,7 +249,7 @@ def build_entry(trace: Mapping[str, object], *, first_step: int, n_steps: int) -
         "comm_exposed_s": [b.comm_exposed_s for b in parts],
         "data_wait_s": [b.data_wait_s for b in parts],
         "idle_s": [b.idle_s for b in parts],
-        "top_ops": top_ops(events, span, w.device, len(steps)),
-        "collectives": _collective_summary([r for _, r in placed]),
-        "arrivals": _arrivals(placed, numbers, base, t0_us),
+        "top_ops": [dict(o) for o in top],
+        "collectives": _collective_summary([r for _, r in collectives]),
+        "arrivals": _arrivals(collectives, numbers, base_us, base_t0),
     }

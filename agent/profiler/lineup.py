@@ -28,6 +28,10 @@ from dataclasses import dataclass, field
 __all__ = ["GroupArrivals", "RankSkew", "split_wait_transfer"]
 
 
+#: A process group across ranks: its name and its members (``None`` when not listed).
+GroupId = tuple[str, tuple[int, ...] | None]
+
+
 @dataclass(frozen=True)
 class GroupArrivals:
     """One rank's collectives of one group in one profiler window, times in seconds
@@ -52,6 +56,8 @@ class RankSkew:
     steps: dict[int, list[float]] = field(default_factory=dict)
     #: op -> (waits, transfers), one value per collective
     ops: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    #: (step, group members or None) -> transfer sum: which link was slow
+    groups: dict[tuple[int, tuple[int, ...] | None], float] = field(default_factory=dict)
 
 
 def split_wait_transfer(
@@ -67,12 +73,12 @@ def split_wait_transfer(
     """
     offsets = offsets or {}
     # (group id, collective id) -> [(rank, op, step, enter, end)]
-    table: dict[tuple[object, object], list[tuple[int, str, int, float, float]]] = {}
-    expected: dict[object, int] = {}
+    table: dict[tuple[GroupId, object], list[tuple[int, str, int, float, float]]] = {}
+    expected: dict[GroupId, int] = {}
     for rank, groups in arrivals.items():
         shift = offsets.get(rank, 0.0)
         for g in groups:
-            gid = (g.group, g.ranks)
+            gid: GroupId = (g.group, g.ranks)
             expected[gid] = len(g.ranks) if g.ranks else (g.size or world_size)
             for i in range(len(g.step)):
                 cid: object = g.key[i] if g.key_kind == "seq" else (g.step[i], g.key[i])
@@ -95,4 +101,6 @@ def split_wait_transfer(
             waits, transfers = skew.ops.setdefault(op, ([], []))
             waits.append(wait)
             transfers.append(transfer)
+            key = (step, group_id[1])
+            skew.groups[key] = skew.groups.get(key, 0.0) + transfer
     return out

@@ -3,6 +3,7 @@
 - :mod:`.topology`: hosts, ranks per host, data/tensor/pipeline layout, communicator groups.
 - :mod:`.faults`: the faults that can be injected and their command-line form.
 - :mod:`.model`: seeded step timings with realistic clean noise and the faults.
+- :mod:`.entries`: the v2 ``profiles`` entry of each rank, through the agent's entry assembler.
 - :mod:`.driver`: windows -> payloads -> :class:`stepwatch._sender.Sender` -> HTTP.
 - :mod:`.cli`: the command.
 """

@@ -31,6 +31,7 @@ from .. import __version__
 from .._payload import build_payload, encode, new_batch_id
 from .._sender import Sender, SenderStats
 from .._window import TAG_CODES, Window
+from .entries import profile_entries
 from .model import TimingModel, WindowTimings
 
 Clock = Literal["sim", "real"]
@@ -41,7 +42,6 @@ class SimWindow(Window):
     """A window of one simulated rank, with its time breakdown."""
 
     rank: int = 0
-    profile: dict[str, Any] | None = None
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Simulation:
             agent=agent,
             sent_at=time.time(),
             plan=self.plan,
-            profile=window.profile,
+            profiles=window.profiles,
         )
         return encode(payload)
 
@@ -182,6 +182,7 @@ class Simulation:
                 times = array("d", wt.step_time_s)
                 tok = array("q", [tokens] * n)
                 tags = array("b", codes) if any(codes) else None
+                entries = profile_entries(model, wt, wall_end - sum(wt.step_time_s)) if profiled else {}
                 for r in range(world):
                     if r in wt.silent:
                         continue
@@ -195,8 +196,8 @@ class Simulation:
                             tags=tags,
                             wall_end=wall_end,
                             final=final,
+                            profiles=[entries[r]] if r in entries else [],
                             rank=r,
-                            profile=wt.ranks[r].profile(n) if profiled else None,
                         )
                     )
                     batches += 1

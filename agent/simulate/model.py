@@ -1,8 +1,8 @@
 """Synthetic step timings of a synchronous data/tensor/pipeline-parallel job, with faults.
 
-The noise model is the one the collector's detector defaults were tuned on
-(``stepwatch_server.analysis.synthetic``), extended to per-step columns and tags so
-that the simulator can send what a real agent sends. Per rank and window of ``n`` steps:
+The one noise model of the project: the simulator sends it through the agent's path,
+``stepwatch evaluate`` scores the detectors on it, and the detectors' unit tests read it
+(``tests/synthetic.py``). Per rank and window of ``n`` steps:
 
 - compute: a persistent per-rank speed spread (silicon, thermals; ``rank_spread``),
   lognormal per-step jitter (``step_jitter``, averaged over the window), random GC pauses
@@ -67,7 +67,11 @@ class Noise:
 
 @dataclass(frozen=True)
 class RankTiming:
-    """One rank's breakdown in one window: means per step, in seconds."""
+    """One rank's breakdown in one window: means per step, in seconds, as the agent
+    measures them: ``compute_s`` is compute only (the overlapped communication is its own
+    part), so compute, overlapped, exposed, data wait and idle sum to the step time.
+    ``comm_wait_s``, ``comm_transfer_s`` and ``group_transfer_s`` are what the collector
+    derives from the ranks' arrival times (:mod:`.entries`)."""
 
     compute_s: float
     data_wait_s: float
@@ -77,21 +81,6 @@ class RankTiming:
     comm_overlapped_s: float
     idle_s: float
     group_transfer_s: dict[str, float] = field(default_factory=dict)
-
-    def profile(self, steps: int) -> dict[str, Any]:
-        """The payload's ``profile`` section for this window."""
-        out: dict[str, Any] = {
-            "steps": steps,
-            "compute_s": self.compute_s,
-            "comm_overlapped_s": self.comm_overlapped_s,
-            "comm_exposed_s": self.comm_exposed_s,
-            "idle_s": self.idle_s,
-            "comm_wait_s": self.comm_wait_s,
-            "comm_transfer_s": self.comm_transfer_s,
-        }
-        if self.group_transfer_s:
-            out["group_transfer_s"] = dict(self.group_transfer_s)
-        return out
 
 
 @dataclass(frozen=True)
@@ -266,6 +255,15 @@ class TimingModel:
                 for r in members:
                     wait[r] = max(0.0, slowest - comp[r] - data_mean[r])
             exposed = [wait[r] + transfer[r] * (1.0 - nz.overlap) for r in range(world)]
+            if topo.group_types:
+                # What the profiler measures: every collective of the rank waits for the last
+                # member of its group (arrival = compute + loader wait, as in :mod:`.entries`).
+                arrive = [comp[r] + data_mean[r] for r in range(world)]
+                wait = [0.0] * world
+                for members in topo.groups.values():
+                    last_in = max(arrive[r] for r in members)
+                    for r in members:
+                        wait[r] += last_in - arrive[r]
             step = max(comp[r] + data_mean[r] + exposed[r] for r in range(world)) + overhead
             for component, fraction in drop.items():
                 # The whole job slows: this component grows on every rank by what makes
@@ -283,7 +281,7 @@ class TimingModel:
 
             ranks = [
                 RankTiming(
-                    compute_s=comp[r],
+                    compute_s=max(0.0, comp[r] - transfer[r] * nz.overlap),
                     data_wait_s=data_mean[r],
                     comm_wait_s=wait[r],
                     comm_transfer_s=transfer[r],

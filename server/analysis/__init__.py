@@ -14,7 +14,6 @@ be fed from the ingest path, the simulator or a test, and property-tested.
 - :mod:`.efficiency`: static pipeline-stage imbalance.
 - :mod:`.pipeline`: one run's analysis window by window (both detectors, the progress
   tally, JSON state), shared by the collector's worker and the evaluation.
-- :mod:`.synthetic`: seeded synthetic data with injected faults, for tests and tuning.
 """
 
 from __future__ import annotations

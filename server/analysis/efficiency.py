@@ -37,11 +37,15 @@ class StageImbalance:
 
 
 def stage_imbalance(windows: Sequence[RankWindow], *, min_ratio: float = 1.05) -> StageImbalance | None:
-    """The stage imbalance of one window, or ``None`` (no stages, no compute data, or balanced)."""
+    """The stage imbalance of one window, or ``None`` (no stages, no compute data, or balanced).
+
+    A stage's work is its whole compute time: the agent's ``compute_s`` is compute only, and
+    the communication overlapped with compute (``comm_overlapped_s``) is compute time too.
+    """
     per_stage: dict[int, list[float]] = defaultdict(list)
     for w in windows:
         if w.pp_rank is not None and w.compute_s is not None:
-            per_stage[w.pp_rank].append(w.compute_s)
+            per_stage[w.pp_rank].append(w.compute_s + (w.comm_overlapped_s or 0.0))
     if len(per_stage) < 2:
         return None
     medians = {stage: median(values) for stage, values in sorted(per_stage.items())}

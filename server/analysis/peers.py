@@ -50,8 +50,9 @@ among very quiet peers from flagging; the z keeps a 10% difference among noisy p
 flagging. The step-relative floor matters for data-loader wait, whose median is near zero:
 one 0.8 s loader stall in a 20-step window lifts that window's mean by 40 ms, and with a
 2 s step the floor (10 ms) keeps such a window below z = 5, so the data-straggler floor is
-about 2.5% of step time (measured: 0 false flags over 512,000 clean rank-windows of
-:mod:`.synthetic`). Slow communicator groups are compared with the 1 ms floor only: they
+about 2.5% of step time (measured: 0 false flags over 512,000 clean rank-windows of the
+tuning generator, and over the 148,480 clean rank-windows of the simulator's timing model
+that ``stepwatch evaluate`` runs). Slow communicator groups are compared with the 1 ms floor only: they
 localise a link, and the cost floor decides whether it matters. The peer statistics
 include the rank itself: the median and MAD are robust to it, and leaving it out would
 cost one sort per rank.

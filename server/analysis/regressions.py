@@ -15,7 +15,7 @@ sigmas of the baseline. Samples tagged warm-up, checkpoint or evaluation are ski
 entirely: they neither feed the baseline nor the sums nor break an excursion.
 
 Tuning (defaults ``k = 0.5``, ``h = 10``, ``clip_z = 4``, ``min_change = 0.03``). With
-:func:`stepwatch_server.analysis.synthetic.job_series` (window samples of 20 steps,
+the tests' ``job_series`` (``tests/synthetic.py``: window samples of 20 steps,
 lognormal step jitter sigma 3%, GC pauses, loader stalls, a slow AR(1) drift of the job's
 speed with stationary sigma 0.3%, tagged warm-up, checkpoint and eval samples) we counted
 regressions opened on 20 clean series of 10,000 windows (200,000 windows) and the windows

@@ -19,9 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepwatch.flops import per_token_rate
+
 from ..analysis.hangs import hang_threshold_s
 from ..analysis.robust import median
-from ..reads.utilization import per_token_rate
 
 #: Quantiles across ranks exported for each per-rank quantity (0 and 1 are min and max).
 QUANTILES: tuple[float, ...] = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
@@ -208,7 +209,7 @@ class Snapshot:
 
 
 def convention_of(conv: Mapping[str, Any] | None, world_size: int) -> Convention:
-    """Labels and scales from the stored convention (``utilization.per_token_rate``)."""
+    """Labels and scales from the stored convention (``stepwatch.flops.per_token_rate``)."""
     conv = conv or {}
 
     return Convention(

@@ -14,7 +14,9 @@ For each window of one rank (``payload.profiles``):
    sees it reach the world size (the row lock of that increment orders the ranks, on
    PostgreSQL as on SQLite) runs :func:`stepwatch.profiler.lineup.split_wait_transfer` for
    all ranks, writes ``comm_wait_s``/``comm_transfer_s`` (running means weighted by
-   ``skew_steps``) and the wait/transfer sketches, and deletes the staging rows. A window
+   ``skew_steps``), the transfer per communicator type (``group_transfer_s``: the newest
+   window's means per step, typed by which coordinate the group's members differ in) and
+   the wait/transfer sketches, and deletes the staging rows. A window
    that some rank never reports (it skipped it: a longer stretched period, a crash) stays
    pending until it falls out of the newest :data:`PENDING_KEEP` pending windows of the
    run, and is then dropped: no wait/transfer is better than a wrong one.
@@ -33,7 +35,7 @@ from stepwatch.profiler.lineup import GroupArrivals, split_wait_transfer
 from stepwatch.sketch import LogSketch
 
 from ..schemas import IngestPayload, ProfileIn
-from ..storage.models import CollectiveStat, ProfileArrival, ProfilePending, ProfileWindow, RankWindow
+from ..storage.models import CollectiveStat, ProfileArrival, ProfilePending, ProfileWindow, Rank, RankWindow
 
 PENDING_KEEP = 16
 SKETCH_ALPHA = 0.01
@@ -42,6 +44,7 @@ CS = cast(Table, CollectiveStat.__table__)
 PP = cast(Table, ProfilePending.__table__)
 PA = cast(Table, ProfileArrival.__table__)
 RW = cast(Table, RankWindow.__table__)
+RK = cast(Table, Rank.__table__)
 BREAKDOWN = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "idle_s")
 
 Insert = Callable[[Table], Any]
@@ -219,7 +222,9 @@ def finalize(conn: Connection, *, run_id: int, first_step: int, window_steps: in
             for g in data.get("groups") or ()
         ]
     result = split_wait_transfer(arrivals, world_size=world_size, offsets=offsets)
+    types = _group_types(conn, run_id, {m for skew in result.values() for _, m in skew.groups if m})
     rw_params: list[dict[str, Any]] = []
+    gt_params: list[dict[str, Any]] = []
     cs_params: list[dict[str, Any]] = []
     for rank, skew in result.items():
         per_window: dict[int, list[float]] = {}
@@ -230,6 +235,16 @@ def finalize(conn: Connection, *, run_id: int, first_step: int, window_steps: in
             acc[2] += 1
         rw_params += [
             {"r": rank, "w": w, "ws": acc[0], "ts": acc[1], "k": int(acc[2])} for w, acc in per_window.items()
+        ]
+        by_type: dict[int, dict[str, float]] = {}
+        for (step, members), transfer in skew.groups.items():
+            gtype = types.get(members) if members else None
+            if gtype is not None:
+                per_type = by_type.setdefault(window_of(step, window_steps), {})
+                per_type[gtype] = per_type.get(gtype, 0.0) + transfer
+        gt_params += [
+            {"r": rank, "w": w, "gt": {t: v / per_window[w][2] for t, v in per_type.items()}}
+            for w, per_type in by_type.items()
         ]
         cs_params += [
             {"r": rank, "o": op, "wv": _sketch(waits), "tv": _sketch(transfers)}
@@ -247,6 +262,13 @@ def finalize(conn: Connection, *, run_id: int, first_step: int, window_steps: in
             ),
             rw_params,
         )
+    if gt_params:
+        conn.execute(
+            update(RW)
+            .where(RW.c.run_id == run_id, RW.c.rank == bindparam("r"), RW.c.window == bindparam("w"))
+            .values(group_transfer_s=bindparam("gt", type_=RW.c.group_transfer_s.type)),
+            gt_params,
+        )
     if cs_params:
         conn.execute(
             update(CS)
@@ -261,6 +283,24 @@ def finalize(conn: Connection, *, run_id: int, first_step: int, window_steps: in
         )
     conn.execute(delete(PA).where(PA.c.run_id == run_id, PA.c.first_step == first_step))
     conn.execute(delete(PP).where(PP.c.run_id == run_id, PP.c.first_step == first_step))
+
+
+def _group_types(conn: Connection, run_id: int, groups: set[tuple[int, ...]]) -> dict[tuple[int, ...], str]:
+    """Members -> communicator type: the one layout coordinate in which the members differ
+    (a group of the ranks that agree on every coordinate but X is an X group). Groups that
+    differ in no or several coordinates have no type."""
+    if not groups:
+        return {}
+    coords = {
+        rank: c or {} for rank, c in conn.execute(select(RK.c.rank, RK.c.coords).where(RK.c.run_id == run_id))
+    }
+    out: dict[tuple[int, ...], str] = {}
+    for members in groups:
+        cs = [coords.get(r, {}) for r in members]
+        differ = [d for d in ("dp", "tp", "cp", "pp") if len({int(c.get(d, 0)) for c in cs}) > 1]
+        if len(differ) == 1:
+            out[members] = differ[0]
+    return out
 
 
 def _prune(conn: Connection, run_id: int) -> None:

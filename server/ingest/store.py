@@ -277,8 +277,6 @@ class Ingestor:
                 else:
                     self._write_rows(conn, rows)
                 for p, k in fresh:  # profiler windows: a few batches in a thousand
-                    if p.profile is not None and p.steps.time_s:
-                        self._store_profile(conn, k, p)
                     if p.profiles:
                         store_profiles(
                             conn,
@@ -346,42 +344,6 @@ class Ingestor:
                 "hot_path_mean_s": func.coalesce(ex.hot_path_mean_s, t.c.hot_path_mean_s),
                 "final_step": func.coalesce(ex.final_step, t.c.final_step),
             },
-        )
-
-    def _store_profile(self, conn: Connection, run: RunKey, p: IngestPayload) -> None:
-        """Merge the batch's time breakdown into the window of its last step.
-
-        Means weighted by profiled steps, so a window profiled across two batches adds up.
-        SQL evaluates every SET expression against the row as it was, on both backends.
-        """
-        prof = p.profile
-        assert prof is not None
-        last = p.steps.first + len(p.steps.time_s) - 1
-        window = (last - 1) // run.window_steps if last > 0 else 0
-        t = RankWindow.__table__
-        n_old = func.coalesce(t.c.profiled_steps, 0)
-        n_new = prof.steps
-
-        def merged(col: Any, value: float | None) -> Any:
-            if value is None:
-                return col
-            return (func.coalesce(col, 0.0) * n_old + value * n_new) / (n_old + n_new)
-
-        values: dict[str, Any] = {
-            "profiled_steps": case((n_old > INT32_MAX - n_new, INT32_MAX), else_=n_old + n_new),
-            "compute_s": merged(t.c.compute_s, prof.compute_s),
-            "comm_overlapped_s": merged(t.c.comm_overlapped_s, prof.comm_overlapped_s),
-            "comm_exposed_s": merged(t.c.comm_exposed_s, prof.comm_exposed_s),
-            "idle_s": merged(t.c.idle_s, prof.idle_s),
-            "comm_wait_s": merged(t.c.comm_wait_s, prof.comm_wait_s),
-            "comm_transfer_s": merged(t.c.comm_transfer_s, prof.comm_transfer_s),
-        }
-        if prof.group_transfer_s is not None:
-            values["group_transfer_s"] = dict(prof.group_transfer_s)
-        conn.execute(
-            update(RankWindow)
-            .where(t.c.run_id == run.id, t.c.rank == p.rank.rank, t.c.window == window)
-            .values(**values)
         )
 
     def _window_upsert(self) -> Any:

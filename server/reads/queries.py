@@ -16,11 +16,12 @@ from typing import Any, Literal
 from sqlalchemy import Connection, Float, Select, and_, case, cast, exists, func, or_, select
 from sqlalchemy.sql.elements import ColumnElement
 
+from stepwatch.flops import per_token_rate
+
 from ..schemas import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
 from ..storage.models import Event, JobStep, Rank, RankWindow, Run
 from . import progress
 from .profiles import BREAKDOWN_METRICS, rank_profiles, window_series
-from .utilization import per_token_rate
 
 LATEST_STEPS = 10
 JS = JobStep.__table__

@@ -16,11 +16,12 @@ from typing import Any
 
 from sqlalchemy import Connection, exists, func, select
 
+from stepwatch.flops import per_token_rate
+
 from ..analysis.pipeline import StepRow, tag_of
 from ..analysis.robust import median
 from ..analysis.types import RankWindow
 from ..ingest.store import TAG_CODES
-from ..reads.utilization import per_token_rate
 from ..storage.models import IngestedBatch, Rank, Run
 from ..storage.models import JobStep as JobStepRow
 from ..storage.models import RankWindow as RankWindowRow

@@ -13,7 +13,6 @@ collector process, read back from ``GET /api/v1/runs/{run}/events``.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,8 @@ import pytest
 
 from stepwatch.demo import launch
 from stepwatch.simulate import Simulation, TimingModel, Topology, parse_fault
+
+from ..wait import wait_until
 
 RANKS = 4
 FAST_ANALYSIS = {
@@ -32,18 +33,14 @@ FAST_ANALYSIS = {
 
 
 def _poll(url: str, path: str, until: Any, timeout_s: float) -> Any:
-    """GET ``path`` until ``until(json)`` is truthy (a condition with a deadline, not a sleep)."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
+    """GET ``path`` until ``until(json)`` is truthy; returns that answer."""
     with httpx.Client(base_url=url, timeout=5.0) as c:
-        while time.monotonic() < deadline:
+
+        def answer() -> Any:
             r = c.get(path)
-            if r.status_code == 200:
-                last = r.json()
-                if until(last):
-                    return last
-            time.sleep(0.2)
-    raise AssertionError(f"{path}: condition not met within {timeout_s} s; last answer: {last}")
+            return r.json() if r.status_code == 200 and until(r.json()) else None
+
+        return wait_until(answer, f"{path} to answer as expected", timeout_s=timeout_s, every_s=0.2)
 
 
 def _train_args(run: str, steps: int, *extra: str) -> list[str]:

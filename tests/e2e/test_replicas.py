@@ -8,7 +8,6 @@ single collector fed the same seeded run.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from stepwatch.simulate import Simulation, TimingModel, Topology, parse_fault
 from stepwatch_server.storage import migrate
 
 from .. import pg
+from ..wait import wait_until
 
 ENV = {"STEPWATCH_WINDOW_SECONDS": "32", "STEPWATCH_ANALYSIS_INTERVAL_S": "0.1"}
 WINDOWS = 12
@@ -31,13 +31,11 @@ def _model() -> TimingModel:
 
 
 def _analysed(url: str, run: str, last_step: int, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def through() -> bool:
         ov = httpx.get(f"{url}/api/v1/runs/{run}").json()
-        if (ov.get("analysis") or {}).get("analysed_through_step", 0) >= last_step:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{url}: analysis did not reach step {last_step}")
+        return bool((ov.get("analysis") or {}).get("analysed_through_step", 0) >= last_step)
+
+    wait_until(through, f"{url}: analysis to reach step {last_step}", timeout_s=timeout_s, every_s=0.1)
 
 
 def _flags(url: str, run: str) -> set[tuple[Any, ...]]:

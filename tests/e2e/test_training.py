@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from stepwatch.demo import launch
-from stepwatch.mfu import Convention
+from stepwatch.flops import Convention
 
 RANKS, STEPS, WARMUP = 4, 30, 3
 PEAK = 5.0e10  # declared peak FLOP/s of one CPU rank (CPUs have no datasheet row)

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -27,6 +26,7 @@ from stepwatch.config import AgentConfig
 from stepwatch.demo.launch import free_port
 
 from ..live import CollectorProcess, SlowServer, serve_in_thread
+from ..wait import wait_until
 
 
 def _agent(url: str, run: str, *, window: int = 10, max_windows: int = 256) -> stepwatch.Stepwatch:
@@ -69,15 +69,12 @@ def test_collector_killed_mid_run_then_back_loses_nothing(sqlite_db: str, tmp_pa
 
 
 def test_slow_collector_never_blocks_the_training_thread() -> None:
-    with SlowServer(delay_s=10.0) as slow:
+    with SlowServer(delay_s=600.0) as slow:
         sw = _agent(slow.url, "slow", window=10)
         sw.step(tokens=1)
         for _ in range(9):
             sw.step(tokens=1)  # window 1 closes: the sender posts it and waits for the answer
-        deadline = time.monotonic() + 10
-        while slow.received < 1:
-            assert time.monotonic() < deadline, "the sender never posted"
-            time.sleep(0.01)
+        wait_until(lambda: slow.received >= 1, "the sender to post", timeout_s=10, every_s=0.01)
         # The sender thread is stuck inside a POST; the loop goes on and closes windows.
         for _ in range(500):
             sw.step(tokens=1)

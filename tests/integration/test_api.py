@@ -8,11 +8,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, func, select
 
+from stepwatch.flops import Convention
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.models import IngestedBatch, JobStep, RankWindow
 
-from ..payloads import CONVENTION, payload
+from ..payloads import CONVENTION, comm_section, payload
 
 
 @pytest.fixture
@@ -45,8 +46,10 @@ def test_ingest_then_read_back(client: TestClient) -> None:
     assert ov["tokens_total"] == 4 * 8 * 1000
     assert ov["step_time_s"]["mean"] == pytest.approx(0.5)
     assert ov["tokens_per_s"]["mean"] == pytest.approx(4000 / 0.5)
-    # MFU = tokens/s * flops/token / (devices * peak)
-    assert ov["mfu"]["mean"] == pytest.approx(8000 * 1e9 / (4 * 1e14))
+    # The MFU the collector serves is the agent's definition (and the arithmetic is right).
+    served = ov["mfu"]["mean"]
+    assert served == pytest.approx(Convention.from_dict(CONVENTION).mfu(8000, 4))
+    assert served == pytest.approx(8000 * 1e9 / (4 * 1e14))
     assert ov["convention"]["id"] == CONVENTION["id"]
     ranks = client.get("/api/v1/runs/test-run/ranks").json()
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
@@ -77,6 +80,14 @@ def test_retried_batch_is_stored_once(client: TestClient, engine: Engine) -> Non
         (lambda p: p.__setitem__("schema_version", 99), "schema_version"),
         (lambda p: p["steps"].__setitem__("time_s", []), "steps.time_s"),
         (lambda p: p.pop("batch_id"), "batch_id"),
+        (lambda p: p.__setitem__("comm", {**comm_section(4), "sync_s": [0.1]}), "comm.sync_s"),
+        (lambda p: p.__setitem__("comm", {**comm_section(4), "version": 7}), "comm.version"),
+        (
+            lambda p: p.__setitem__(
+                "comm", {**comm_section(4), "groups": [{"group": "world", "entered": 1, "completed": 2}]}
+            ),
+            "comm.groups.0",
+        ),
     ],
 )
 def test_bad_payload_rejected_whole_naming_the_field(
@@ -88,6 +99,15 @@ def test_bad_payload_rejected_whole_naming_the_field(
     assert r.status_code == 422, r.text
     assert field in r.json()["detail"]
     assert _count(engine, JobStep) == 0 and _count(engine, IngestedBatch) == 0
+
+
+def test_collective_timing_section_is_accepted(client: TestClient, engine: Engine) -> None:
+    """The agent's ``comm`` section (not stored yet) rides on a batch that is stored whole."""
+    p = payload(world=4, comm=comm_section(4))
+    assert p["comm"]["collectives"][0]["count"] == 32
+    r = client.post("/api/v1/ingest", json=p)
+    assert r.status_code == 200, r.text
+    assert _count(engine, JobStep) == 4
 
 
 def test_body_too_large_is_413(client: TestClient) -> None:

@@ -12,9 +12,15 @@ from stepwatch_server.schemas import IngestPayload
 
 
 def test_every_benchmark_is_discovered() -> None:
-    assert {"agent_overhead", "hot_path", "ingest", "profiler_window", "query", "run_listing"} <= set(
-        discover()
-    )
+    assert {
+        "agent_overhead",
+        "comm_timing",
+        "hot_path",
+        "ingest",
+        "profiler_window",
+        "query",
+        "run_listing",
+    } <= set(discover())
 
 
 def test_load_generator_payloads_are_valid_batches() -> None:

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from stepwatch_server.storage.models import IngestedBatch, JobStep, Rank, RankWi
 from .. import pg
 from ..live import CollectorProcess, serve_in_thread
 from ..payloads import payload
+from ..wait import wait_until
 
 RANKS, WINDOWS, STEPS = 32, 12, 8
 
@@ -78,10 +78,12 @@ def test_sigkill_mid_load_loses_no_acknowledged_batch(db_url: str, engine: Engin
             with ThreadPoolExecutor(8) as pool:
                 for p in batches:
                     pool.submit(post, p)
-                deadline = time.monotonic() + 60
-                while len(acked) < len(batches) // 3:
-                    assert time.monotonic() < deadline, "the load did not get going"
-                    time.sleep(0.005)
+                wait_until(
+                    lambda: len(acked) >= len(batches) // 3,
+                    "the load to start",
+                    timeout_s=60,
+                    every_s=0.005,
+                )
                 collector.kill()  # mid-load: requests are in flight and in transactions
         before_kill = dict(acked)
         assert 0 < len(before_kill) < len(batches)

@@ -24,10 +24,10 @@ from stepwatch_server.storage.engine import make_engine
 from stepwatch_server.storage.models import IngestedBatch, Rank, RankWindow
 
 from .. import pg
-from ..payloads import payload
+from ..payloads import payload, profile_entry
 from .test_scale_out import _same, _snapshot
 
-PROFILE = {"steps": 2, "compute_s": 0.3, "comm_exposed_s": 0.1, "idle_s": 0.05, "comm_wait_s": 0.02}
+PROFILE = profile_entry(first_step=9, enter=[0.2, 0.7, 1.2, 1.7], end=[0.3, 0.8, 1.3, 1.8], ranks=(0, 1, 2))
 
 
 def _batches() -> list[IngestPayload]:
@@ -36,7 +36,7 @@ def _batches() -> list[IngestPayload]:
         raw.append(payload(rank=rank, world=3, first=1, times=[0.5, 0.6, 0.7], tags=["warmup", None, None]))
         raw.append(payload(rank=rank, world=3, first=4, times=[0.5] * 5, padded=[1024] * 5, tokens=[900] * 5))
         raw.append(
-            payload(rank=rank, world=3, first=9, times=[0.55] * 4, profile=PROFILE if rank == 1 else None)
+            payload(rank=rank, world=3, first=9, times=[0.55] * 4, profiles=[PROFILE] if rank == 1 else None)
         )
         raw.append(payload(rank=rank, world=3, first=13, times=[], final=True))
     raw.append(dict(raw[1]))  # a retry inside the same group
@@ -78,7 +78,7 @@ def test_one_group_stores_what_batch_by_batch_stores(
         assert singly == grouped == [True] * 12 + [False]
         _same(_snapshot(engines[0]), _snapshot(engines[1]))
         assert _ranks(engines[0]) == _ranks(engines[1]) == [(r, 12, 12, 0) for r in range(3)]
-        assert _profiles(engines[0]) == _profiles(engines[1]) == [(1, 2, 2, pytest.approx(0.3))]
+        assert _profiles(engines[0]) == _profiles(engines[1]) == [(1, 2, 4, pytest.approx(0.3))]
 
 
 def test_concurrent_submissions_are_grouped_and_answered_each(engine: Engine) -> None:

@@ -6,8 +6,7 @@ import json
 import shutil
 import subprocess
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,6 +24,7 @@ from stepwatch_server.settings import Settings
 from stepwatch_server.worker.webhook import WebhookNotifier
 
 from ..payloads import payload
+from ..wait import wait_until
 
 
 class Receiver:
@@ -72,13 +72,6 @@ def receiving(rec: Receiver) -> Iterator[str]:
         server.server_close()
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 FINDING = Finding(
     kind="straggler",
     run="r",
@@ -102,7 +95,7 @@ def test_slack_body_is_delivered_after_transient_failures() -> None:
         n = WebhookNotifier(url, fmt="slack", backoff_base_s=0.02, backoff_max_s=0.05)
         n.start()
         n.notify("r", FINDING)
-        wait_for(lambda: n.stats.delivered == 1)
+        wait_until(lambda: n.stats.delivered == 1, "n.stats.delivered == 1")
         n.close()
     assert rec.answered == [500, 503, 200] and n.stats.attempts == 3 and n.stats.failed == 0
     assert rec.bodies[-1] == {"text": f"[stepwatch] run r: straggler open. {FINDING.message}"}
@@ -114,13 +107,13 @@ def test_a_permanent_rejection_is_not_retried_and_a_dead_receiver_is_given_up() 
         n = WebhookNotifier(url, backoff_base_s=0.01)
         n.start()
         n.notify("r", FINDING)
-        wait_for(lambda: n.stats.failed == 1)
+        wait_until(lambda: n.stats.failed == 1, "n.stats.failed == 1")
         n.close()
     assert rec.answered == [400]
     gone = WebhookNotifier("http://127.0.0.1:9/hook", max_attempts=3, backoff_base_s=0.01, timeout_s=1.0)
     gone.start()
     gone.notify("r", FINDING)
-    wait_for(lambda: gone.stats.failed == 1)
+    wait_until(lambda: gone.stats.failed == 1, "gone.stats.failed == 1")
     gone.close()
     assert gone.stats.attempts == 3 and gone.stats.delivered == 0
 
@@ -131,9 +124,12 @@ def test_alertmanager_alerts_fire_are_resent_and_resolve() -> None:
         n = WebhookNotifier(url, fmt="alertmanager", resend_s=0.2, public_url="http://collector:8321/")
         n.start()
         n.notify("r", FINDING)
-        wait_for(lambda: len(rec.bodies) >= 2)  # the firing alert, then a re-send
+        wait_until(lambda: len(rec.bodies) >= 2, "len(rec.bodies) >= 2")  # the firing alert, then a re-send
         n.notify("r", replace(FINDING, status="closed"))
-        wait_for(lambda: any("endsAt" in a for body in rec.bodies for a in body))
+        wait_until(
+            lambda: any("endsAt" in a for body in rec.bodies for a in body),
+            "the resolved alert",
+        )
         n.close()
     fired = rec.bodies[0]
     assert isinstance(fired, list) and len(fired) == 1
@@ -173,7 +169,7 @@ def test_notify_never_waits_for_the_receiver() -> None:
         assert done.wait(5), "notify blocked on a stuck receiver"
         assert n.stats.dropped >= 6  # bounded queue: the oldest are dropped and counted
         rec.release.set()
-        wait_for(lambda: n.stats.delivered >= 1)
+        wait_until(lambda: n.stats.delivered >= 1, "n.stats.delivered >= 1")
         n.close()
 
 
@@ -196,7 +192,7 @@ def test_the_collector_notifies_when_its_worker_flags(tmp_path: Path) -> None:
                         json=payload(rank=r, world=8, first=w * 8 + 1, times=[0.5] * 8, waits=waits),
                     ).is_success
             app.state.worker.run_once()
-            wait_for(lambda: len(rec.bodies) == 1)
+            wait_until(lambda: len(rec.bodies) == 1, "len(rec.bodies) == 1")
             metrics = c.get("/metrics").text
     assert "straggler:data:rank=3" not in rec.bodies[0]["text"]  # people read the message, not keys
     assert rec.bodies[0]["text"].startswith("[stepwatch] run test-run: straggler open. Rank 3 (host node0)")
@@ -227,7 +223,7 @@ def alertmanager(tmp_path: Path) -> Iterator[str]:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _ready(url, proc), 20)
+        wait_until(lambda: _ready(url, proc), "Alertmanager to be ready", timeout_s=20)
         yield url
     finally:
         proc.terminate()
@@ -247,19 +243,19 @@ def test_a_real_alertmanager_takes_the_alert_and_resolves_it(tmp_path: Path) -> 
         n = WebhookNotifier(f"{am}/api/v2/alerts", fmt="alertmanager", backoff_base_s=0.05)
         n.start()
         n.notify("llama-8b", FINDING)
-        wait_for(lambda: n.stats.delivered == 1)
+        wait_until(lambda: n.stats.delivered == 1, "n.stats.delivered == 1")
 
         def active() -> list[dict[str, Any]]:
             alerts: list[dict[str, Any]] = httpx.get(f"{am}/api/v2/alerts", params={"active": "true"}).json()
             return [a for a in alerts if a["labels"].get("source") == "stepwatch"]
 
-        wait_for(lambda: len(active()) == 1)
+        wait_until(lambda: len(active()) == 1, "len(active()) == 1")
         (alert,) = active()
         assert alert["labels"]["alertname"] == "StepwatchStraggler" and alert["labels"]["run"] == "llama-8b"
         assert alert["annotations"]["summary"] == FINDING.message
         assert alert["status"]["state"] == "active"
         n.notify("llama-8b", replace(FINDING, status="closed"))
-        wait_for(lambda: n.stats.delivered == 2)
-        wait_for(lambda: active() == [])  # endsAt now: Alertmanager resolved it
+        wait_until(lambda: n.stats.delivered == 2, "n.stats.delivered == 2")
+        wait_until(lambda: active() == [], "active() == []")  # endsAt now: Alertmanager resolved it
         n.close()
         assert n.stats.failed == 0

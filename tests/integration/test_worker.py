@@ -20,7 +20,7 @@ from stepwatch_server.settings import Settings
 from stepwatch_server.storage.models import Rank, RankWindow
 from stepwatch_server.worker import AnalysisWorker, WorkerConfig
 
-from ..payloads import payload
+from ..payloads import payload, profile_entry
 
 W = 8  # ranks
 STEPS = 8  # steps per window (window_seconds 4 / 0.5 s steps)
@@ -226,17 +226,28 @@ def test_baseline_run_with_the_same_fingerprint(client: TestClient, engine: Engi
 
 
 def test_profile_merges_into_its_window_and_final_may_be_empty(client: TestClient, engine: Engine) -> None:
-    prof = {"steps": 4, "compute_s": 1.0, "comm_exposed_s": 0.2, "idle_s": 0.1, "comm_wait_s": 0.05}
-    post(client, first=1, times=[0.5] * 4, profile={**prof, "group_transfer_s": {"dp": 0.3}})
-    post(client, first=5, times=[0.5] * 4, profile={**prof, "steps": 2, "compute_s": 2.5})
+    # One rank (no member list: the world is its group), so each window's split runs at once.
+    first = profile_entry(first_step=1, enter=[0.2, 0.7, 1.2, 1.7], end=[0.3, 0.8, 1.3, 1.8], ranks=None)
+    second = profile_entry(first_step=5, enter=[0.2, 0.7], end=[0.4, 0.9], compute=0.2, ranks=None)
+    post(client, first=1, times=[0.5] * 4, profiles=[first])
+    post(client, first=5, times=[0.5] * 4, profiles=[second])
     post(client, first=9, times=[], final=True)
     with engine.connect() as conn:
         row = conn.execute(select(RankWindow.__table__)).one()
         rank = conn.execute(select(Rank.__table__)).one()
-    assert (row.window, row.n_steps, row.profiled_steps) == (0, 8, 6)
-    assert row.compute_s == pytest.approx((4 * 1.0 + 2 * 2.5) / 6)
-    assert row.comm_exposed_s == pytest.approx(0.2) and row.comm_transfer_s is None
-    assert row.group_transfer_s == {"dp": 0.3}
+    assert (row.window, row.n_steps, row.profiled_steps, row.skew_steps) == (0, 8, 6, 6)
+    assert row.compute_s == pytest.approx((4 * 0.3 + 2 * 0.2) / 6)
+    assert row.comm_exposed_s == pytest.approx(0.05) and row.comm_wait_s == pytest.approx(0.0)
+    assert row.comm_transfer_s == pytest.approx((4 * 0.1 + 2 * 0.2) / 6)
+    assert row.group_transfer_s is None  # a group without members has no communicator type
     assert (rank.last_step, rank.final_step) == (8, 8)
     bad = client.post("/api/v1/ingest", json=payload(first=1, times=[]))
     assert bad.status_code == 422 and "only a final batch" in bad.json()["detail"]
+
+
+def test_the_v1_breakdown_summary_is_refused_naming_profiles(client: TestClient, engine: Engine) -> None:
+    summary = {"steps": 4, "compute_s": 1.0, "comm_exposed_s": 0.2, "idle_s": 0.1, "comm_wait_s": 0.05}
+    r = client.post("/api/v1/ingest", json={**payload(first=1, times=[0.5] * 4), "profile": summary})
+    assert r.status_code == 422 and "profiles" in r.json()["detail"], r.text
+    with engine.connect() as conn:
+        assert conn.execute(select(RankWindow.__table__)).all() == []

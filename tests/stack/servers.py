@@ -12,7 +12,6 @@ import json
 import shutil
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,6 +22,8 @@ import httpx
 import yaml
 
 from stepwatch.demo.launch import free_port
+
+from ..wait import wait_until
 
 INSTALL = "apt-get install -y --no-install-recommends prometheus prometheus-alertmanager"
 
@@ -45,17 +46,18 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
+            return httpx.get(url, timeout=1.0).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s:\n{log.read_text()[-3000:]}")
+            return False
+
+    try:
+        wait_until(ready, f"{url} to be ready", timeout_s=timeout_s, every_s=0.1)
+    except AssertionError as exc:
+        raise TimeoutError(f"{exc}:\n{log.read_text()[-3000:]}") from None
 
 
 @contextmanager

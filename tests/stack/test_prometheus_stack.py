@@ -25,7 +25,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,6 +44,7 @@ from .. import pg
 from ..live import serve_in_thread
 from ..payloads import payload
 from ..runstate import detect_stragglers, fill_breakdown
+from ..wait import wait_until
 from .servers import alertmanager, prometheus, webhook_sink
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,17 +104,6 @@ class Feeder(threading.Thread):
         fill_breakdown(self.engine, OTHER, window=w, compute=lambda r: 0.10, comm_wait=lambda r: 0.05)
         # Stand-in for the detection wiring: the real detector over the stored window.
         self.flags += [f.key for f in detect_stragglers(self.engine, self.detector, w) if f.status == "open"]
-
-
-def poll(what: str, check: Callable[[], T | None], timeout_s: float) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.5)
 
 
 def substitute(expr: str) -> str:
@@ -203,10 +193,11 @@ def test_dashboards_rules_and_alerts_against_a_real_prometheus(database: str, tm
             feeder.start()
 
             # The straggler alert fires in Prometheus for rank 11, with the detector's cost.
-            alerts = poll(
-                "StepwatchStragglerPersisting to fire",
+            alerts = wait_until(
                 lambda: firing(prom, "StepwatchStragglerPersisting"),
-                40,
+                "StepwatchStragglerPersisting to fire",
+                timeout_s=40,
+                every_s=0.5,
             )
             assert feeder.error is None, feeder.error
             assert feeder.flags == [f"straggler:compute:rank={STRAGGLER}"]
@@ -233,7 +224,7 @@ def test_dashboards_rules_and_alerts_against_a_real_prometheus(database: str, tm
                 return all(shown.values())
 
             try:
-                poll("every dashboard query to return data", all_have_data, 30)
+                wait_until(all_have_data, "every dashboard query to return data", timeout_s=30, every_s=0.5)
             except AssertionError:
                 empty = [f"{d} / {p} / {ref}: {e}" for (d, p, ref, e, _), s in shown.items() if not s]
                 raise AssertionError("queries without data:\n" + "\n".join(empty)) from None
@@ -259,7 +250,12 @@ def test_dashboards_rules_and_alerts_against_a_real_prometheus(database: str, tm
             def delivered() -> list[dict[str, Any]]:
                 return [b for b in sink.received() if "StepwatchStragglerPersisting" in json.dumps(b)]
 
-            bodies = poll("Alertmanager to post the straggler alert to the Slack hook", delivered, 20)
+            bodies = wait_until(
+                delivered,
+                "Alertmanager to post the alert to the Slack hook",
+                timeout_s=20,
+                every_s=0.5,
+            )
             assert bodies[0]["channel"] == "#training-alerts"  # a warning: the team channel
             assert "Rank 11 (node1, GPU 3) of run stack-a is a compute straggler" in json.dumps(bodies[0])
 

@@ -69,9 +69,9 @@ def test_plan_travels_with_every_batch_and_sections_are_left_out_when_empty(cloc
     sw.flush()
     body = _payload(sw, sender.windows[0])
     assert body["plan"] == {"target_tokens": 10**12, "config_fingerprint": "cfg-1"}
-    assert "final" not in body and "profile" not in body
+    assert "final" not in body and "profiles" not in body
     bare = build_payload(
-        sender.windows[0], run="r", rank={}, convention=None, agent={}, sent_at=1.0, plan=None, profile=None
+        sender.windows[0], run="r", rank={}, convention=None, agent={}, sent_at=1.0, plan=None, profiles=None
     )
     assert set(bare) == {
         "schema_version",

@@ -14,9 +14,10 @@ from stepwatch_server.analysis.pipeline import (
     StepRow,
     window_sample,
 )
-from stepwatch_server.analysis.synthetic import Fault, Layout, rank_windows
 from stepwatch_server.analysis.types import RankWindow
 from stepwatch_server.worker.readiness import RankProgress, ready_windows
+
+from ..synthetic import Fault, Topology, rank_windows
 
 RATE = 1e-6  # MFU per token/s
 
@@ -76,7 +77,10 @@ def _feed(analysis: RunAnalysis, windows: list[list[RankWindow]]) -> list[tuple[
 def test_state_round_trip_continues_exactly_where_it_stopped() -> None:
     stream = list(
         rank_windows(
-            layout=Layout(tp=4, pp=2), n_windows=40, faults=[Fault("compute", 45, 10, 0.2, 25)], seed=4
+            topology=Topology(hosts=8, ranks_per_host=8, tp=4, pp=2),
+            n_windows=40,
+            faults=[Fault("compute", at=10, target=45, mag=0.2, until=25)],
+            seed=4,
         )
     )
     whole = _feed(RunAnalysis("r"), stream)

@@ -18,7 +18,8 @@ from stepwatch_server.analysis import (
     compare_runs,
 )
 from stepwatch_server.analysis.regressions import attribute
-from stepwatch_server.analysis.synthetic import job_series
+
+from ..synthetic import job_series
 
 WARMUP = 10
 DROP_AT = 200

@@ -19,11 +19,14 @@ from stepwatch_server.analysis import (
     evaluate_window,
     stage_imbalance,
 )
-from stepwatch_server.analysis.synthetic import Fault, Layout, Noise, rank_windows
+
+from ..synthetic import Fault, Noise, Topology, rank_windows
 
 FAULT_AT = 20
-DP = Layout()  # 8 hosts x 8 ranks, pure data parallel
-THREE_D = Layout(tp=4, pp=2)  # dp 8, with communicator groups and a heavier last stage
+DP = Topology(hosts=8, ranks_per_host=8)  # 8 hosts x 8 ranks, pure data parallel
+THREE_D = Topology(
+    hosts=8, ranks_per_host=8, tp=4, pp=2
+)  # dp 8, with communicator groups and a heavier last stage
 
 
 def run_detector(
@@ -41,31 +44,30 @@ def opened(events: Sequence[tuple[int, Finding]]) -> list[tuple[int, Finding]]:
 
 
 @pytest.mark.parametrize(
-    ("layout", "fault", "ranks", "hosts"),
+    ("topology", "fault", "ranks", "hosts"),
     [
-        (DP, Fault("compute", 13, FAULT_AT, 0.2), (13,), ("n1",)),
-        (THREE_D, Fault("compute", 45, FAULT_AT, 0.2), (45,), ("n5",)),
-        (DP, Fault("data", 5, FAULT_AT, 0.15), (5,), ("n0",)),
-        (THREE_D, Fault("data", 33, FAULT_AT, 0.15), (33,), ("n4",)),
-        (DP, Fault("link", 7, FAULT_AT, 1.0), (7,), ("n0",)),
-        (THREE_D, Fault("link", 21, FAULT_AT, 0.5), (21,), ("n2",)),
-        (DP, Fault("host", 3, FAULT_AT, 0.2), tuple(range(24, 32)), ("n3",)),
-        (THREE_D, Fault("host", 2, FAULT_AT, 0.2), tuple(range(16, 24)), ("n2",)),
+        (DP, Fault("compute", at=FAULT_AT, target=13, mag=0.2), (13,), ("sim-n0001",)),
+        (THREE_D, Fault("compute", at=FAULT_AT, target=45, mag=0.2), (45,), ("sim-n0005",)),
+        (DP, Fault("data", at=FAULT_AT, target=5, mag=0.15), (5,), ("sim-n0000",)),
+        (THREE_D, Fault("data", at=FAULT_AT, target=33, mag=0.15), (33,), ("sim-n0004",)),
+        (DP, Fault("link", at=FAULT_AT, target=7, mag=1.0), (7,), ("sim-n0000",)),
+        (THREE_D, Fault("link", at=FAULT_AT, target=21, mag=0.5), (21,), ("sim-n0002",)),
+        (DP, Fault("host", at=FAULT_AT, target=3, mag=0.2), tuple(range(24, 32)), ("sim-n0003",)),
+        (THREE_D, Fault("host", at=FAULT_AT, target=2, mag=0.2), tuple(range(16, 24)), ("sim-n0002",)),
     ],
     ids=["compute-dp", "compute-3d", "data-dp", "data-3d", "link-dp", "link-3d", "host-dp", "host-3d"],
 )
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_each_cause_flagged_with_right_rank_within_three_windows(
-    layout: Layout, fault: Fault, ranks: tuple[int, ...], hosts: tuple[str, ...], seed: int
+    topology: Topology, fault: Fault, ranks: tuple[int, ...], hosts: tuple[str, ...], seed: int
 ) -> None:
     events = opened(
-        run_detector(rank_windows(layout=layout, n_windows=FAULT_AT + 6, faults=[fault], seed=seed))
+        run_detector(rank_windows(topology=topology, n_windows=FAULT_AT + 6, faults=[fault], seed=seed))
     )
     assert len(events) == 1, [f.message for _, f in events]
     window, finding = events[0]
     assert window - FAULT_AT + 1 <= 3  # opened by the third faulty window
-    expected_cause = fault.cause
-    assert finding.cause == expected_cause
+    assert finding.cause == fault.kind
     assert finding.ranks == ranks
     assert finding.hosts == hosts
     assert finding.first_step == FAULT_AT * 20 + 1
@@ -75,9 +77,9 @@ def test_each_cause_flagged_with_right_rank_within_three_windows(
 
 
 def test_compute_straggler_evidence_cost_and_message() -> None:
-    fault = Fault("compute", 2, FAULT_AT, 0.2)
+    fault = Fault("compute", at=FAULT_AT, target=2, mag=0.2)
     [(_, finding)] = opened(
-        run_detector(rank_windows(layout=DP, n_windows=FAULT_AT + 3, faults=[fault], seed=7))
+        run_detector(rank_windows(topology=DP, n_windows=FAULT_AT + 3, faults=[fault], seed=7))
     )
     ev = finding.evidence
     # Longer compute, shorter wait: it is the one the others wait for.
@@ -88,7 +90,9 @@ def test_compute_straggler_evidence_cost_and_message() -> None:
     # The what-if: the step shortens by about the extra compute (20% of 1.6 s).
     assert finding.cost_seconds == pytest.approx(0.32, rel=0.25)
     assert finding.cost_ratio == pytest.approx(finding.cost_seconds / ev["step_time_s"], rel=0.05)
-    assert finding.message.startswith("Rank 2 (host n0) is a compute straggler since step 401: compute ")
+    assert finding.message.startswith(
+        "Rank 2 (host sim-n0000) is a compute straggler since step 401: compute "
+    )
     assert "vs peer median" in finding.message
     assert finding.message.endswith("%).")
     json.dumps(finding.to_dict())
@@ -98,8 +102,8 @@ def test_compute_straggler_evidence_cost_and_message() -> None:
 def test_no_false_flags_over_ten_thousand_clean_rank_windows() -> None:
     windows = 0
     events: list[tuple[int, Finding]] = []
-    for layout, seed in ((DP, 11), (THREE_D, 12)):
-        stream = list(rank_windows(layout=layout, n_windows=100, seed=seed))
+    for topology, seed in ((DP, 11), (THREE_D, 12)):
+        stream = list(rank_windows(topology=topology, n_windows=100, seed=seed))
         windows += sum(len(ws) for ws in stream)
         events += run_detector(stream)
     assert windows >= 10_000
@@ -107,34 +111,38 @@ def test_no_false_flags_over_ten_thousand_clean_rank_windows() -> None:
 
 
 def test_one_noisy_window_raises_nothing() -> None:
-    fault = Fault("compute", 9, FAULT_AT, 1.0, end_window=FAULT_AT + 1)  # a huge one-window spike
-    spike = Fault("data", 9, FAULT_AT + 5, 2.0, end_window=FAULT_AT + 6)
-    events = run_detector(rank_windows(layout=DP, n_windows=FAULT_AT + 12, faults=[fault, spike], seed=3))
+    fault = Fault("compute", at=FAULT_AT, target=9, mag=1.0, until=FAULT_AT + 1)  # a huge one-window spike
+    spike = Fault("data", at=FAULT_AT + 5, target=9, mag=2.0, until=FAULT_AT + 6)
+    events = run_detector(rank_windows(topology=DP, n_windows=FAULT_AT + 12, faults=[fault, spike], seed=3))
     assert events == []
-    stream = list(rank_windows(layout=DP, n_windows=FAULT_AT + 1, faults=[fault], seed=3))
+    stream = list(rank_windows(topology=DP, n_windows=FAULT_AT + 1, faults=[fault], seed=3))
     assert "straggler:compute:rank=9" in evaluate_window(stream[FAULT_AT]).hits  # it was seen, once
 
 
 def test_hysteresis_no_flapping() -> None:
     faults = [
-        Fault("compute", 4, 10, 0.25, end_window=20),
-        Fault("compute", 4, 21, 0.25, end_window=23),  # one clean window inside the fault
-        Fault("compute", 4, 25, 0.25, end_window=30),  # two clean windows inside the fault
+        Fault("compute", at=10, target=4, mag=0.25, until=20),
+        Fault("compute", at=21, target=4, mag=0.25, until=23),  # one clean window inside the fault
+        Fault("compute", at=25, target=4, mag=0.25, until=30),  # two clean windows inside the fault
     ]
-    events = run_detector(rank_windows(layout=DP, n_windows=40, faults=faults, seed=5))
+    events = run_detector(rank_windows(topology=DP, n_windows=40, faults=faults, seed=5))
     statuses = [(w, f.status) for w, f in events]
     assert statuses == [(12, "open"), (32, "closed")]
     closed = events[-1][1]
     assert closed.first_step == 10 * 20 + 1
     assert closed.last_step == 30 * 20
-    assert closed.message.startswith("Rank 4 (host n0) was a compute straggler from step 201 to 600")
+    assert closed.message.startswith("Rank 4 (host sim-n0000) was a compute straggler from step 201 to 600")
 
 
 def test_pipeline_stages_compared_within_stage_only() -> None:
     # The last of four stages computes 40% longer by design: no stragglers, but an
     # imbalance finding.
     noise = Noise(stage_skew=0.4)
-    stream = list(rank_windows(layout=Layout(tp=2, pp=4), n_windows=30, noise=noise, seed=8))
+    stream = list(
+        rank_windows(
+            topology=Topology(hosts=8, ranks_per_host=8, tp=2, pp=4), n_windows=30, noise=noise, seed=8
+        )
+    )
     assert run_detector(stream) == []
     imbalance = stage_imbalance(stream[5])
     assert imbalance is not None
@@ -150,35 +158,40 @@ def test_pipeline_stages_compared_within_stage_only() -> None:
 
 
 def test_without_profiler_only_data_stragglers_are_detected() -> None:
-    faults = [Fault("compute", 3, FAULT_AT, 0.3), Fault("data", 50, FAULT_AT, 0.2)]
+    faults = [
+        Fault("compute", at=FAULT_AT, target=3, mag=0.3),
+        Fault("data", at=FAULT_AT, target=50, mag=0.2),
+    ]
     stream = [
         [replace(w, compute_s=None, comm_wait_s=None, comm_transfer_s=None, comm_exposed_s=None) for w in ws]
-        for ws in rank_windows(layout=DP, n_windows=FAULT_AT + 5, faults=faults, seed=4)
+        for ws in rank_windows(topology=DP, n_windows=FAULT_AT + 5, faults=faults, seed=4)
     ]
     keys = [f.key for _, f in opened(run_detector(stream))]
     assert keys == ["straggler:data:rank=50"]
 
 
 def test_profiler_gaps_neither_advance_nor_reset_a_streak() -> None:
-    fault = Fault("compute", 6, FAULT_AT, 0.25)
-    stream = list(rank_windows(layout=DP, n_windows=FAULT_AT + 8, faults=[fault], seed=6, profiler_every=2))
+    fault = Fault("compute", at=FAULT_AT, target=6, mag=0.25)
+    stream = list(rank_windows(topology=DP, n_windows=FAULT_AT + 8, faults=[fault], seed=6, profiler_every=2))
     events = opened(run_detector(stream))
     assert [(w, f.key) for w, f in events] == [(FAULT_AT + 4, "straggler:compute:rank=6")]
 
 
 def test_host_flag_replaces_per_rank_flags() -> None:
     events = run_detector(
-        rank_windows(layout=DP, n_windows=FAULT_AT + 10, faults=[Fault("host", 6, FAULT_AT, 0.2)])
+        rank_windows(
+            topology=DP, n_windows=FAULT_AT + 10, faults=[Fault("host", at=FAULT_AT, target=6, mag=0.2)]
+        )
     )
     [(_, finding)] = opened(events)
-    assert finding.key == "straggler:host:host=n6"
-    assert finding.message.startswith("Host n6 is slow since step 401: ")
+    assert finding.key == "straggler:host:host=sim-n0006"
+    assert finding.message.startswith("Host sim-n0006 is slow since step 401: ")
     assert "compute" in finding.message
 
 
 def test_link_named_by_intersecting_slow_groups() -> None:
-    fault = Fault("link", 21, FAULT_AT, 0.5)
-    stream = list(rank_windows(layout=THREE_D, n_windows=FAULT_AT + 1, faults=[fault], seed=9))
+    fault = Fault("link", at=FAULT_AT, target=21, mag=0.5)
+    stream = list(rank_windows(topology=THREE_D, n_windows=FAULT_AT + 1, faults=[fault], seed=9))
     verdict = evaluate_window(stream[FAULT_AT])
     # Every member of rank 21's DP and TP groups sees a slow group; only 21 is in both.
     assert [k for k in verdict.hits if ":link:" in k] == ["straggler:link:rank=21"]
@@ -188,8 +201,8 @@ def test_link_named_by_intersecting_slow_groups() -> None:
 
 
 def test_state_round_trip_matches_uninterrupted_run() -> None:
-    faults = [Fault("compute", 1, 5, 0.3, end_window=15), Fault("host", 4, 8, 0.2)]
-    stream = list(rank_windows(layout=DP, n_windows=25, faults=faults, seed=10))
+    faults = [Fault("compute", at=5, target=1, mag=0.3, until=15), Fault("host", at=8, target=4, mag=0.2)]
+    stream = list(rank_windows(topology=DP, n_windows=25, faults=faults, seed=10))
     straight = run_detector(stream)
     det = StragglerDetector("synthetic")
     resumed = run_detector(stream[:9], det)
@@ -199,11 +212,13 @@ def test_state_round_trip_matches_uninterrupted_run() -> None:
     assert [f.key for f in rebuilt.open_findings()] == [f.key for f in det.open_findings()]
     resumed += run_detector(stream[9:], rebuilt)
     assert resumed == straight
-    assert {f.key for _, f in straight} == {"straggler:compute:rank=1", "straggler:host:host=n4"}
+    assert {f.key for _, f in straight} == {"straggler:compute:rank=1", "straggler:host:host=sim-n0004"}
 
 
 def test_replayed_windows_are_ignored() -> None:
-    stream = list(rank_windows(layout=DP, n_windows=30, faults=[Fault("data", 8, 5, 0.2)], seed=2))
+    stream = list(
+        rank_windows(topology=DP, n_windows=30, faults=[Fault("data", at=5, target=8, mag=0.2)], seed=2)
+    )
     det = StragglerDetector("synthetic")
     first = run_detector(stream, det)
     assert run_detector(stream, det) == []

@@ -17,6 +17,8 @@ dist = pytest.importorskip("torch.distributed")
 
 from stepwatch._clock_sync import PREFIX, ClockSync, measure, serve  # noqa: E402
 
+from ..wait import wait_until  # noqa: E402
+
 
 @pytest.fixture
 def store() -> object:
@@ -51,13 +53,6 @@ def test_offset_is_recovered_within_its_uncertainty(store: object) -> None:
     assert not responder.is_alive()
 
 
-def _wait_for(cond: object, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def test_clock_sync_threads_same_host_and_other_host(store: object) -> None:
     rank0 = ClockSync(0, "node0", connect=lambda: _client(store))  # type: ignore[arg-type,return-value]
     rank0.start()
@@ -67,7 +62,7 @@ def test_clock_sync_threads_same_host_and_other_host(store: object) -> None:
     try:
         local.start()
         remote.start()
-        _wait_for(lambda: local.estimate is not None and remote.estimate is not None)
+        wait_until(lambda: local.estimate is not None and remote.estimate is not None, "both estimates")
         assert local.estimate is not None and local.estimate.to_dict() == {
             "offset_s": 0.0,
             "uncertainty_s": 0.0,

@@ -11,7 +11,7 @@ import torch
 import stepwatch
 from stepwatch import _dtype
 from stepwatch.demo.launch import free_port
-from stepwatch.mfu import resolve_convention
+from stepwatch.flops import resolve_convention
 from stepwatch.views.terminal import dtype_note
 
 

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import stepwatch
-from stepwatch import _peaks
-from stepwatch.mfu import (
+from stepwatch.flops import (
     Convention,
     FlopsUnavailableError,
     UnknownPeakWarning,
@@ -31,6 +30,7 @@ from stepwatch.mfu import (
     flops_per_token,
     lookup_peak,
     measure_flops_per_token,
+    peaks,
     resolve_convention,
 )
 
@@ -433,7 +433,7 @@ def test_peak_table_matches_device_names(device: str, dtype: str, tflops: float)
 
 
 def test_every_table_row_is_cited_dense_and_consistent() -> None:
-    for row in _peaks.PEAKS:
+    for row in peaks.PEAKS:
         assert row.source.strip(), row.chip
         assert row.flops, row.chip
         assert all(v > 0 for v in row.flops.values()), row.chip
@@ -442,7 +442,7 @@ def test_every_table_row_is_cited_dense_and_consistent() -> None:
         if "fp8" in row.flops and "bf16" in row.flops:
             assert row.flops["fp8"] == pytest.approx(2 * row.flops["bf16"], rel=0.02), row.chip
         # The row must match its own chip name (no row shadowed by an earlier one).
-        found = _peaks.find_row(f"Vendor {row.chip}")
+        found = peaks.find_row(f"Vendor {row.chip}")
         assert found is row, (row.chip, found and found.chip)
 
 
@@ -499,7 +499,7 @@ def test_module_imports_and_resolves_without_torch() -> None:
     code = (
         "import sys, warnings; sys.modules['torch'] = None\n"
         "warnings.simplefilter('ignore')\n"
-        "from stepwatch.mfu import resolve_convention\n"
+        "from stepwatch.flops import resolve_convention\n"
         "c = resolve_convention(n_params=10**9, n_layers=2, d_model=64, seq_len=128)\n"
         "assert c.device_name == 'cpu' and c.mfu(1.0, 1) is None, c\n"
         "print(c.id)\n"

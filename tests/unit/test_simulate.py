@@ -7,7 +7,11 @@ import json
 import pytest
 
 from stepwatch._env import coords_for
+from stepwatch.profiler.lineup import GroupArrivals, split_wait_transfer
 from stepwatch.simulate import Fault, Noise, TimingModel, Topology, parse_fault
+from stepwatch.simulate.entries import profile_entries
+from stepwatch.simulate.model import RankTiming
+from stepwatch_server.schemas import ProfileIn
 
 THREE_D = Topology(hosts=4, ranks_per_host=8, tp=4, pp=2)  # dp 4
 
@@ -78,9 +82,10 @@ def test_clean_windows_carry_tags_noise_and_a_consistent_breakdown() -> None:
     w = windows[5]
     for r, t in enumerate(w.ranks):
         # The parts add up to the window's step time (before tagged pauses).
-        total = t.compute_s + t.data_wait_s + t.comm_exposed_s + t.idle_s
+        total = t.compute_s + t.comm_overlapped_s + t.data_wait_s + t.comm_exposed_s + t.idle_s
         assert total == pytest.approx(
-            max(x.compute_s + x.data_wait_s + x.comm_exposed_s for x in w.ranks), rel=0.02
+            max(x.compute_s + x.comm_overlapped_s + x.data_wait_s + x.comm_exposed_s for x in w.ranks),
+            rel=0.02,
         )
         assert t.comm_wait_s >= 0 and set(t.group_transfer_s) == {"dp", "tp", "pp"}
         assert sum(w.data_wait_s[r]) / w.n_steps == pytest.approx(t.data_wait_s)
@@ -88,12 +93,52 @@ def test_clean_windows_carry_tags_noise_and_a_consistent_breakdown() -> None:
     last_stage = [t.compute_s for r, t in enumerate(w.ranks) if THREE_D.coords[r]["pp"] == 1]
     first_stage = [t.compute_s for r, t in enumerate(w.ranks) if THREE_D.coords[r]["pp"] == 0]
     assert min(last_stage) > max(first_stage)
-    prof = w.ranks[0].profile(16)
-    json.dumps(prof)
-    assert prof["steps"] == 16 and set(prof["group_transfer_s"]) == {"dp", "tp", "pp"}
     # Seeded: the same seed gives the same numbers.
     again = list(TimingModel(THREE_D, steps_per_window=16, noise=noise, seed=3).windows(8))
     assert again[5].ranks == w.ranks and again[5].step_time_s == w.step_time_s
+
+
+@pytest.mark.parametrize("topo", [THREE_D, Topology(hosts=2, ranks_per_host=4)], ids=["3d", "dp"])
+def test_profile_entries_are_valid_payload_entries_whose_arrivals_give_the_models_wait(
+    topo: Topology,
+) -> None:
+    """The entries pass the collector's schema, and the collector's own wait/transfer split
+    of their arrival times gives back the model's wait, transfer and per-type transfer
+    (as shares of the step: the entry scales the window means to each profiled step)."""
+    faults = [Fault("compute", at=0, target=5, mag=0.3), Fault("link", at=0, target=2, mag=1.0)]
+    model = TimingModel(topo, steps_per_window=16, faults=faults, seed=4)
+    wt = list(model.windows(3))[2]
+    entries = profile_entries(model, wt, t0=1.7e9)
+    assert sorted(entries) == list(range(topo.world))
+    arrivals = {}
+    for r, e in entries.items():
+        p = ProfileIn.model_validate_json(json.dumps(e))
+        assert (p.first_step, p.n_steps, p.time_s) == (wt.first_step, 16, wt.step_time_s)
+        arrivals[r] = [
+            GroupArrivals(
+                group=g.group,
+                ranks=tuple(g.ranks) if g.ranks else None,
+                size=g.size,
+                key_kind=g.key_kind,
+                step=g.step,
+                op=g.op,
+                key=g.key,
+                enter=[p.t0 + x for x in g.enter],  # type: ignore[operator]
+                end=[p.t0 + x for x in g.end],  # type: ignore[operator]
+            )
+            for g in p.arrivals
+        ]
+    split = split_wait_transfer(arrivals, world_size=topo.world)
+    time_sum = sum(wt.step_time_s)
+    for r, t in enumerate(wt.ranks):
+        step = t.compute_s + t.comm_overlapped_s + t.comm_exposed_s + t.data_wait_s + t.idle_s
+        wait = sum(v[0] for v in split[r].steps.values())
+        transfer = sum(v[1] for v in split[r].steps.values())
+        assert wait / time_sum == pytest.approx(t.comm_wait_s / step, abs=1e-6)
+        assert transfer / time_sum == pytest.approx(t.comm_transfer_s / step, rel=1e-6)
+    # The straggler waits for nobody; its data-parallel peers wait for it.
+    peers = next(m for m in topo.dp_groups.values() if 5 in m)
+    assert wt.ranks[5].comm_wait_s < min(wt.ranks[r].comm_wait_s for r in peers if r != 5)
 
 
 def test_compute_straggler_computes_longer_and_waits_less() -> None:
@@ -105,7 +150,11 @@ def test_compute_straggler_computes_longer_and_waits_less() -> None:
     assert w2.ranks[5].comm_wait_s == pytest.approx(0.0, abs=1e-9)  # everyone waits for it
     # ...and every other rank waits at least the straggler's lead over it.
     mine = w2.ranks[5]
-    lead = mine.compute_s + mine.data_wait_s - max(t.compute_s + t.data_wait_s for t in others)
+
+    def arrival(t: RankTiming) -> float:  # compute, the overlapped part included, then the loader
+        return t.compute_s + t.comm_overlapped_s + t.data_wait_s
+
+    lead = arrival(mine) - max(arrival(t) for t in others)
     assert min(t.comm_wait_s for t in others) == pytest.approx(lead)
     assert w0.ranks[5].compute_s < 1.1 * max(t.compute_s for t in w0.ranks)  # not before the fault
 

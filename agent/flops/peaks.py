@@ -31,10 +31,20 @@ Word boundaries keep ``L4`` from matching ``L40S`` and ``A10`` from matching ``A
 from __future__ import annotations
 
 import re
+import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["PEAKS", "PeakRow", "find_row", "normalize_dtype"]
+__all__ = [
+    "PEAKS",
+    "PeakRow",
+    "UnknownPeakWarning",
+    "find_row",
+    "lookup_peak",
+    "normalize_dtype",
+    "warn_unknown_peak",
+]
 
 _T = 1e12  # TFLOP/s -> FLOP/s
 
@@ -234,3 +244,38 @@ def find_row(device_name: str) -> PeakRow | None:
         if row.pattern.search(device_name):
             return row
     return None
+
+
+class UnknownPeakWarning(UserWarning):
+    """No dense peak is known for this device and dtype: MFU will be null."""
+
+
+def lookup_peak(device_name: str, dtype: str) -> tuple[float, str] | None:
+    """Dense peak FLOP/s of one device at ``dtype`` and its source, or ``None`` if unknown."""
+    row = find_row(device_name)
+    if row is None:
+        return None
+    flops = row.flops.get(normalize_dtype(dtype))
+    if flops is None:
+        return None
+    return flops, row.source
+
+
+_warned_lock = threading.Lock()
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_unknown_peak(device_name: str, dtype: str) -> None:
+    """One warning per process per (device, dtype): a training job inits many times (restarts, tests)."""
+    key = (device_name, dtype)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(
+        f"stepwatch: no dense peak FLOP/s known for device {device_name!r} at dtype {dtype!r}; "
+        "MFU will be null. Pass peak_flops=<dense FLOP/s of one device> to stepwatch.init "
+        "to set it.",
+        UnknownPeakWarning,
+        stacklevel=3,
+    )

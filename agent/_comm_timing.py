@@ -1,0 +1,283 @@
+"""Always-on timing of the step's collectives, without torch.profiler.
+
+Why: a straggler is the rank whose inputs reach the collective last, and the profiler
+window sees that on 2 steps in 100. A DDP communication hook sees it on every step, for
+the price of a clock read per bucket: the hook is called when a bucket's gradients are
+ready (the rank's *arrival* at that collective) and the future it returns completes when
+the all-reduce has ended. Per step this module keeps, per bucket, those two host times
+in preallocated slots; the window's hand-off copies the filled slices and the sender
+thread summarises them (:func:`summarise`): a few numbers per step and one duration
+sketch per collective type, never one record per collective.
+
+The numbers need no clock shared between ranks. A collective ends at about the same
+moment on every rank of its group, so ``end - arrival`` of the last bucket (the rank's
+*sync* time) is long on ranks that waited and short on the one that arrived last; the
+collector compares it across ranks step by step.
+
+Wrapping changes nothing DDP computes: the default inner is DDP's own reduction (scale
+by 1/size into the bucket, then all-reduce: the same multiplication the built-in reducer
+applies, so gradients are bit-identical, tested on real gloo ranks), a user's hook
+(``comm_hook(inner=...)``) runs unchanged, and the bucket order and overlap are DDP's.
+
+CPU: host clock (``perf_counter``) and the training thread's CPU clock, which tells
+a rank that computed longer (more CPU) from one that stalled (no CPU). CUDA: the host
+times are launch times; device events for arrival and end are the next step (see
+README: which parallelisms are covered live).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .sketch import LogSketch
+
+#: Buckets timed one by one per step; later ones share the last slot, which then holds
+#: the latest arrival (the last bucket's, so the step's sync time stays right).
+MAX_BUCKETS = 16
+#: Relative accuracy of the duration sketches (1%, as the profiler window's).
+SKETCH_ALPHA = 0.01
+_perf = time.perf_counter
+_cpu = time.thread_time
+_NONE = -1.0
+
+
+@dataclass
+class TimingSlices:
+    """What one window's steps recorded (copies, owned by the window)."""
+
+    step_of: array[int]
+    n_buckets: array[int]
+    bytes: array[int]
+    cpu: array[float]
+    #: Bucket-major, ``n`` slots per bucket (bucket ``b`` of step ``i`` at ``b * n + i``):
+    #: host ``perf_counter`` seconds; ``end`` is -1 where the collective did not complete.
+    arrive: array[float]
+    end: array[float]
+
+    def approx_bytes(self) -> int:
+        return 64 + 8 * (4 * len(self.step_of) + 2 * len(self.arrive))
+
+
+class CommTiming:
+    """Preallocated per-step slots filled by the communication hook.
+
+    ``position`` is a callable returning (window's first step, slot index) of the step in
+    progress: the agent's counters, read without a lock (the hook runs on the training
+    thread, in backward, before that step's ``sw.step()``).
+    """
+
+    def __init__(self, capacity: int, position: Callable[[], tuple[int, int]]) -> None:
+        self._cap = capacity
+        self._position = position
+        self._step_of = array("q", [-1]) * capacity
+        self._n_buckets = array("q", bytes(8 * capacity))
+        self._bytes = array("q", bytes(8 * capacity))
+        self._cpu = array("d", bytes(8 * capacity))
+        self._arrive = array("d", bytes(8 * capacity * MAX_BUCKETS))
+        self._end = array("d", [_NONE]) * (capacity * MAX_BUCKETS)
+        #: Per process group: [collectives entered, collectives completed]; the last
+        #: sequence numbers a hang diagnosis needs (which rank never entered which one).
+        self.seq: dict[str, list[int]] = {}
+        self.used = False
+        self._cpu_prev: float | None = None  # sender thread: CPU clock at the previous step
+
+    # -- hook side (training thread; completions on the backend's threads) ----------
+    def arrive(self, group: str, bucket_index: int, nbytes: int) -> tuple[int, int] | None:
+        """A bucket is ready: record its arrival. Returns (its sequence number in
+        ``group``, the slot its end goes to), or None past the window's capacity."""
+        first, i = self._position()
+        if i >= self._cap:
+            return None
+        step = first + i
+        if self._step_of[i] != step:  # first collective of this step
+            self._step_of[i] = step
+            self._n_buckets[i] = 0
+            self._bytes[i] = 0
+            for k in range(i, self._cap * MAX_BUCKETS, self._cap):
+                self._end[k] = _NONE
+        b = min(bucket_index, MAX_BUCKETS - 1)
+        k = b * self._cap + i
+        self._arrive[k] = _perf()
+        self._cpu[i] = _cpu()
+        self._n_buckets[i] = max(self._n_buckets[i], b + 1)
+        self._bytes[i] += nbytes
+        seq = self.seq.get(group)
+        if seq is None:
+            seq = self.seq[group] = [0, 0]
+        seq[0] += 1
+        self.used = True
+        return seq[0], k
+
+    def done(self, token: tuple[int, int] | None, group: str) -> None:
+        """The collective of ``token`` completed (any thread: one slot, one store)."""
+        if token is None:
+            return
+        self._end[token[1]] = _perf()
+        seq = self.seq.get(group)
+        if seq is not None:
+            seq[1] = max(seq[1], token[0])
+
+    # -- window hand-off (training thread, once per window) ---------------------------
+    def take(self, n: int) -> TimingSlices | None:
+        if not self.used:
+            return None
+        nb = max(self._n_buckets[:n], default=0)
+        cap = self._cap
+        arrive = array("d")
+        end = array("d")
+        for b in range(nb):  # one memcpy per bucket: only the buckets this window used
+            arrive += self._arrive[b * cap : b * cap + n]
+            end += self._end[b * cap : b * cap + n]
+        return TimingSlices(
+            self._step_of[:n], self._n_buckets[:n], self._bytes[:n], self._cpu[:n], arrive, end
+        )
+
+    # -- sender thread ------------------------------------------------------------------
+    def summarise(
+        self, s: TimingSlices, first_step: int, step_times: Sequence[float], perf_end: float
+    ) -> dict[str, Any]:
+        """The window's ``comm`` payload section (see :func:`summarise`); ``perf_end`` is
+        the host clock at the end of the window's last step."""
+        ends = [0.0] * len(step_times)
+        t = perf_end
+        for i in range(len(step_times) - 1, -1, -1):
+            ends[i] = t
+            t -= step_times[i]
+        out, self._cpu_prev = summarise(s, first_step, ends, step_times, self._cpu_prev)
+        out["groups"] = [
+            {"group": g, "entered": v[0], "completed": v[1]} for g, v in sorted(self.seq.items())
+        ]
+        return out
+
+
+def _r(x: float) -> float:
+    return round(x, 6)
+
+
+def summarise(
+    s: TimingSlices,
+    first_step: int,
+    step_ends: Sequence[float],
+    step_times: Sequence[float],
+    cpu_prev: float | None,
+) -> tuple[dict[str, Any], float | None]:
+    """Per-step numbers (seconds, relative to the step's start on this rank's clock;
+    ``None`` for a step without a collective) and per-window totals.
+
+    ``arrive_s``: last bucket ready (backward done); ``end_s``: last collective ended;
+    ``sync_s`` = end of the last bucket's collective - its arrival (short on the rank the
+    others waited for); ``cpu_s``: training-thread CPU time since the previous step's last
+    arrival (``None`` for the first step seen). Returns (section, CPU clock of the last step).
+    """
+    n = len(step_ends)
+    arrive_s: list[float | None] = [None] * n
+    end_s: list[float | None] = [None] * n
+    sync_s: list[float | None] = [None] * n
+    cpu_s: list[float | None] = [None] * n
+    sketch = LogSketch(SKETCH_ALPHA)
+    count = nbytes = 0
+    for i in range(n):
+        nb = s.n_buckets[i]
+        if s.step_of[i] != first_step + i or nb == 0:
+            continue
+        start = step_ends[i] - step_times[i]
+        last_b, last_a, last_e = -1, -math.inf, -math.inf
+        for b in range(i, nb * n, n):
+            e = s.end[b]
+            if e == _NONE:
+                continue
+            a = s.arrive[b]
+            sketch.add(max(0.0, e - a))
+            count += 1
+            if a > last_a:
+                last_b, last_a = b, a
+            last_e = max(last_e, e)
+        if last_b < 0:
+            continue
+        nbytes += s.bytes[i]
+        arrive_s[i] = _r(max(0.0, last_a - start))
+        end_s[i] = _r(max(0.0, last_e - start))
+        sync_s[i] = _r(max(0.0, s.end[last_b] - last_a))
+        if cpu_prev is not None:
+            cpu_s[i] = _r(max(0.0, s.cpu[i] - cpu_prev))
+        cpu_prev = s.cpu[i]
+    section: dict[str, Any] = {
+        "version": 1,
+        "clock": "host",
+        "arrive_s": arrive_s,
+        "end_s": end_s,
+        "sync_s": sync_s,
+        "cpu_s": cpu_s,
+        "collectives": [{"op": "all_reduce", "count": count, "bytes": nbytes, "duration": sketch.to_dict()}]
+        if count
+        else [],
+    }
+    return section, cpu_prev
+
+
+Hook = Callable[[Any, Any], Any]
+
+
+def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) -> Hook:
+    """A DDP communication hook that times each bucket and then runs ``inner``.
+
+    ``inner`` is any DDP hook (``state, bucket -> Future[Tensor]``), e.g.
+    ``bf16_compress_hook``; register the result with ``ddp.register_comm_hook(state,
+    stepwatch.comm_hook(inner=bf16_compress_hook))``. Without ``inner``, DDP's own
+    averaging all-reduce runs (bit-identical gradients); ``sw.watch(ddp)`` registers that.
+    The timing goes to ``timing``, or to the agent of the last ``stepwatch.init``.
+    Nothing here raises into backward: a timing failure only loses the timing.
+    """
+    import torch.distributed as dist
+
+    bound: list[CommTiming | None] = [timing]
+
+    def _timing() -> CommTiming | None:
+        if bound[0] is None:
+            from ._api import current
+
+            agent = current()
+            bound[0] = agent.comm_timing if agent is not None else None
+        return bound[0]
+
+    def hook(state: Any, bucket: Any) -> Any:
+        buf = bucket.buffer()
+        t = _timing()
+        group = "world"
+        token = None
+        if t is not None:
+            try:
+                pg = state if isinstance(state, dist.ProcessGroup) else None
+                group = str(getattr(pg, "group_name", "") or "world") if pg is not None else "world"
+                token = t.arrive(group, bucket.index(), buf.numel() * buf.element_size())
+            except Exception:
+                token = None
+        if inner is None:
+            pg = state if state is not None else dist.group.WORLD
+            # The built-in reducer's scaling: a multiplication by 1/size (not a division).
+            buf.mul_(1.0 / dist.get_world_size(pg))
+            fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
+        else:
+            fut = inner(state, bucket)
+        if token is None:
+            return fut if inner is not None else fut.then(_first)
+
+        def finished(f: Any) -> Any:
+            t.done(token, group)  # type: ignore[union-attr]
+            return f.value() if inner is not None else f.value()[0]
+
+        return fut.then(finished)
+
+    # DDP checks the annotations against its own classes; under postponed evaluation
+    # they are strings, so the hook shows it none (torch is imported lazily here).
+    hook.__annotations__ = {}
+    return hook
+
+
+def _first(f: Any) -> Any:
+    return f.value()[0]

@@ -1,0 +1,332 @@
+"""Who arrived last, step by step: wait/transfer and late-arrival stragglers from the
+always-on collective timing (the agent's ``comm`` section), for every window.
+
+Why per step and paired: on a 4-rank group a window holds a handful of steps, and a
+median of 4 with a MAD of 3 moves with one noisy rank. Comparing each rank with the
+median of its *other* peers within the same step (a paired difference) removes what the
+step shares (a slow batch, a GC pause on every rank, CPU contention), and a sign test over
+the window's steps asks "is this rank late on almost every step?", which holds for 4 peers
+and for 16,384 alike (the leave-one-out median converges to the median).
+
+No shared clock is needed. A collective ends at about the same moment on every rank of
+its group, so each rank's ``sync`` (end of its last bucket's all-reduce minus that
+bucket's arrival, on its own clock) lines the ranks up: per step, ``transfer`` = the
+smallest sync (the last arriver waited for nobody) and ``wait`` = sync - transfer.
+
+Causes are named for what was measured on the late rank, per step, against its peers'
+median: extra data-loader wait explains it (``data``), extra training-thread CPU explains
+it (``compute``), neither does (``host_stall``: the host sat idle, a sleep, a slow
+callback, a GC pause). Ranks of one host late together make a ``host`` finding.
+
+Pure functions over plain data (numpy arrays in, dataclasses out).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+ArrivalCause = Literal["compute", "host_stall", "data", "host"]
+Matrix = NDArray[np.float64]
+
+#: Exact leave-one-out medians up to this many ranks; above it the group median (the
+#: difference is below one rank's weight, 1/n).
+EXACT_LOO_RANKS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class RankSteps:
+    """One rank's per-step timing in one window (seconds; NaN where not measured).
+
+    ``sync_s``: end of the last bucket's collective minus its arrival; ``cpu_s``:
+    training-thread CPU time of the step; ``data_wait_s``: host blocked in the loader.
+    """
+
+    rank: int
+    host: str
+    first_step: int
+    step_time_s: Sequence[float]
+    data_wait_s: Sequence[float]
+    sync_s: Sequence[float | None]
+    cpu_s: Sequence[float | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Aligned:
+    """A group's window lined up by step: rows are steps, columns ranks (``ranks``)."""
+
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]
+    steps: tuple[int, ...]
+    step_time: Matrix
+    wait: Matrix  # last arrival - own arrival
+    transfer: Matrix  # end - last arrival (the same for every rank of a step)
+    cpu: Matrix
+    data_wait: Matrix
+
+
+def _col(values: Sequence[float | None], first: int, steps: Sequence[int]) -> NDArray[np.float64]:
+    out = np.full(len(steps), np.nan)
+    for k, s in enumerate(steps):
+        j = s - first
+        if 0 <= j < len(values):
+            v = values[j]
+            out[k] = np.nan if v is None else float(v)
+    return out
+
+
+def line_up(ranks: Sequence[RankSteps]) -> Aligned:
+    """Steps every rank reported, with wait and transfer per step and rank.
+
+    A step where some rank has no sync (no collective, or its timing was lost) is dropped:
+    the last arrival of that step is unknown.
+    """
+    if not ranks:
+        raise ValueError("line_up needs at least one rank")
+    ordered = sorted(ranks, key=lambda r: r.rank)
+    common = set(range(ordered[0].first_step, ordered[0].first_step + len(ordered[0].sync_s)))
+    for r in ordered[1:]:
+        common &= set(range(r.first_step, r.first_step + len(r.sync_s)))
+    steps = sorted(common)
+    sync = (
+        np.column_stack([_col(r.sync_s, r.first_step, steps) for r in ordered])
+        if steps
+        else np.empty((0, len(ordered)))
+    )
+    keep: NDArray[np.bool_] = np.asarray(~np.isnan(sync).any(axis=1), dtype=bool)
+    sync = sync[keep]
+    kept = tuple(s for s, k in zip(steps, keep.tolist(), strict=True) if k)
+
+    def cols(name: str) -> Matrix:
+        if not kept:
+            return np.empty((0, len(ordered)))
+        return np.column_stack([_col(getattr(r, name), r.first_step, kept) for r in ordered])
+
+    transfer = sync.min(axis=1, keepdims=True) if len(kept) else np.empty((0, 1))
+    return Aligned(
+        ranks=tuple(r.rank for r in ordered),
+        hosts=tuple(r.host for r in ordered),
+        steps=kept,
+        step_time=cols("step_time_s"),
+        wait=sync - transfer,
+        transfer=np.broadcast_to(transfer, sync.shape).copy(),
+        cpu=cols("cpu_s"),
+        data_wait=cols("data_wait_s"),
+    )
+
+
+def loo_median(m: Matrix) -> Matrix:
+    """Per row, each column's leave-one-out median (the median of the other columns)."""
+    n = m.shape[1]
+    if n < 2:
+        return np.full_like(m, np.nan)
+    if n > EXACT_LOO_RANKS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.broadcast_to(np.nanmedian(m, axis=1, keepdims=True), m.shape).copy()
+    out = np.empty_like(m)
+    with warnings.catch_warnings():  # a step no peer measured gives NaN, which is meant
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for i in range(n):
+            out[:, i] = np.nanmedian(np.delete(m, i, axis=1), axis=1)
+    return out
+
+
+def sign_test_p(positive: int, negative: int) -> float:
+    """One-sided sign-test p-value: P(at least ``positive`` of the non-tied steps are
+    positive) when each is positive with probability 1/2."""
+    n = positive + negative
+    if n == 0:
+        return 1.0
+    return sum(math.comb(n, k) for k in range(positive, n + 1)) / 2.0**n
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    #: Lateness (peers' wait minus own wait) below this share of the step is noise.
+    min_share: float = 0.05
+    #: ... and below this many seconds (clock resolution, callback jitter).
+    min_seconds: float = 1e-3
+    #: Largest sign-test p-value that counts as late in one window (6 of 8 steps, 4 of 4):
+    #: on a busy host other ranks arrive last now and then; the flag needs persistence
+    #: (:func:`persistent`) on top, which keeps clean runs quiet.
+    max_p: float = 0.15
+    #: Share of the lateness that extra loader wait must explain to name ``data``.
+    explain: float = 0.5
+    #: Extra training-thread CPU, as a share of the peers', that names ``compute``. Not a
+    #: share of the lateness: on a busy host a rank gets part of a core, so extra work
+    #: costs more wall time than CPU time; a stalled host adds wall time and no CPU.
+    extra_cpu: float = 0.1
+    #: Ranks of one host that must be late (and share of its ranks) for a host finding.
+    host_min_ranks: int = 2
+    host_fraction: float = 0.75
+
+
+@dataclass(frozen=True, slots=True)
+class LateRank:
+    """A rank its peers waited for in one window, with the evidence."""
+
+    rank: int
+    host: str
+    cause: ArrivalCause
+    lateness_s: float  # median per step of peers' wait minus own wait
+    share: float  # lateness over the median step time
+    late_steps: int
+    steps: int
+    p_value: float
+    evidence: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class HostFinding:
+    host: str
+    ranks: tuple[int, ...]
+    cause: ArrivalCause  # what made its ranks late
+    lateness_s: float
+
+
+def late_ranks(a: Aligned, cfg: Config = Config()) -> list[LateRank]:
+    """Ranks that arrive last on most steps of the window, each with its cause."""
+    n_steps, n = a.wait.shape
+    if n < 2 or n_steps == 0:
+        return []
+    # Per step: how much later than its peers this rank arrived (paired, leave-one-out).
+    late = loo_median(a.wait) - a.wait
+    step_ref = float(np.nanmedian(a.step_time))
+    tau = max(cfg.min_seconds, cfg.min_share * step_ref)
+    peer_cpu_all = loo_median(a.cpu)
+    extra_cpu = a.cpu - peer_cpu_all
+    extra_data = a.data_wait - loo_median(a.data_wait)
+    out = []
+    for i in range(n):
+        col = late[:, i]
+        data_col = extra_data[:, i]
+        if sign_test_p(int(np.sum(data_col > tau)), int(np.sum(data_col <= tau))) <= cfg.max_p:
+            # Loader wait is measured on the rank itself: no need to see it arrive last
+            # (a sleeping loader frees its core, and its peers then lose part of the lead).
+            col = np.maximum(col, data_col)
+        # The sign of each step's paired difference (late at all), the size on the median:
+        # a sleeping rank frees its core, so its peers catch up part of its lateness.
+        pos = int(np.sum(col > cfg.min_seconds))
+        neg = int(np.sum(col <= cfg.min_seconds))
+        p = sign_test_p(pos, neg)
+        lateness = float(np.median(col))
+        if p > cfg.max_p or lateness <= tau:
+            continue
+        cpu_i = extra_cpu[:, i]
+        measured = not np.isnan(cpu_i).all()
+        cpu = float(np.nanmedian(cpu_i)) if measured else math.nan
+        peer_cpu = float(np.nanmedian(peer_cpu_all[:, i])) if measured else math.nan
+        data = float(np.nanmedian(extra_data[:, i]))
+        if data >= cfg.explain * lateness:
+            cause: ArrivalCause = "data"
+        elif measured and cpu > max(cfg.min_seconds, cfg.extra_cpu * peer_cpu):
+            cause = "compute"
+        else:
+            cause = "host_stall"
+        out.append(
+            LateRank(
+                rank=a.ranks[i],
+                host=a.hosts[i],
+                cause=cause,
+                lateness_s=lateness,
+                share=lateness / step_ref if step_ref > 0 else math.inf,
+                late_steps=pos,
+                steps=n_steps,
+                p_value=p,
+                evidence={
+                    "lateness_s": lateness,
+                    "extra_cpu_s": cpu,
+                    "peer_cpu_s": peer_cpu,
+                    "extra_data_wait_s": data,
+                    "peer_wait_s": float(np.median(loo_median(a.wait)[:, i])),
+                    "transfer_s": float(np.median(a.transfer[:, i])),
+                    "step_time_s": step_ref,
+                },
+            )
+        )
+    return out
+
+
+def slow_hosts(a: Aligned, late: Sequence[LateRank], cfg: Config = Config()) -> list[HostFinding]:
+    """Hosts whose local ranks are late together (enough of them to be the host's fault)."""
+    by_host: dict[str, list[int]] = {}
+    for r, h in zip(a.ranks, a.hosts, strict=True):
+        by_host.setdefault(h, []).append(r)
+    if len(by_host) < 2:
+        return []
+    out = []
+    for host, ranks in sorted(by_host.items()):
+        hits = [x for x in late if x.host == host]
+        need = max(cfg.host_min_ranks, math.ceil(cfg.host_fraction * len(ranks) - 1e-9))
+        if len(hits) >= need:
+            causes = [x.cause for x in hits]
+            cause = max(set(causes), key=causes.count)
+            out.append(
+                HostFinding(host, tuple(sorted(x.rank for x in hits)), cause, max(x.lateness_s for x in hits))
+            )
+    return out
+
+
+def wait_transfer(a: Aligned) -> dict[int, tuple[float, float]]:
+    """Per rank, the window's mean wait and transfer per step (for storage and views)."""
+    if not a.steps:
+        return {}
+    w = a.wait.mean(axis=0)
+    t = a.transfer.mean(axis=0)
+    return {r: (float(w[i]), float(t[i])) for i, r in enumerate(a.ranks)}
+
+
+def concat(batches: Sequence[RankSteps]) -> RankSteps:
+    """One rank's batches joined into one series (steps must follow each other)."""
+    ordered = sorted(batches, key=lambda b: b.first_step)
+    first = ordered[0]
+    out: dict[str, list[float | None]] = {k: [] for k in ("step_time_s", "data_wait_s", "sync_s", "cpu_s")}
+    expect = first.first_step
+    for b in ordered:
+        if b.first_step != expect:
+            raise ValueError(f"rank {b.rank}: batch starts at step {b.first_step}, expected {expect}")
+        for k, v in out.items():
+            v.extend(getattr(b, k))
+        expect += len(b.sync_s)
+    return RankSteps(
+        first.rank,
+        first.host,
+        first.first_step,
+        [float(x or 0.0) for x in out["step_time_s"]],
+        [float(x or 0.0) for x in out["data_wait_s"]],
+        out["sync_s"],
+        out["cpu_s"],
+    )
+
+
+def window(series: RankSteps, first: int, last: int) -> RankSteps:
+    """Steps ``first..last`` (inclusive) of one rank's series: a stored window's share."""
+    lo = max(0, first - series.first_step)
+    hi = max(lo, last - series.first_step + 1)
+    return RankSteps(
+        series.rank,
+        series.host,
+        series.first_step + lo,
+        series.step_time_s[lo:hi],
+        series.data_wait_s[lo:hi],
+        series.sync_s[lo:hi],
+        series.cpu_s[lo:hi],
+    )
+
+
+def persistent(history: Sequence[set[tuple[int, str]]], need: int = 2) -> set[tuple[int, str]]:
+    """(rank, cause) pairs late in each of the last ``need`` windows: the flag to open.
+    One late window (a rank's GC pause, a scheduler hiccup) opens nothing."""
+    if len(history) < need:
+        return set()
+    out = set(history[-1])
+    for h in history[-need:-1]:
+        out &= h
+    return out

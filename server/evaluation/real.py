@@ -1,0 +1,464 @@
+"""Real-training scenarios: 4 gloo ranks, the real agent, a real collector, real faults.
+
+The simulator scores the detectors on modelled timings; this module scores the whole
+product on real training. Each scenario starts a ``stepwatch serve`` process (its own
+SQLite database), four ranks of :mod:`.real_rank` (a tiny GPT under DDP with small
+buckets) and a CPU burner that keeps every core busy, injects one fault from a given step,
+waits for the collector's analysis to pass the last step (or, for a hang, for the hang
+event) and scores the events the API returns: flagged (an event names the faulty rank or
+host), right cause, and windows from the onset to the flag.
+
+The slowed-link scenario runs in network namespaces it creates: one per rank, each joined
+by a veth pair to a bridge in a namespace of the harness (addresses in 10.211.0.0/24,
+inside those namespaces only), with the faulty rank's veth limited by ``tc tbf``. The
+collector and the reads run in the bridge's namespace (the scenario re-executes this
+module there), so nothing leaves the namespaces. Needs root; everything it made is
+removed on exit.
+
+Run: ``python -m stepwatch_server.evaluation.real [--scenario NAME ...] [--runs N]``;
+``stepwatch evaluate`` is meant to call :func:`run_scenario` from here later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from stepwatch.demo import launch
+
+RANKS = 4
+#: Collector settings: windows of about 4 s of steps, a fast analysis loop, a hang floor
+#: of a few seconds so a hang scenario fits in seconds.
+COLLECTOR_ENV = {
+    "STEPWATCH_WINDOW_SECONDS": "4",
+    "STEPWATCH_ANALYSIS_INTERVAL_S": "0.5",
+    "STEPWATCH_ANALYSIS_GRACE_S": "5",
+    "STEPWATCH_HANG_FLOOR_S": "5",
+    "STEPWATCH_HANG_K": "10",
+}
+NET = "10.211.0"  # the private /24 inside the harness' namespaces
+BRIDGE_IP = f"{NET}.254"
+
+
+@dataclass(frozen=True)
+class RealScenario:
+    """One fault on real ranks and the flag it should raise (``expect_key`` None: clean)."""
+
+    name: str
+    fault: str = "none"
+    fault_ranks: tuple[int, ...] = ()
+    size: float = 0.2
+    hosts: tuple[str, ...] | None = None  # per rank; None: the machine's own host name
+    expect_key: str | None = None
+    expect_ranks: tuple[int, ...] = ()
+    link_rate: str | None = None  # tbf rate of the faulty rank's veth (link scenario)
+    comm_mb: float = 4.0
+
+
+SCENARIOS: tuple[RealScenario, ...] = (
+    RealScenario("clean"),
+    RealScenario(
+        "compute +20%", "compute", (2,), 0.2, expect_key="straggler:compute:rank=2", expect_ranks=(2,)
+    ),
+    RealScenario(
+        "host stall +20%",
+        "host_stall",
+        (1,),
+        0.2,
+        expect_key="straggler:host_stall:rank=1",
+        expect_ranks=(1,),
+    ),
+    RealScenario(
+        "loader stall +20%", "loader", (3,), 0.2, expect_key="straggler:data:rank=3", expect_ranks=(3,)
+    ),
+    RealScenario(
+        "slow host +30% (2 ranks)",
+        "compute",
+        (2, 3),
+        0.3,
+        hosts=("node-a", "node-a", "node-b", "node-b"),
+        expect_key="straggler:host:host=node-b",
+        expect_ranks=(2, 3),
+    ),
+    RealScenario(
+        "extra comm (pair 1-2)", "comm", (1,), expect_key="straggler:link:rank=1", expect_ranks=(1,)
+    ),
+    RealScenario("hang in all_reduce", "hang", (2,), expect_key="hang:rank=2", expect_ranks=(2,)),
+    RealScenario(
+        "slow link (tbf)",
+        "link",
+        (1,),
+        link_rate="150mbit",
+        expect_key="straggler:link:rank=1",
+        expect_ranks=(1,),
+    ),
+)
+
+
+@dataclass
+class RealOutcome:
+    scenario: str
+    flagged: bool
+    right: bool
+    windows_to_flag: int | None
+    seconds_to_flag: float | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    window_steps: int = 0
+    step_time_s: float = 0.0
+    seconds: float = 0.0
+    note: str = ""
+
+    @property
+    def false_flags(self) -> int:
+        return sum(1 for e in self.events if e.get("_false"))
+
+
+# -- the machine's load ---------------------------------------------------------------
+@contextlib.contextmanager
+def cpu_burner(n: int | None = None) -> Iterator[list[int]]:
+    """Busy-loop processes, one per core, stopped by their PIDs on exit."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL)
+        for _ in range(n or os.cpu_count() or 2)
+    ]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+# -- network namespaces -----------------------------------------------------------------
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@contextlib.contextmanager
+def namespaces(n: int, *, slow_rank: int, rate: str) -> Iterator[tuple[str, list[str]]]:
+    """A bridge namespace and ``n`` rank namespaces joined by veth pairs; the veth of
+    ``slow_rank`` is shaped by ``tbf`` in both directions. Yields (bridge ns, rank nss)."""
+    tag = f"sw{os.getpid() % 100000}"
+    br = f"{tag}br"
+    ranks = [f"{tag}r{i}" for i in range(n)]
+    made: list[str] = []
+    try:
+        for ns in (br, *ranks):
+            _ip("netns", "add", ns)
+            made.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", br, "link", "add", "br0", "type", "bridge")
+        _ip("-n", br, "addr", "add", f"{BRIDGE_IP}/24", "dev", "br0")
+        _ip("-n", br, "link", "set", "br0", "up")
+        for i, ns in enumerate(ranks):
+            # Created inside the bridge namespace, one end moved into the rank's.
+            _ip("-n", br, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", br, "link", "set", f"v{i}", "master", "br0")
+            _ip("-n", br, "link", "set", f"v{i}", "up")
+            _ip("-n", ns, "addr", "add", f"{NET}.{i + 1}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+        shape = ["root", "tbf", "rate", rate, "burst", "32kb", "latency", "100ms"]
+        subprocess.run(
+            ["ip", "netns", "exec", ranks[slow_rank], "tc", "qdisc", "add", "dev", "eth0", *shape], check=True
+        )
+        subprocess.run(
+            ["ip", "netns", "exec", br, "tc", "qdisc", "add", "dev", f"v{slow_rank}", *shape], check=True
+        )
+        yield br, ranks
+    finally:
+        for ns in reversed(made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+# -- one scenario -----------------------------------------------------------------------
+def _start_ranks(
+    s: RealScenario,
+    run: str,
+    work: str,
+    *,
+    url: str,
+    steps: int,
+    fault_from: int,
+    profile_every: int,
+    netns: Sequence[str] | None,
+    record: str | None = None,
+) -> list[subprocess.Popen[bytes]]:
+    master = f"{NET}.1" if netns else "127.0.0.1"
+    port = launch.free_port() if not netns else 29500
+    procs = []
+    for r in range(RANKS):
+        env = {
+            **os.environ,
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": str(RANKS),
+            "LOCAL_WORLD_SIZE": str(RANKS),
+            "MASTER_ADDR": master,
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "STEPWATCH_URL": url,
+        }
+        if netns:
+            env["GLOO_SOCKET_IFNAME"] = "eth0"
+        cmd = [sys.executable, "-m", "stepwatch_server.evaluation.real_rank", "--run", run]
+        cmd += ["--steps", str(steps), "--fault", s.fault, "--fault-ranks", ",".join(map(str, s.fault_ranks))]
+        cmd += ["--fault-from", str(fault_from), "--size", str(s.size), "--comm-mb", str(s.comm_mb)]
+        cmd += ["--profile-every", str(profile_every), "--out", os.path.join(work, "rank{rank}.json")]
+        if s.hosts:
+            cmd += ["--host", s.hosts[r]]
+        if record:
+            cmd += ["--record", os.path.join(record, "rank{rank}.json")]
+        if netns:
+            cmd = ["ip", "netns", "exec", netns[r], *cmd]
+        with open(os.path.join(work, f"rank{r}.log"), "wb") as log:
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+    return procs
+
+
+def _stop_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def _score(
+    s: RealScenario, events: list[dict[str, Any]], window_steps: int, fault_from: int
+) -> tuple[bool, bool, int | None]:
+    fault_window = (fault_from - 1) // window_steps
+    # Consequences of the fault, not false flags: the job slows, a hang stops the run.
+    related = ("regression:", "hang:run") if s.fault == "hang" else ("regression:",)
+    flagged = right = False
+    delay: int | None = None
+    for e in events:
+        key = e["key"]
+        names_fault = bool(set(e["ranks"]) & set(s.expect_ranks)) or any(
+            h in (s.hosts or ()) and s.hosts and s.hosts.index(h) in s.expect_ranks for h in e["hosts"]
+        )
+        if s.expect_key is not None and names_fault and not key.startswith(related):
+            flagged = True
+            if key == s.expect_key:
+                right = True
+                opened = e["evidence"].get("opened_window")
+                if opened is not None:
+                    delay = int(opened) - fault_window
+        elif not (s.expect_key is not None and key.startswith(related)):
+            e["_false"] = True
+    return flagged, right, delay
+
+
+def run_scenario(
+    s: RealScenario,
+    *,
+    steps: int = 144,
+    fault_from: int = 48,
+    profile_every: int = 0,
+    timeout_s: float = 240.0,
+    burn: bool = True,
+    record: str | None = None,
+) -> RealOutcome:
+    """Run one scenario end to end and score it (see the module docstring); with
+    ``record``, every rank also writes the payloads it sent into that folder."""
+    if s.link_rate is not None and not os.environ.get("STEPWATCH_REAL_INSIDE"):
+        return _run_in_namespaces(
+            s, steps=steps, fault_from=fault_from, profile_every=profile_every, burn=burn, record=record
+        )
+    t0 = time.monotonic()
+    netns = json.loads(os.environ.get("STEPWATCH_REAL_NETNS", "null"))
+    run = "real-" + _slug(s.name)
+    with tempfile.TemporaryDirectory(prefix="stepwatch-real-") as work:
+        env = dict(COLLECTOR_ENV)
+        if netns:
+            env["STEPWATCH_HOST"] = "0.0.0.0"
+        burner: contextlib.AbstractContextManager[list[int]] = (
+            cpu_burner() if burn else contextlib.nullcontext([])
+        )
+        db = f"sqlite:///{os.path.join(work, 'real.db')}"
+        with launch.collector(db, log_path=os.path.join(work, "collector.log"), env=env) as col, burner:
+            url = col.url.replace("127.0.0.1", BRIDGE_IP) if netns else col.url
+            procs = _start_ranks(
+                s,
+                run,
+                work,
+                url=url,
+                steps=steps,
+                fault_from=fault_from,
+                profile_every=profile_every,
+                netns=netns,
+                record=record,
+            )
+            try:
+                events, ov = _wait(s, procs, col.url, run, work, steps=steps, deadline=t0 + timeout_s)
+            finally:
+                _stop_all(procs)
+            onset = _onset(work, s, 2 if s.fault == "link" else fault_from)
+    ws = int(ov.get("window_steps") or 1)
+    # A slowed link is shaped from the start: its onset is the first step.
+    onset_step = 1 if s.fault == "link" else fault_from
+    flagged, right, delay = _score(s, events, ws, onset_step)
+    st = ((ov.get("step_time_s") or {}).get("mean")) or 0.0
+    secs = None
+    if right and onset is not None:
+        opened = [float(e["opened_at"]) for e in events if e["key"] == s.expect_key]
+        secs = min(opened) - onset if opened else None
+    return RealOutcome(s.name, flagged, right, delay, secs, events, ws, float(st), time.monotonic() - t0)
+
+
+def _onset(work: str, s: RealScenario, fault_from: int) -> float | None:
+    """Wall time at which the first faulty step began, from a rank's own step ends."""
+    for r in range(RANKS):
+        try:
+            with open(os.path.join(work, f"rank{r}.json")) as f:
+                ends = json.load(f)["step_ends"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if len(ends) >= fault_from - 1:
+            return float(ends[fault_from - 2])
+    return None
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
+
+
+def _wait(
+    s: RealScenario,
+    procs: Sequence[subprocess.Popen[bytes]],
+    url: str,
+    run: str,
+    work: str,
+    *,
+    steps: int,
+    deadline: float,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Poll until the ranks finished and the analysis passed the last step (a hang: until
+    the hang event opened); returns the events and the run's overview."""
+    events: list[dict[str, Any]] = []
+    ov: dict[str, Any] = {}
+    with httpx.Client(base_url=url, timeout=10.0) as c:
+        while time.monotonic() < deadline:
+            if s.fault != "hang":
+                launch.poll_all(procs, work)
+            r = c.get(f"/api/v1/runs/{run}")
+            if r.status_code == 200:
+                ov = r.json()
+                events = c.get(f"/api/v1/runs/{run}/events").raise_for_status().json()
+                if s.fault == "hang" and any(e["key"].startswith("hang:") for e in events):
+                    break
+                done = all(p.poll() is not None for p in procs)
+                if done and (ov.get("analysis") or {}).get("analysed_through_step", 0) >= steps:
+                    break
+            time.sleep(0.5)
+    return events, ov
+
+
+def _run_in_namespaces(
+    s: RealScenario, *, steps: int, fault_from: int, profile_every: int, burn: bool, record: str | None
+) -> RealOutcome:
+    """Re-run this scenario inside the bridge namespace, ranks in their own namespaces."""
+    shaped = namespaces(RANKS, slow_rank=s.fault_ranks[0], rate=s.link_rate or "100mbit")
+    with shaped as (br, ranks), tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        env = {**os.environ, "STEPWATCH_REAL_INSIDE": "1", "STEPWATCH_REAL_NETNS": json.dumps(ranks)}
+        cmd = ["ip", "netns", "exec", br, sys.executable, "-m", "stepwatch_server.evaluation.real"]
+        cmd += ["--scenario", s.name, "--steps", str(steps), "--fault-from", str(fault_from)]
+        cmd += ["--profile-every", str(profile_every), "--json", out.name, "--runs", "1"]
+        if not burn:
+            cmd.append("--no-burn")
+        if record:
+            cmd += ["--record", os.path.dirname(record)]
+        subprocess.run(cmd, check=True, env=env)
+        (result,) = json.load(out)
+        return RealOutcome(**result)
+
+
+# -- the table --------------------------------------------------------------------------
+def render(outcomes: Sequence[RealOutcome]) -> str:
+    by: dict[str, list[RealOutcome]] = {}
+    for o in outcomes:
+        by.setdefault(o.scenario, []).append(o)
+    lines = [
+        f"{'scenario':<26} {'runs':>4} {'flagged':>8} {'right':>6} {'windows to flag':>16} "
+        f"{'s to flag':>10} {'false':>6} "
+        f"{'step s':>7} {'win':>4}  flags seen"
+    ]
+    for name, rows in by.items():
+        n = len(rows)
+        delays = [o.windows_to_flag for o in rows if o.windows_to_flag is not None]
+        delay = (
+            "-"
+            if not delays
+            else f"{min(delays)}-{max(delays)}"
+            if min(delays) != max(delays)
+            else str(delays[0])
+        )
+        clean = name == "clean"
+        secs = [o.seconds_to_flag for o in rows if o.seconds_to_flag is not None]
+        sec = "-" if not secs else f"{min(secs):.0f}-{max(secs):.0f}"
+        keys = sorted({e["key"] for o in rows for e in o.events})
+        lines.append(
+            f"{name:<26} {n:>4} {'-' if clean else f'{sum(o.flagged for o in rows)}/{n}':>8} "
+            f"{'-' if clean else f'{sum(o.right for o in rows)}/{n}':>6} {delay:>16} {sec:>10} "
+            f"{sum(o.false_flags for o in rows):>6} {sum(o.step_time_s for o in rows) / n:>7.3f} "
+            f"{rows[0].window_steps:>4}  {', '.join(keys) or '-'}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", action="append", help="scenario name (default: all); repeatable")
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--steps", type=int, default=144)
+    p.add_argument("--fault-from", type=int, default=48)
+    p.add_argument("--profile-every", type=int, default=0)
+    p.add_argument("--no-burn", action="store_true", help="no CPU burner")
+    p.add_argument("--json", default=None, help="write the outcomes here as JSON")
+    p.add_argument("--record", default=None, help="folder: every rank's payloads, per scenario")
+    args = p.parse_args(argv)
+    chosen = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
+    outcomes = []
+    for s in chosen:
+        for _ in range(args.runs):
+            rec = None
+            if args.record:
+                rec = os.path.join(args.record, _slug(s.name))
+                os.makedirs(rec, exist_ok=True)
+            o = run_scenario(
+                s,
+                steps=args.steps,
+                fault_from=args.fault_from,
+                profile_every=args.profile_every,
+                burn=not args.no_burn,
+                record=rec,
+            )
+            outcomes.append(o)
+            if not args.json:
+                print(
+                    f"# {o.scenario}: flagged={o.flagged} right={o.right} windows={o.windows_to_flag} "
+                    f"({o.seconds:.0f} s) {[e['key'] for e in o.events]}",
+                    flush=True,
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(o) for o in outcomes], f)
+    else:
+        print(render(outcomes))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["SCENARIOS", "RealOutcome", "RealScenario", "main", "run_scenario"]

@@ -1,0 +1,196 @@
+"""One rank of the real-training evaluation (``python -m stepwatch_server.evaluation.real_rank``).
+
+Run by :mod:`.real` under torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``): a tiny GPT under DDP with small buckets (so the step
+has many collectives, as a real model's does), the real agent, and one fault injected from
+step ``--fault-from`` on the ranks in ``--fault-ranks``. Faults are real, not simulated:
+
+``compute``
+    Extra matmuls in forward: a loop whose iteration count is calibrated at the onset to
+    ``--size`` of the step time measured just before it (CPU work that competes for cores,
+    as a throttled device takes longer).
+``host_stall``
+    A ``time.sleep`` of ``--size`` of the step in forward: the host stalls, no work is done.
+``loader``
+    The data loader sleeps ``--size`` of the step before yielding each batch.
+``comm``
+    Extra communication: after backward the faulty rank and its neighbour all-reduce an
+    extra tensor of ``--comm-mb`` MiB on a group of their own (one rank cannot move bytes
+    alone in a collective, so its partner pays too).
+``hang``
+    The faulty rank never enters the gradients' all-reduce of step ``--fault-from``: it
+    sleeps before backward until killed, and its peers wait inside the collective.
+``link``
+    Nothing in the process: the harness limits this rank's veth with ``tc tbf``.
+
+Each rank writes its own step end times to ``--out`` so the harness can tell when the
+fault began on the wall clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import stepwatch
+from stepwatch.demo.model import GPTConfig, TinyGPT, loss_fn
+
+PAD_ID = 0
+FAULTS = ("none", "compute", "host_stall", "loader", "comm", "hang", "link")
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--run", required=True)
+    p.add_argument("--steps", type=int, default=144)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--fault", choices=FAULTS, default="none")
+    p.add_argument("--fault-ranks", default="", help="comma-separated ranks the fault hits")
+    p.add_argument("--fault-from", type=int, default=1 << 30, help="first faulty step (1-based)")
+    p.add_argument("--size", type=float, default=0.2, help="fault size as a fraction of the step")
+    p.add_argument("--comm-mb", type=float, default=4.0)
+    p.add_argument("--host", default=None, help="host name the agent reports (default: the real one)")
+    p.add_argument("--bucket-cap-mb", type=float, default=0.05)
+    p.add_argument("--send-interval", type=float, default=2.0)
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--profile-every", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON of this rank's step ends ({rank} is replaced)")
+    p.add_argument("--record", default=None, help="also write every payload sent here ({rank} is replaced)")
+    return p.parse_args(argv)
+
+
+def _matmuls(n: int) -> None:
+    a = torch.randn(64, 64)
+    for _ in range(n):
+        a = torch.tanh(a @ a)
+
+
+def _per_matmul_s() -> float:
+    t0 = time.perf_counter()
+    _matmuls(200)
+    return (time.perf_counter() - t0) / 200
+
+
+def _batches(
+    cfg: GPTConfig, batch: int, seed: int, stall: list[float]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Random right-padded byte sequences; sleeps ``stall[0]`` seconds before each batch."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        if stall[0]:
+            time.sleep(stall[0])
+        n = torch.randint(cfg.seq_len // 2, cfg.seq_len + 1, (batch,), generator=g)
+        seq = torch.randint(1, cfg.vocab, (batch, cfg.seq_len + 1), generator=g)
+        pos = torch.arange(cfg.seq_len + 1).expand(batch, -1)
+        seq = seq.masked_fill(pos > n.unsqueeze(1), PAD_ID)
+        yield seq[:, :-1], seq[:, 1:], int(n.sum())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = TinyGPT(cfg)
+    extra = {"matmuls": 0, "sleep_s": 0.0}
+
+    def fault_forward(_module: torch.nn.Module, _inputs: Any) -> None:
+        if extra["matmuls"]:
+            _matmuls(int(extra["matmuls"]))
+        if extra["sleep_s"]:
+            time.sleep(float(extra["sleep_s"]))
+
+    model.register_forward_pre_hook(fault_forward)
+    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+    # Every rank builds the side group (new_group is collective); only the pair uses it.
+    pair: list[int] = []
+    fault_list = sorted(int(r) for r in args.fault_ranks.split(",") if r)
+    faulty = rank in fault_list
+    side = None
+    if args.fault == "comm" and fault_list:
+        pair = sorted({fault_list[0], (fault_list[0] + 1) % world})
+        side = dist.new_group(pair)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4)
+    sw = stepwatch.init(
+        run=args.run,
+        model=model,
+        seq_len=cfg.seq_len,
+        dtype="fp32",
+        peak_flops=5e10,
+        host=args.host,
+        send_interval_s=args.send_interval,
+        warmup_steps=args.warmup_steps,
+        profile_every=args.profile_every,
+    )
+    watch = getattr(sw, "watch", None)
+    if watch is not None:  # always-on collective timing, where this agent has it
+        watch(ddp)
+    sent: list[dict[str, Any]] = []
+    if args.record:  # keep what the agent sent, as recorded inputs for the detectors' tests
+        encode = sw._sender._encode
+
+        def recording(window: Any, stats: Any) -> bytes:
+            body = encode(window, stats)
+            sent.append(json.loads(body))
+            return body
+
+        sw._sender._encode = recording
+    stall = [0.0]
+    comm_buf = torch.ones(int(args.comm_mb * (1 << 20) / 4))
+    ends: list[float] = []
+    durations: list[float] = []
+    last = time.perf_counter()
+    batches = _batches(cfg, args.batch, seed=rank, stall=stall)
+    for step, (x, y, n_real) in enumerate(sw.loader(batches), start=1):
+        if step > args.steps:
+            break
+        if step == args.fault_from and faulty:
+            base = statistics.median(durations[-8:])
+            if args.fault == "compute":
+                extra["matmuls"] = max(1, round(args.size * base / _per_matmul_s()))
+            elif args.fault == "host_stall":
+                extra["sleep_s"] = args.size * base
+            elif args.fault == "loader":
+                stall[0] = args.size * base
+        logits = ddp(x)
+        loss = loss_fn(logits, y, PAD_ID)
+        if args.fault == "hang" and faulty and step == args.fault_from:
+            time.sleep(1e6)  # never enters this step's all-reduce; the harness kills it
+        loss.backward()  # type: ignore[no-untyped-call]
+        if side is not None and step >= args.fault_from and rank in pair:
+            dist.all_reduce(comm_buf, group=side)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sw.step(tokens=n_real, padded_tokens=x.numel())
+        now = time.perf_counter()
+        durations.append(now - last)
+        last = now
+        ends.append(time.time())
+    flushed = sw.close(timeout_s=20.0)
+    if args.out:
+        with open(args.out.format(rank=rank), "w") as f:
+            json.dump(
+                {"rank": rank, "world": world, "step_ends": ends, "flushed": flushed, "extra": extra}, f
+            )
+    if args.record:
+        with open(args.record.format(rank=rank), "w") as f:
+            json.dump(sent, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    raise SystemExit(main())

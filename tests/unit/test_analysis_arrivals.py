@@ -1,0 +1,239 @@
+"""Late-arrival detection from the always-on collective timing: synthetic per-step inputs
+(properties over 4 to 1,024 ranks) and windows recorded from real gloo training."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stepwatch_server.analysis.arrivals import (
+    RankSteps,
+    concat,
+    late_ranks,
+    line_up,
+    loo_median,
+    persistent,
+    sign_test_p,
+    slow_hosts,
+    window,
+)
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "realtrain"
+
+
+def synthetic(
+    n: int,
+    steps: int,
+    *,
+    seed: int,
+    late: dict[int, float] | None = None,
+    kind: str = "compute",
+    hosts: int = 1,
+    step_s: float = 0.3,
+    jitter: float = 0.03,
+) -> list[RankSteps]:
+    """A group's window: every step, each rank is ready after its compute (plus jitter);
+    the collective ends ``transfer`` after the last arrival; ``late`` ranks arrive later by
+    a share of the step, from extra CPU (``compute``), a sleep (``host_stall``) or the loader."""
+    rng = random.Random(seed)
+    late = late or {}
+    transfer = 0.02
+    cols: dict[int, dict[str, list[float]]] = {r: {"t": [], "d": [], "s": [], "c": []} for r in range(n)}
+    for _ in range(steps):
+        base = step_s * (1 + rng.uniform(-0.1, 0.1))  # what the step shares on every rank
+        ready = {}
+        for r in range(n):
+            extra = late.get(r, 0.0) * step_s
+            ready[r] = base + rng.uniform(0, jitter * step_s) + extra
+            cpu = 0.8 * base + (extra if kind == "compute" else 0.0) + rng.uniform(0, 0.01)
+            cols[r]["c"].append(cpu)
+            cols[r]["d"].append(0.002 + (extra if kind == "data" else 0.0))
+        end = max(ready.values()) + transfer
+        for r in range(n):
+            cols[r]["s"].append(end - ready[r])
+            cols[r]["t"].append(end + 0.01)
+    per_host = max(1, n // hosts)
+    return [
+        RankSteps(
+            r, f"node{r // per_host}", 1, cols[r]["t"], cols[r]["d"], list(cols[r]["s"]), list(cols[r]["c"])
+        )
+        for r in range(n)
+    ]
+
+
+def test_line_up_wait_is_last_arrival_minus_own_and_transfer_is_shared() -> None:
+    ranks = [
+        RankSteps(0, "a", 1, [1.0, 1.0], [0.0, 0.0], [0.30, 0.25], [0.5, 0.5]),
+        RankSteps(1, "a", 1, [1.0, 1.0], [0.0, 0.0], [0.05, 0.40], [0.5, 0.5]),
+        RankSteps(2, "a", 2, [1.0], [0.0], [0.10], [0.5]),  # joins at step 2
+    ]
+    a = line_up(ranks)
+    assert a.steps == (2,)
+    assert a.transfer[0].tolist() == pytest.approx([0.10, 0.10, 0.10])
+    assert a.wait[0].tolist() == pytest.approx([0.15, 0.30, 0.0])
+
+
+def test_a_step_some_rank_did_not_time_is_left_out() -> None:
+    ranks = [
+        RankSteps(0, "a", 1, [1.0, 1.0], [0.0, 0.0], [0.3, None], [0.5, 0.5]),
+        RankSteps(1, "a", 1, [1.0, 1.0], [0.0, 0.0], [0.1, 0.2], [0.5, 0.5]),
+    ]
+    assert line_up(ranks).steps == (1,)
+
+
+def test_leave_one_out_median_excludes_the_rank_itself() -> None:
+    m = np.array([[0.0, 10.0, 10.0, 10.0]])
+    assert loo_median(m)[0].tolist() == [10.0, 10.0, 10.0, 10.0]
+    assert loo_median(np.array([[1.0, 2.0, 3.0]]))[0].tolist() == [2.5, 2.0, 1.5]
+
+
+def test_sign_test() -> None:
+    assert sign_test_p(4, 0) == 1 / 16
+    assert sign_test_p(0, 4) == 1.0
+    assert sign_test_p(8, 0) == pytest.approx(1 / 256)
+    assert sign_test_p(0, 0) == 1.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.sampled_from([4, 5, 6, 8, 64, 1024]),
+    seed=st.integers(0, 10_000),
+    share=st.floats(0.15, 0.6),
+    kind=st.sampled_from(["compute", "host_stall", "data"]),
+)
+def test_a_late_rank_is_named_with_the_cause_that_was_measured(
+    n: int, seed: int, share: float, kind: str
+) -> None:
+    victim = seed % n
+    a = line_up(synthetic(n, 8, seed=seed, late={victim: share}, kind=kind))
+    found = late_ranks(a)
+    assert [(x.rank, x.cause) for x in found] == [(victim, kind)]
+    (x,) = found
+    assert x.lateness_s == pytest.approx(share * 0.3, rel=0.35)
+    assert x.late_steps == 8 and x.p_value <= 1 / 256
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.sampled_from([4, 5, 6, 8, 64, 1024]), seed=st.integers(0, 10_000))
+def test_clean_windows_name_nobody(n: int, seed: int) -> None:
+    assert late_ranks(line_up(synthetic(n, 8, seed=seed))) == []
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_two_ranks_of_one_host_late_together_make_a_host_finding(n: int) -> None:
+    late = {n - 2: 0.3, n - 1: 0.3}  # the second host's two last ranks (of n // 2)
+    ranks = synthetic(n, 8, seed=3, late=late, hosts=n // 2)
+    a = line_up(ranks)
+    found = late_ranks(a)
+    assert sorted(x.rank for x in found) == [n - 2, n - 1]
+    (host,) = slow_hosts(a, found)
+    assert host.host == f"node{(n - 1) // 2}" and host.ranks == (n - 2, n - 1) and host.cause == "compute"
+
+
+def test_one_host_only_makes_no_host_finding() -> None:
+    ranks = synthetic(4, 8, seed=1, late={2: 0.3, 3: 0.3})
+    a = line_up(ranks)
+    assert slow_hosts(a, late_ranks(a)) == []
+
+
+def test_concat_and_window_cut_a_series_by_step() -> None:
+    b1 = RankSteps(0, "a", 1, [1.0, 1.0], [0.0, 0.0], [0.1, 0.2], [0.5, 0.5])
+    b2 = RankSteps(0, "a", 3, [1.0], [0.0], [0.3], [0.5])
+    s = concat([b2, b1])
+    assert s.first_step == 1 and list(s.sync_s) == [0.1, 0.2, 0.3]
+    w = window(s, 2, 3)
+    assert w.first_step == 2 and list(w.sync_s) == [0.2, 0.3]
+    with pytest.raises(ValueError, match="expected 3"):
+        concat([b1, RankSteps(0, "a", 5, [1.0], [0.0], [0.3], [0.5])])
+
+
+# -- recorded from real training (4 gloo ranks, a CPU burner, profiler off) --------------
+ONSET = 24  # --fault-from of the recording
+WINDOW = 8  # steps per window, as a collector storing 8-step windows would cut them
+
+
+def _recorded(name: str) -> list[RankSteps]:
+    d = json.loads((FIXTURES / f"{name}.json").read_text())
+    return [
+        concat(
+            [
+                RankSteps(
+                    r["rank"], r["host"], b["first"], b["time_s"], b["data_wait_s"], b["sync_s"], b["cpu_s"]
+                )
+                for b in r["batches"]
+            ]
+        )
+        for r in d["ranks"]
+    ]
+
+
+def _windows(series: list[RankSteps]) -> list[tuple[int, list[RankSteps]]]:
+    last = min(s.first_step + len(s.sync_s) - 1 for s in series)
+    return [
+        (w0, [window(s, w0, min(last, w0 + WINDOW - 1)) for s in series]) for w0 in range(1, last + 1, WINDOW)
+    ]
+
+
+def _opened(name: str) -> list[tuple[int, set[tuple[int, str]]]]:
+    """Per window (by first step): the (rank, cause) flags open after persistence."""
+    history: list[set[tuple[int, str]]] = []
+    out = []
+    for w0, ranks in _windows(_recorded(name)):
+        history.append({(x.rank, x.cause) for x in late_ranks(line_up(ranks))})
+        out.append((w0, persistent(history)))
+    return out
+
+
+def test_recorded_clean_run_opens_nothing() -> None:
+    assert all(not opened for _, opened in _opened("clean"))
+
+
+@pytest.mark.parametrize(
+    ("name", "rank", "cause", "only"),
+    [
+        ("compute--20", 2, "compute", True),
+        ("host-stall--20", 1, "host_stall", True),
+        # On the oversubscribed recording machine rank 1 also arrived last on 6-8 of 8
+        # steps from the second faulty window on, with no extra CPU (a real, measured
+        # lateness named host_stall); the loader stall itself is named from its wait.
+        ("loader-stall--20", 3, "data", False),
+    ],
+)
+def test_recorded_fault_opens_within_two_windows_of_the_onset(
+    name: str, rank: int, cause: str, only: bool
+) -> None:
+    for w0, opened in _opened(name):
+        if w0 + WINDOW - 1 < ONSET:
+            assert not opened, f"window at step {w0}, before the onset"
+        elif w0 >= ONSET + WINDOW:  # the second full window after the onset
+            assert (rank, cause) in opened, f"window at step {w0}: {opened}"
+            if only:
+                assert opened == {(rank, cause)}, f"window at step {w0}: {opened}"
+
+
+def test_recorded_slow_host_is_named() -> None:
+    hits = []
+    for w0, ranks in _windows(_recorded("slow-host--30---2-ranks")):
+        a = line_up(ranks)
+        hosts = [(h.host, h.ranks, h.cause) for h in slow_hosts(a, late_ranks(a))]
+        if w0 + WINDOW - 1 < ONSET:
+            assert hosts == []
+        elif w0 >= ONSET:
+            hits.append(hosts == [("node-b", (2, 3), "compute")])
+    # The first two windows after the onset (the flag opens at the second), and most of
+    # the rest: in one window of six the two ranks were not late on enough steps.
+    assert hits[:2] == [True, True] and sum(hits) >= len(hits) - 1, hits
+
+
+def test_math_is_finite_on_recorded_inputs() -> None:
+    for name in ("clean", "compute--20"):
+        for _, ranks in _windows(_recorded(name)):
+            for x in late_ranks(line_up(ranks)):
+                assert math.isfinite(x.lateness_s) and math.isfinite(x.share)
