@@ -32,6 +32,10 @@ from .wire import TAG_CODES
 log = logging.getLogger("stepwatch")
 T = TypeVar("T")
 _perf = time.perf_counter
+#: ``_close_at`` of an agent that is off: every step is then past its window's end.
+_OFF = float("-inf")
+#: Padded-token slot no step wrote (counts are >= 0).
+_UNSET = -1
 
 
 class Stepwatch:
@@ -64,39 +68,55 @@ class Stepwatch:
         self._tokens = array("q", bytes(8 * cap))
         self._padded = array("q", bytes(8 * cap))
         self._tags = array("b", bytes(cap))
-        self._padded_seen = False
         self._n = 0
-        self._tag = 0
-        self._wait_acc = 0.0
+        # Slots no step wrote: a window whose padded counts are all unset sends none.
+        self._unset = array("q", [_UNSET]) * cap
+        self._padded[:] = self._unset
+        # Tags (``mark()``) and data-loader waits (``loader()``, ``add_data_wait()``) are
+        # written into the slot of the step in progress, so ``step()`` need not move them.
+        self._no_tags = array("b", bytes(cap))
+        self._no_wait = array("d", bytes(8 * cap))
         self._first_step = start_step + 1  # steps are numbered from 1 after start_step
         self._start_step = start_step
         self._warmup_end = start_step + config.warmup_steps  # last warm-up step, inclusive
         now = _perf()
         self._last = now
         self._window_start = now
+        self._close_at = now + self._interval
+        # Self-timing: the common step is timed one in 64 (a second clock read per
+        # step was a quarter of its cost); edge and closing steps every time.
         self._hot_s = 0.0
         self._hot_n = 0
+        self._rare_s = 0.0
+        self._rare_n = 0
         self._dev = device_clock
         #: Always-on collective timing, filled by the communication hook (``watch``).
         self.comm_timing = CommTiming(cap, self._position)
-        # Profiler window: the hot path compares the step number with the next edge only.
+        # Profiler window: the hot path compares its slot with the next edge's slot only.
         self._pw = profiler
         self._prof_at = profiler.next_start(start_step) if profiler is not None else NEVER
+        self._event_i = self._next_event()
         self._enabled = config.enabled
+        if not self._enabled:
+            self._close_at = _OFF
         self._closed = False
         self._rank_dict = rank.to_dict()
         window_bytes = Window(0, self._time, self._wait, self._tokens, self._padded, self._tags, 0.0)
         max_windows = max(4, config.max_buffer_bytes // window_bytes.approx_bytes())
-        self._sender = sender or Sender(
-            config.url,
-            self._encode,
-            token=config.token,
-            max_windows=max_windows,
-            max_bytes=config.max_buffer_bytes,  # the collective timing makes windows larger
-            timeout_s=config.http_timeout_s,
-            max_attempts=config.max_attempts,
-            label=f"rank {rank.rank}",
-        )
+        if sender is None:
+            sender = Sender(
+                config.url,
+                self._encode,
+                token=config.token,
+                max_windows=max_windows,
+                max_bytes=config.max_buffer_bytes,  # the collective timing makes windows larger
+                timeout_s=config.http_timeout_s,
+                max_attempts=config.max_attempts,
+                label=f"rank {rank.rank}",
+            )
+            if self._enabled:  # here, not on the training thread at the first window close
+                sender.start()
+        self._sender = sender
         atexit.register(self._atexit)
 
     # -- hot path ------------------------------------------------------------------
@@ -106,14 +126,10 @@ class Stepwatch:
         Pass plain Python ints: converting a CUDA tensor to a number synchronises the GPU.
         """
         now = _perf()
-        if not self._enabled:
-            return
         try:
             i = self._n
             self._time[i] = now - self._last
             self._last = now
-            self._wait[i] = self._wait_acc
-            self._wait_acc = 0.0
             try:
                 self._tokens[i] = tokens
             except TypeError:
@@ -123,23 +139,52 @@ class Stepwatch:
                     self._padded[i] = padded_tokens
                 except TypeError:
                     self._padded[i] = _as_count(padded_tokens, "padded_tokens")
-                self._padded_seen = True
-            self._tags[i] = self._tag
-            self._tag = 0
             if self._dev is not None:
                 self._dev.record(i)
-            if self._first_step + i == self._prof_at:  # a profiler-window edge (rare)
-                t_edge = _perf()
-                self._prof_at = self._pw.edge(self._prof_at, self._time, i + 1)  # type: ignore[union-attr]
-                self._hot_s -= _perf() - t_edge  # counted as profiler cost, not hot path
             i += 1
             self._n = i
-            if i == self._cap or (now - self._window_start >= self._interval and self._may_close(now)):
-                self._close_window(now)
-            self._hot_s += _perf() - now
-            self._hot_n += 1
+            # An edge, a full or a due window; and every step once the agent is off.
+            if i == self._event_i or now >= self._close_at:
+                self._rare_step(i, now)
+            elif i & 63 == 1:  # one common step in 64 times itself: slots 1, 65, 129 ...
+                self._hot_s += _perf() - now
+                self._hot_n += 1
         except Exception as exc:
             self._disable(exc)
+
+    def _rare_step(self, i: int, now: float) -> None:
+        """The tail of a step that meets a profiler-window edge or closes a window: timed
+        every time (without the profiler's own calls, counted as its cost). A disabled or
+        closed agent sets ``_close_at`` to minus infinity so that every step lands here and
+        records nothing: the common path need not test whether the agent is on."""
+        if not self._enabled:
+            self._n = i - 1
+            return
+        edge_s = 0.0
+        if i == self._event_i and self._first_step + i - 1 == self._prof_at:
+            t_edge = _perf()
+            self._prof_at = self._pw.edge(self._prof_at, self._time, i)  # type: ignore[union-attr]
+            edge_s = _perf() - t_edge
+            self._event_i = self._next_event()
+        if i == self._cap or (now >= self._close_at and self._may_close(now)):
+            self._close_window(now)
+        self._rare_s += _perf() - now - edge_s
+        self._rare_n += 1
+
+    def _next_event(self) -> int:
+        """The slot count at which the next step needs the rare path: the window is full
+        or the profiler's next edge is reached."""
+        edge = self._prof_at - self._first_step + 1
+        return edge if self._n < edge < self._cap else self._cap
+
+    def hot_path_mean_s(self) -> float | None:
+        """Mean cost of ``step()``: the sampled common steps' mean for every common step,
+        plus every rare step's own time."""
+        steps = self._first_step - 1 + self._n - self._start_step
+        common = steps - self._rare_n
+        if self._hot_n:
+            return (self._hot_s / self._hot_n * common + self._rare_s) / steps
+        return self._rare_s / self._rare_n if self._rare_n else None
 
     def _position(self) -> tuple[int, int]:
         """(first step of the open window, slot of the step in progress), for the hook."""
@@ -159,12 +204,27 @@ class Stepwatch:
         for j in range(max(0, min(n, self._warmup_end - first + 1))):
             if not tags[j]:
                 tags[j] = TAG_CODES["warmup"]
+        wait = self._wait[:n]
+        # A tag or wait already charged to the step in progress (flush() between the
+        # loader and step()) moves with it to the next window's first slot.
+        tag_next, wait_next = (self._tags[n], self._wait[n]) if n < self._cap else (0, 0.0)
+        m = min(n + 1, self._cap)
+        self._tags[:m] = self._no_tags[:m]
+        self._wait[:m] = self._no_wait[:m]
+        self._tags[0], self._wait[0] = tag_next, wait_next
+        padded = self._padded[:n]
+        unset = padded.count(_UNSET)
+        self._padded[:n] = self._unset[:n]
+        if 0 < unset < n:  # some steps passed padded counts and some not: those had none
+            for j in range(n):
+                if padded[j] == _UNSET:
+                    padded[j] = self._tokens[j]
         window = Window(
             first_step=first,
             step_time_s=self._time[:n],
-            data_wait_s=self._wait[:n],
+            data_wait_s=wait,
             tokens=self._tokens[:n],
-            padded_tokens=self._padded[:n] if self._padded_seen else None,
+            padded_tokens=padded if unset < n else None,
             tags=tags,
             wall_end=time.time(),
             device_events=self._dev.take(n) if self._dev is not None else None,
@@ -174,8 +234,9 @@ class Stepwatch:
         )
         self._first_step = first + n
         self._n = 0
-        self._padded_seen = False
         self._window_start = now
+        self._close_at = now + self._interval
+        self._event_i = self._next_event()
         self._sender.submit(window)
 
     # -- collectives ----------------------------------------------------------------
@@ -210,7 +271,7 @@ class Stepwatch:
                     item = next(it)
             except StopIteration:
                 return
-            self._wait_acc += _perf() - t0
+            self._wait[self._n] += _perf() - t0
             yield item
 
     def add_data_wait(self, seconds: float) -> None:
@@ -218,7 +279,7 @@ class Stepwatch:
         loader ``sw.loader`` cannot wrap (the Lightning and Hugging Face callbacks)."""
         try:
             if seconds > 0:
-                self._wait_acc += float(seconds)
+                self._wait[self._n] += float(seconds)
         except (TypeError, ValueError):
             pass
 
@@ -229,7 +290,7 @@ class Stepwatch:
         code = TAG_CODES.get(tag)
         if code is None:
             raise ValueError(f"unknown tag {tag!r}; use one of {sorted(TAG_CODES)}")
-        self._tag = code
+        self._tags[self._n] = code
 
     @contextmanager
     def phase(self, tag: str) -> Iterator[None]:
@@ -261,6 +322,7 @@ class Stepwatch:
             if self._enabled and (self._n or self._first_step > self._start_step + 1):
                 self._close_window(_perf(), final=True)
             self._enabled = False
+            self._close_at = _OFF
             return self._sender.close(left)
         except Exception as exc:
             self._disable(exc)
@@ -296,7 +358,7 @@ class Stepwatch:
             "failed_attempts": s.failed_attempts,
             "pending_windows": self._sender.pending(),
             "last_error": s.last_error,
-            "hot_path_mean_s": self._hot_s / self._hot_n if self._hot_n else None,
+            "hot_path_mean_s": self.hot_path_mean_s(),
             "profile": self._pw.stats() if self._pw is not None else None,
         }
 
@@ -322,7 +384,7 @@ class Stepwatch:
             # collector / given up after max_attempts (see SenderStats).
             "dropped_windows": stats.lost_windows,
             "dropped_steps": stats.lost_steps,
-            "hot_path_mean_s": self._hot_s / self._hot_n if self._hot_n else None,
+            "hot_path_mean_s": self.hot_path_mean_s(),
         }
         if window.profiles is None:
             window.profiles = self._pw.take() if self._pw is not None else []
@@ -342,6 +404,7 @@ class Stepwatch:
     def _disable(self, exc: BaseException) -> None:
         if self._enabled:
             self._enabled = False
+            self._close_at = _OFF
             self._prof_at = NEVER
             if self._pw is not None:  # never leave torch.profiler recording behind
                 try:

@@ -167,7 +167,7 @@ class Sender:
         self._pushed_bytes += size
         q.append(window)
         if self._thread is None:
-            self._start()
+            self.start()
 
     def pending(self) -> int:
         return len(self._queue) + (self._inflight is not None)
@@ -211,10 +211,14 @@ class Sender:
             )
         return left_behind == 0
 
+    def start(self) -> None:
+        """Start the sending thread (``init`` does, so that no training step pays for it;
+        a forked child that submits starts its own). Idempotent."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="stepwatch-sender", daemon=True)
+            self._thread.start()
+
     # -- sender thread -----------------------------------------------------------
-    def _start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="stepwatch-sender", daemon=True)
-        self._thread.start()
 
     def _reset_after_fork(self) -> None:
         self._pid = os.getpid()

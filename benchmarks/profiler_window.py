@@ -22,7 +22,10 @@ the first window: see ``stepwatch.profiler._window.PRIOR_COST_S``.)
 
 The agents' self-measured figures (windows, period in force, cost per window, and the
 amortised overhead they steer the period by, at the period the window ran under and at
-the period in force after it) are printed next to them.
+the period in force after it) are printed next to them, and the self-estimate at the
+period each window ran under is checked against the in-run excess over the same periods:
+the agent steers its period by the former, so it must agree with the latter within a
+factor of AGREE (met/missed).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ BATCH = 2
 
 AFTER = 8
 NEIGHBOURS = 30
+AGREE = 2.0
 
 
 def _in_run_excess(o: dict[str, Any], k: int = 2) -> tuple[float, float]:
@@ -147,4 +151,16 @@ def report(r: dict[str, Any]) -> list[str]:
         if cost is not None and ratio is not None and now is not None
         else "  self-measured: no window completed"
     )
+    inrun, own = r["in_run_excess_ratio"], r["self_measured_ratio"]
+    if inrun is not None and own is not None and inrun > 0 and own > 0:
+        factor = max(own / inrun, inrun / own)
+        lines.append(
+            f"  self-estimate against the in-run excess (same periods): {own:.2%} vs {inrun:.2%}, "
+            f"{'under' if own < inrun else 'over'} by {factor:.1f}x; budget (within {AGREE:.0f}x): "
+            f"{'met' if factor <= AGREE else 'MISSED'}"
+        )
+    else:
+        lines.append(
+            "  self-estimate against the in-run excess: not comparable (no window or no excess): MISSED"
+        )
     return lines

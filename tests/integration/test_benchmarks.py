@@ -1,11 +1,12 @@
 """The benchmarks still run (tiny sizes): ``make bench`` must not rot between releases.
-The figures themselves are printed by the benchmarks, never asserted here."""
+The figures themselves are printed by the benchmarks, never asserted here; what is
+asserted is that their verdicts can fail (given figures with a known slowdown)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import ingest, loadgen, query, run_listing
+from benchmarks import agent_overhead, ingest, loadgen, profiler_window, query, run_listing
 from benchmarks.__main__ import discover
 from stepwatch_server.schemas.ingest import IngestPayload
 
@@ -43,3 +44,45 @@ def test_benchmark_runs(
 ) -> None:
     assert bench.main(args) == 0  # type: ignore[attr-defined]
     assert says in capsys.readouterr().out
+
+
+def _rounds(aa: list[float], agent: list[float]) -> dict[str, list[dict[str, float]]]:
+    """Per-round runs of 30 ms steps: the second no-agent run and the agent runs as ratios."""
+    base = 0.030
+    return {
+        agent_overhead.NO_AGENT: [{"wall_s": base, "cpu_s": base} for _ in aa],
+        "collector up": [{"wall_s": base * x, "cpu_s": base * x} for x in agent],
+        agent_overhead.AGAIN: [{"wall_s": base * x, "cpu_s": base * x} for x in aa],
+    }
+
+
+def test_overhead_verdict_flags_an_injected_3_percent_slowdown() -> None:
+    quiet = [1.002, 0.998, 1.001, 0.999, 1.003, 0.997]
+    slowed = agent_overhead.verdict(_rounds(quiet, [1.031, 1.029, 1.030, 1.032, 1.028, 1.030]))
+    assert slowed["resolves"] and not slowed["met"]
+    assert slowed["worst"]["wall_s"] == pytest.approx(0.0305, abs=1e-3)
+    fine = agent_overhead.verdict(_rounds(quiet, [1.004, 1.006, 1.005, 1.003, 1.007, 1.005]))
+    assert fine["resolves"] and fine["met"]
+
+
+def test_overhead_verdict_says_when_its_band_cannot_resolve_2_percent() -> None:
+    noisy = [1.06, 0.95, 1.04, 0.96]
+    v = agent_overhead.verdict(_rounds(noisy, [1.03, 1.03, 1.03, 1.03]))
+    assert not v["resolves"] and v["band"]["wall_s"] > 0.02 and not v["met"]
+
+
+def test_profiler_self_estimate_is_checked_against_the_in_run_excess() -> None:
+    figures = {
+        "pairs": [(10.0, 9.9, 20.0, 19.8)],
+        "median_ratio": 1.01,
+        "median_cpu_ratio": 1.01,
+        "windows_per_run": 1.0,
+        "every": [400],
+        "cost_per_window_s": 0.1,
+        "self_measured_ratio": 0.0075,
+        "self_measured_ratio_in_force": 0.0075,
+        "in_run_excess_ratio": 0.0319,
+    }
+    assert any("under by 4.3x" in line and "MISSED" in line for line in profiler_window.report(figures))
+    figures["self_measured_ratio"] = 0.025
+    assert any("within 2x): met" in line for line in profiler_window.report(figures))

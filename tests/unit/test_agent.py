@@ -197,3 +197,69 @@ def test_init_returns_a_working_agent_and_repeated_init_replaces_it(monkeypatch:
     assert b.convention is not None and b.convention["flops_per_token"] == 1e6
     b.step(tokens=1)
     assert b.close(timeout_s=0.1) in (True, False)
+
+
+def test_common_steps_read_the_clock_once_and_time_themselves_one_in_64(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads = [0]
+
+    def counting_clock() -> float:
+        reads[0] += 1
+        return 1000.0 + reads[0] * 1e-6  # every read 1 us after the one before
+
+    monkeypatch.setattr(_agent, "_perf", counting_clock)
+    rec = RecordingSender()
+    sw = make(AgentConfig(run="r", max_window_steps=1024, send_interval_s=1e9, warmup_steps=0), rec)
+    reads[0] = 0
+    for _ in range(640):
+        sw.step(tokens=1)
+    assert reads[0] == 640 + 10  # slots 1, 65, ... 577 time themselves
+    mean = sw.stats["hot_path_mean_s"]
+    assert mean == pytest.approx(1e-6)  # each sampled step: one read after its own
+    sw.close()
+    assert [w.n_steps for w in rec.windows] == [640]
+
+
+def test_the_sender_thread_starts_at_init_not_at_the_first_window() -> None:
+    import threading
+
+    from stepwatch.demo.launch import free_port
+
+    before = {t.ident for t in threading.enumerate()}
+    sw = stepwatch.Stepwatch(
+        AgentConfig(run="r", url=f"http://127.0.0.1:{free_port()}"), detect({}, host="h"), convention=None
+    )
+    try:
+        started = [t for t in threading.enumerate() if t.ident not in before]
+        assert [t.name for t in started] == ["stepwatch-sender"] and started[0].is_alive()
+    finally:
+        sw.close(0.1)
+
+
+def test_disabled_agent_records_nothing_and_says_so_once(clock: FakeClock) -> None:
+    rec = RecordingSender()
+    sw = make(AgentConfig(run="r", max_window_steps=4, send_interval_s=1e9, warmup_steps=0), rec)
+    sw.step(tokens=1)
+    tokens, sw._tokens = sw._tokens, None  # type: ignore[assignment]  # the next step fails inside
+    with pytest.warns(RuntimeWarning, match="disabled itself"):
+        sw.step(tokens=2)
+    sw._tokens = tokens
+    for _ in range(10):  # past the window's capacity: nothing is written, nothing raises
+        clock.t += 1.0
+        sw.step(tokens=3)
+    assert sw.stats["steps"] == 1 and rec.windows == []
+
+
+def test_a_wait_and_tag_charged_before_a_flush_ride_with_their_step(clock: FakeClock) -> None:
+    rec = RecordingSender()
+    sw = make(AgentConfig(run="r", max_window_steps=4, send_interval_s=1e9, warmup_steps=0), rec)
+    sw.step(tokens=1)
+    sw.add_data_wait(0.5)
+    sw.mark("eval")
+    sw.flush()  # between the loader and the step it fed
+    sw.step(tokens=2)
+    sw.step(tokens=3)
+    sw.close()
+    assert [list(w.data_wait_s) for w in rec.windows] == [[0.0], [0.5, 0.0]]
+    assert [list(w.tags or []) for w in rec.windows] == [[0], [3, 0]]
