@@ -3,12 +3,12 @@
 :mod:`.arrivals` says, for one window of one peer group, which ranks arrived last at the
 collectives on most steps and why (extra data wait, extra training-thread CPU, or
 neither: a stalled host), and which hosts had their ranks late together. This module
-turns those verdicts into flags with the persistence and hysteresis of every straggler
-flag: the verdict of each window becomes a :class:`~.peers.WindowVerdict` and advances a
-:class:`~.stragglers.StragglerDetector` of its own, so the flags, their keys
-(``straggler:compute:rank=2``, ``straggler:host:host=node-b``), messages, costs and JSON
-state are those of the profiler-based detector, and the findings/events path (API, page,
-``/metrics``, webhook) carries them unchanged.
+turns those verdicts into compute, host-stall and slow-host flags with the persistence
+and hysteresis of every straggler flag: each window's verdict becomes a
+:class:`~.peers.WindowVerdict` that advances a :class:`~.stragglers.StragglerDetector`
+of its own, so the keys (``straggler:compute:rank=2``, ``straggler:host:host=node-b``),
+messages, costs and JSON state are those of the profiler-based detector, and the
+findings/events path (API, page, ``/metrics``, webhook) carries them unchanged.
 
 A late rank opens a flag after ``OPEN_AFTER`` (2) consecutive late windows, the
 persistence of :func:`.arrivals.persistent`: the sign test already needs most steps of a
@@ -30,7 +30,10 @@ from .types import Cause, Finding
 #: Consecutive late windows that open a flag, clean ones that close it.
 OPEN_AFTER = 2
 CLOSE_AFTER = 3
-CAUSES: tuple[Cause, ...] = ("compute", "host_stall", "data")
+#: The per-rank causes this detector flags. A late rank whose loader wait explains it is
+#: left to the window detector (``peers.py``), which sees loader wait on every step and
+#: names it as ``straggler:data:rank=N`` already: two detectors would open the same key.
+CAUSES: tuple[Cause, ...] = ("compute", "host_stall")
 
 
 class ArrivalDetector:
@@ -60,6 +63,8 @@ class ArrivalDetector:
                 observed.add(host_key(h))
             late = late_ranks(aligned, self.config)
             for x in late:
+                if x.cause == "data":
+                    continue  # the window detector's: loader wait is measured on every step
                 hit = _rank_hit(x, span)
                 hits[hit.key] = hit
             for host in slow_hosts(aligned, late, self.config):
@@ -89,8 +94,6 @@ def _evidence(x: LateRank) -> dict[str, float]:
 
 
 def _why(x: LateRank) -> str:
-    if x.cause == "data":
-        return f"{fmt.secs(x.evidence['extra_data_wait_s'])} more loader wait per step than its peers"
     if x.cause == "compute":
         return (
             f"{fmt.secs(x.evidence['extra_cpu_s'])} more training-thread CPU per step than its peers' "
