@@ -3,7 +3,7 @@
 Steps arrive through the real ingest code (payloads built by the agent's own code, then
 validated by the collector's schema). :func:`fill_breakdown` gives a stored window the
 profiler breakdown through the collector's profile writer
-(:func:`stepwatch_server.ingest.profiles.store_profiles`: running means, and wait vs
+(:func:`stepwatch_server.ingest.profiles.store`: running means, and wait vs
 transfer split from the ranks' arrival times); flags are written by the analysis worker's
 writer (:func:`stepwatch_server.worker.outputs.write_findings`), from findings of the real
 detector (:func:`detect_stragglers`) or built where a test needs exact numbers
@@ -16,14 +16,14 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 
 from sqlalchemy import Engine, select
-from sqlalchemy.dialects import postgresql, sqlite
 
 from stepwatch_server.analysis import types as analysis
 from stepwatch_server.analysis.pipeline import Change
 from stepwatch_server.analysis.stragglers import StragglerDetector
-from stepwatch_server.ingest.profiles import store_profiles
+from stepwatch_server.ingest import profiles
 from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.schemas.ingest import IngestPayload
+from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.models import Rank, RankWindow, Run
 from stepwatch_server.worker.outputs import write_findings
 
@@ -89,7 +89,7 @@ def fill_breakdown(
     """
     rid = run_id(engine, run)
     t = RankWindow.__table__
-    insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+    storage = open_storage(engine)
     with engine.begin() as conn:
         world, window_steps = conn.execute(
             select(Run.world_size, Run.window_steps).where(Run.id == rid)
@@ -118,7 +118,7 @@ def fill_breakdown(
             entry["arrivals"][0]["size"] = world
             body = payload(run=run, rank=rank, world=world, first=first, times=[step_s] * 2, profiles=[entry])
             p = IngestPayload.model_validate(body)
-            store_profiles(conn, insert, run_id=rid, window_steps=window_steps, world_size=world, p=p)
+            profiles.store(conn, storage, rid, window_steps, world, p)
     return window
 
 
