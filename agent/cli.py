@@ -251,6 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--database-url", default=None, help="collector database (default: a temporary SQLite)")
     ev.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     ev.add_argument("--seed", type=int, default=1)
+    ev.add_argument(
+        "--real",
+        action="store_true",
+        help="real-training scenarios instead: 4 gloo ranks, real faults, a CPU burner (minutes per run)",
+    )
+    ev.add_argument("--runs", type=int, default=1, help="with --real: runs per scenario")
+    ev.add_argument(
+        "--scenario", action="append", default=None, help="with --real: one scenario by name; repeatable"
+    )
     ev.set_defaults(func=_evaluate)
     return parser
 

@@ -27,7 +27,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from .arrivals import RankSteps
 from .efficiency import StageImbalance, stage_imbalance
+from .late_arrivals import ArrivalDetector
 from .peers import StragglerConfig
 from .progress import ThroughputWindow
 from .regressions import Baseline, RegressionConfig, RegressionDetector
@@ -194,6 +196,7 @@ class RunAnalysis:
     ) -> None:
         self.run = run
         self.stragglers = StragglerDetector(run, stragglers)
+        self.arrivals = ArrivalDetector(run)
         self.regressions = RegressionDetector(run, regressions, baseline=baseline, fingerprint=fingerprint)
         self.imbalance: StageImbalance | None = None
         self.progress = ProgressTally()
@@ -207,13 +210,17 @@ class RunAnalysis:
         first_step: int,
         last_step: int,
         mfu_per_token_rate: float | None,
+        timing: Sequence[Sequence[RankSteps]] = (),
     ) -> list[Change]:
         """Analyse one complete window (steps ``first_step..last_step``); return the flags
-        that opened or closed in it."""
+        that opened or closed in it. ``timing``: the window's per-step collective timing,
+        one list of ranks per peer group (empty without the agent's communication hook)."""
         changes: list[Change] = []
         if ranks:
             changes += [Change(f, window) for f in self.stragglers.update(ranks)]
             self.imbalance = stage_imbalance(ranks) or self.imbalance
+        if timing:
+            changes += [Change(f, window) for f in self.arrivals.update(window, timing)]
         sample = window_sample(
             steps,
             first_step=first_step,
@@ -228,7 +235,9 @@ class RunAnalysis:
 
     def open_findings(self) -> list[Finding]:
         """Every flag open now, with its latest numbers."""
-        return self.stragglers.open_findings() + self.regressions.open_findings()
+        return (
+            self.stragglers.open_findings() + self.arrivals.open_findings() + self.regressions.open_findings()
+        )
 
     def to_state(self) -> dict[str, Any]:
         """JSON-ready state; :meth:`from_state` rebuilds an equivalent analysis."""
@@ -236,6 +245,7 @@ class RunAnalysis:
         return {
             "version": STATE_VERSION,
             "stragglers": self.stragglers.to_state(),
+            "arrivals": self.arrivals.to_state(),
             "regressions": self.regressions.to_state(),
             "progress": self.progress.to_dict(),
             "imbalance": None
@@ -257,6 +267,8 @@ class RunAnalysis:
             raise ValueError(f"unsupported analysis state version {state.get('version')!r}")
         out = cls(run)
         out.stragglers = StragglerDetector.from_state(state["stragglers"])
+        if "arrivals" in state:  # absent in a state saved before the detector existed
+            out.arrivals = ArrivalDetector.from_state(state["arrivals"])
         out.regressions = RegressionDetector.from_state(state["regressions"])
         out.progress = ProgressTally.from_dict(state.get("progress", {}))
         raw = state.get("imbalance")

@@ -222,12 +222,14 @@ _OPEN_VERB = {
     "data": "is a data straggler since step {first}",
     "link": "has a slow link since step {first}",
     "host": "is slow since step {first}",
+    "host_stall": "stalls on the host since step {first}",
 }
 _CLOSED_VERB = {
     "compute": "was a compute straggler from step {first} to {last}",
     "data": "was a data straggler from step {first} to {last}",
     "link": "had a slow link from step {first} to {last}",
     "host": "was slow from step {first} to {last}",
+    "host_stall": "stalled on the host from step {first} to {last}",
 }
 
 

@@ -15,7 +15,8 @@ from typing import Any, Literal, cast
 from stepwatch import wire
 
 Kind = Literal["straggler", "regression", "hang"]
-Cause = Literal["compute", "link", "data", "host"]
+#: ``host_stall``: a rank arrived late with no extra CPU or loader wait (its host sat idle).
+Cause = Literal["compute", "link", "data", "host", "host_stall"]
 Status = Literal["open", "closed"]
 StepTag = wire.Tag
 

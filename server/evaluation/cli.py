@@ -96,6 +96,14 @@ def evaluate(*, fast: bool, database_url: str | None, seed: int, progress: Any =
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.real:
+        from . import real
+
+        argv = ["--runs", str(args.runs)]
+        argv += [x for name in args.scenario or [] for x in ("--scenario", name)]
+        if args.json:
+            argv += ["--json", args.json]
+        return real.main(argv)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -38,7 +38,38 @@ def fold(payloads: Sequence[IngestPayload], run_ids: Sequence[int], window_steps
         windows, job_steps = _fold_steps(
             [payloads[i] for i in stepped], [run_ids[i] for i in stepped], [window_steps[i] for i in stepped]
         )
-    return Rows(ranks=_ranks(payloads, run_ids), windows=windows, job_steps=job_steps)
+    timed = [i for i in stepped if payloads[i].comm is not None]
+    timings = _step_timings([payloads[i] for i in timed], [run_ids[i] for i in timed]) if timed else {}
+    return Rows(ranks=_ranks(payloads, run_ids), windows=windows, job_steps=job_steps, step_timings=timings)
+
+
+def _step_timings(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:
+    """One ``step_timings`` row per (run, rank, step) of the batches with a ``comm``
+    section; a step two batches of the group both carry keeps the later one (LAST)."""
+    rows: dict[tuple[int, int, int], tuple[float, float, float | None, float | None]] = {}
+    for p, run_id in zip(payloads, run_ids, strict=True):
+        s, c = p.steps, p.comm
+        assert c is not None
+        for j, (t, w, sync, cpu) in enumerate(zip(s.time_s, s.data_wait_s, c.sync_s, c.cpu_s, strict=True)):
+            rows[(run_id, p.rank.rank, s.first + j)] = (t, w, sync, cpu)
+    keys = sorted(rows)
+    values = [rows[k] for k in keys]
+
+    def nullable(i: int) -> np.ma.MaskedArray[Any, Any]:
+        raw = [v[i] for v in values]
+        return np.ma.array(
+            [0.0 if x is None else x for x in raw], mask=[x is None for x in raw], dtype=np.float64
+        )
+
+    return {
+        "run_id": np.array([k[0] for k in keys], dtype=np.int64),
+        "rank": np.array([k[1] for k in keys], dtype=np.int64),
+        "step": np.array([k[2] for k in keys], dtype=np.int64),
+        "step_time_s": np.array([v[0] for v in values], dtype=np.float64),
+        "data_wait_s": np.array([v[1] for v in values], dtype=np.float64),
+        "sync_s": nullable(2),
+        "cpu_s": nullable(3),
+    }
 
 
 def _ranks(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:

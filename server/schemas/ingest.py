@@ -324,7 +324,8 @@ class CommIn(_Strict):
     Per step, seconds after the step's start on this rank's clock (``null``: no collective
     in that step): ``arrive_s`` last bucket ready, ``end_s`` last collective ended,
     ``sync_s`` end minus arrival of the last bucket, ``cpu_s`` training-thread CPU time.
-    Accepted and validated; the collector does not store it yet.
+    Ingest stages ``sync_s`` and ``cpu_s`` per step (``step_timings``) for the late-arrival
+    detectors until the step's window is analysed.
     """
 
     version: Literal[1]

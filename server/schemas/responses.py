@@ -230,7 +230,7 @@ class EventOut(BaseModel):
     id: int
     key: str
     kind: Literal["straggler", "regression", "hang"]
-    cause: Literal["compute", "link", "data", "host"] | None
+    cause: Literal["compute", "link", "data", "host", "host_stall"] | None
     ranks: list[int]
     hosts: list[str]
     first_step: int

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, overload
 
 import numpy as np
@@ -29,7 +29,7 @@ import numpy.typing as npt
 from sqlalchemy import BigInteger, Integer, Table, bindparam, func
 from sqlalchemy.sql.elements import ColumnElement
 
-from .models import INT32_MAX, INT64_MAX, JobStep, Rank, RankWindow
+from .models import INT32_MAX, INT64_MAX, JobStep, Rank, RankWindow, StepTiming
 
 
 class Rule(enum.Enum):
@@ -128,6 +128,16 @@ JOB_STEPS = Summed(
     ),
 )
 
+#: Staged per-step collective timing: one rank reports a step once; a step sent again
+#: under a fresh batch id (a restarted agent) replaces what it said.
+STEP_TIMINGS = Summed(
+    StepTiming.__table__,  # type: ignore[arg-type]
+    (
+        *_cols(Rule.KEY, "run_id", "rank", "step"),
+        *_cols(Rule.LAST, "step_time_s", "data_wait_s", "sync_s", "cpu_s"),
+    ),
+)
+
 #: The breakdown parts a profiler window measures per step, as ``rank_windows`` keeps them.
 BREAKDOWN = tuple(c.name for c in RANK_WINDOWS.columns if c.weight == "profiled_steps")
 #: The wait/transfer split, filled once all ranks reported a window.
@@ -139,16 +149,23 @@ Columns = dict[str, Any]
 
 @dataclass(frozen=True)
 class Rows:
-    """Column-oriented rows for the three tables, one row per key, sorted by key: numpy
-    arrays for the step-derived tables (sent to PostgreSQL in binary), lists for ``ranks``."""
+    """Column-oriented rows for the summed tables, one row per key, sorted by key: numpy
+    arrays for the step-derived tables (sent to PostgreSQL in binary), lists for ``ranks``.
+    ``step_timings`` is empty for batches without a ``comm`` section."""
 
     ranks: Columns
     windows: Columns
     job_steps: Columns
+    step_timings: Columns = field(default_factory=dict)
 
     def tables(self) -> tuple[tuple[Summed, Columns], ...]:
         """The tables in the order every writer takes them (so writers cannot deadlock)."""
-        return ((RANKS, self.ranks), (RANK_WINDOWS, self.windows), (JOB_STEPS, self.job_steps))
+        return (
+            (RANKS, self.ranks),
+            (RANK_WINDOWS, self.windows),
+            (JOB_STEPS, self.job_steps),
+            (STEP_TIMINGS, self.step_timings),
+        )
 
 
 # -- the step -> window rule ----------------------------------------------------------

@@ -273,6 +273,25 @@ class JobStep(Base):
     wall_end: Mapped[float] = mapped_column(Float)
 
 
+class StepTiming(Base):
+    """Staging of the always-on collective timing (the agent's ``comm`` section), one row
+    per rank and step, until the worker has analysed the step's window: the late-arrival
+    detectors pair ranks step by step, which a window's sums cannot do. The worker deletes
+    the rows of every window it analysed, so the table holds a few windows per rank."""
+
+    __tablename__ = "step_timings"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    step_time_s: Mapped[float] = mapped_column(Float)
+    data_wait_s: Mapped[float] = mapped_column(Float)
+    #: End minus arrival of the step's last bucket (null: no collective in the step).
+    sync_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: Training-thread CPU time of the step (null: not measured).
+    cpu_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
 class IngestedBatch(Base):
     """Batch ids already stored: a retried batch is acknowledged but not stored twice.
     Scoped by run: one run's writer cannot make another run's batch look like a retry."""

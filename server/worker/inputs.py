@@ -17,12 +17,13 @@ from sqlalchemy import Connection, exists, func, select
 
 from stepwatch import wire
 
+from ..analysis.arrivals import RankSteps
 from ..analysis.pipeline import StepRow, tag_of
 from ..analysis.robust import median
 from ..analysis.types import RankWindow
 from ..reads.runs import RunInfo, run_info
 from ..storage.columns import window_of
-from ..storage.models import IngestedBatch, Rank, Run, unix
+from ..storage.models import IngestedBatch, Rank, Run, StepTiming, unix
 from ..storage.models import JobStep as JobStepRow
 from ..storage.models import RankWindow as RankWindowRow
 from .readiness import RankProgress
@@ -32,6 +33,7 @@ RANKS = Rank.__table__
 RW = RankWindowRow.__table__
 JS = JobStepRow.__table__
 BATCHES = IngestedBatch.__table__
+ST = StepTiming.__table__
 #: Ranks per IN list: keeps the statement well under every backend's parameter limit.
 RANK_CHUNK = 2000
 
@@ -209,3 +211,59 @@ def job_steps(conn: Connection, run: RunInfo, first: int, last: int) -> dict[int
             )
         )
     return steps
+
+
+def step_timings(
+    conn: Connection, run: RunInfo, ranks: Sequence[RankRow], first: int, last: int
+) -> dict[int, list[RankSteps]]:
+    """Staged per-step collective timing of windows ``first..last``, by window index: per
+    window, one :class:`RankSteps` per rank that sent timing for it (a seek per rank)."""
+    ws = run.window_steps
+    lo, hi = first * ws + 1, (last + 1) * ws
+    hosts = {r.rank: r.host for r in ranks}
+    series: dict[tuple[int, int], list[tuple[int, float, float, float | None, float | None]]] = {}
+    ids = sorted(hosts)
+    for i in range(0, len(ids), RANK_CHUNK):
+        rows = conn.execute(
+            select(ST.c.rank, ST.c.step, ST.c.step_time_s, ST.c.data_wait_s, ST.c.sync_s, ST.c.cpu_s)
+            .where(ST.c.run_id == run.id, ST.c.rank.in_(ids[i : i + RANK_CHUNK]), ST.c.step.between(lo, hi))
+            .order_by(ST.c.rank, ST.c.step)
+        )
+        for r in rows:
+            series.setdefault((window_of(r.step, ws), r.rank), []).append(
+                (r.step, r.step_time_s, r.data_wait_s, r.sync_s, r.cpu_s)
+            )
+    out: dict[int, list[RankSteps]] = {}
+    for (w, rank), rows_ in sorted(series.items()):
+        # Steps a rank did not report stay unmeasured (None), so steps keep their places.
+        first_step = rows_[0][0]
+        n = rows_[-1][0] - first_step + 1
+        step_time: list[float] = [0.0] * n
+        wait: list[float] = [0.0] * n
+        sync: list[float | None] = [None] * n
+        cpu: list[float | None] = [None] * n
+        for step, t, d, sy, c in rows_:
+            j = step - first_step
+            step_time[j], wait[j], sync[j], cpu[j] = t, d, sy, c
+        out.setdefault(w, []).append(RankSteps(rank, hosts[rank], first_step, step_time, wait, sync, cpu))
+    return out
+
+
+def peer_groups(ranks: Sequence[RankRow]) -> dict[int, tuple[int, int, int]]:
+    """Each rank's peer group: the data-parallel replicas of one (pipeline stage, tensor
+    rank, context rank) cell do the same work and meet in the same gradient all-reduce;
+    in pure data parallel every rank has the key (0, 0, 0)."""
+    return {
+        r.rank: (int(r.coords.get("pp", 0)), int(r.coords.get("tp", 0)), int(r.coords.get("cp", 0)))
+        for r in ranks
+    }
+
+
+def by_group(
+    series: Sequence[RankSteps], peer_of: Mapping[int, tuple[int, int, int]]
+) -> list[list[RankSteps]]:
+    """One window's ranks split into peer groups (ordered by group key)."""
+    groups: dict[tuple[int, int, int], list[RankSteps]] = {}
+    for s in series:
+        groups.setdefault(peer_of.get(s.rank, (0, 0, 0)), []).append(s)
+    return [groups[k] for k in sorted(groups)]

@@ -47,6 +47,7 @@ from .outputs import (
     StateConflictError,
     StoredState,
     Transition,
+    drop_step_timings,
     load_state,
     open_hangs,
     save_state,
@@ -202,6 +203,8 @@ class AnalysisWorker:
                 first, last = ready.windows[0], ready.windows[-1]
                 windows = inputs.rank_windows(conn, run, ranks, first, last)
                 steps = inputs.job_steps(conn, run, first, last)
+                timing = inputs.step_timings(conn, run, ranks, first, last)
+                peer_of = inputs.peer_groups(ranks)
                 ws = run.window_steps
                 for w in ready.windows:
                     changes += analysis.feed(
@@ -211,8 +214,11 @@ class AnalysisWorker:
                         first_step=w * ws + 1,
                         last_step=(w + 1) * ws,
                         mfu_per_token_rate=run.mfu_per_token_rate,
+                        timing=inputs.by_group(timing.get(w, []), peer_of),
                     )
                 next_window = last + 1
+                # Staged per-step timing is only needed until its window is analysed.
+                drop_step_timings(conn, run.id, [r.rank for r in ranks], (last + 1) * ws)
             stamp = datetime.fromtimestamp(now, timezone.utc)
             # Open flags are refreshed (latest step, evidence, cost) only when windows moved.
             refresh = analysis.open_findings() if ready.windows else []

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, delete, insert, select, update
 
 from ..analysis.pipeline import Change
 from ..analysis.types import Finding
-from ..storage.models import AnalysisState, Event
+from ..storage.models import AnalysisState, Event, StepTiming
 
 EV = Event.__table__
 STATE = AnalysisState.__table__
@@ -199,3 +199,21 @@ def open_hangs(conn: Connection, run_id: int) -> list[Finding]:
 
 def utcnow_from(unix_s: float) -> datetime:
     return datetime.fromtimestamp(unix_s, timezone.utc)
+
+
+def drop_step_timings(conn: Connection, run_id: int, ranks: Sequence[int], through_step: int) -> int:
+    """Delete the staged timing of every step up to ``through_step`` (the last step of
+    the last window analysed), late rows of earlier windows included; a seek per rank.
+    Returns the rows deleted."""
+    deleted = 0
+    ids = sorted(ranks)
+    for i in range(0, len(ids), 2000):
+        result = conn.execute(
+            delete(StepTiming).where(
+                StepTiming.run_id == run_id,
+                StepTiming.rank.in_(ids[i : i + 2000]),
+                StepTiming.step <= through_step,
+            )
+        )
+        deleted += result.rowcount or 0
+    return deleted

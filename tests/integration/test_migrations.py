@@ -20,6 +20,7 @@ TABLES = {
     "collective_stats",
     "profile_pending",
     "profile_arrivals",
+    "step_timings",
 }
 
 

@@ -1,0 +1,123 @@
+"""The always-on collective timing through the collector: ingest stages it per (run,
+rank, step), the worker turns it into late-arrival straggler flags and deletes what it
+analysed. Real database (SQLite and PostgreSQL), batches through the real API in process,
+worker passes run by the test."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine, func, select
+
+from stepwatch_server.app import create_app
+from stepwatch_server.settings import Settings
+from stepwatch_server.storage.backend import open_storage
+from stepwatch_server.storage.models import StepTiming
+from stepwatch_server.worker import AnalysisWorker, WorkerConfig
+
+from ..payloads import payload
+
+W = 4  # ranks
+STEPS = 8  # steps per window (window_seconds 4 / 0.5 s steps)
+
+
+@pytest.fixture
+def client(db_url: str, engine: Engine) -> Iterator[TestClient]:
+    app = create_app(Settings(database_url=db_url, window_seconds=4.0, analysis_enabled=False), engine=engine)
+    with TestClient(app) as c:
+        yield c
+
+
+def comm(rank: int, window: int, *, late_rank: int | None, extra_cpu: float) -> dict[str, Any]:
+    """Per step: ``late_rank`` arrives 0.05 s after its peers (so its sync is the short
+    one: nobody is left to wait for) and burns ``extra_cpu`` more CPU; small jitter."""
+    sync: list[float | None] = []
+    cpu: list[float | None] = []
+    for j in range(STEPS):
+        jitter = 0.0005 * ((rank * 3 + j + window) % 4)
+        late = rank == late_rank
+        sync.append(0.01 + jitter if late else 0.06 + jitter)
+        cpu.append(0.3 + jitter + (extra_cpu if late else 0.0))
+    sync[3] = None if rank == 0 and window == 0 else sync[3]  # a step without a collective
+    arrive = [0.4] * STEPS
+    end: list[float | None] = [0.45] * STEPS
+    return {"version": 1, "arrive_s": arrive, "end_s": end, "sync_s": sync, "cpu_s": cpu}
+
+
+def send(client: TestClient, windows: range, *, late_rank: int | None, extra_cpu: float = 0.05) -> None:
+    for w in windows:
+        for r in range(W):
+            body = payload(
+                rank=r,
+                world=W,
+                first=w * STEPS + 1,
+                times=[0.5] * STEPS,
+                waits=[0.001] * STEPS,
+                comm=comm(r, w, late_rank=late_rank, extra_cpu=extra_cpu),
+            )
+            for _ in range(2 if w == 0 else 1):  # the first window's batches are retried
+                assert client.post("/api/v1/ingest", json=body).status_code == 200
+
+
+def worker(engine: Engine) -> AnalysisWorker:
+    return AnalysisWorker(open_storage(engine), WorkerConfig(), clock=time.time)
+
+
+def staged(engine: Engine) -> list[StepTiming]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(select(StepTiming).order_by(StepTiming.rank, StepTiming.step)).all()  # type: ignore[arg-type]
+        )
+
+
+def test_ingest_stages_each_rank_step_once_with_its_values(client: TestClient, engine: Engine) -> None:
+    send(client, range(0, 2), late_rank=2)
+    rows = staged(engine)
+    assert len(rows) == W * 2 * STEPS  # retried batches stored once
+    by_key = {(r.rank, r.step): r for r in rows}
+    r2 = by_key[(2, 1)]
+    assert (r2.step_time_s, r2.data_wait_s) == (0.5, 0.001)
+    assert r2.sync_s == pytest.approx(0.01 + 0.0005 * (6 % 4))
+    assert r2.cpu_s == pytest.approx(0.35 + 0.0005 * (6 % 4))
+    assert by_key[(0, 4)].sync_s is None and by_key[(0, 4)].cpu_s is not None
+
+
+def test_a_late_rank_with_extra_cpu_is_a_compute_straggler_and_staging_is_emptied(
+    client: TestClient, engine: Engine
+) -> None:
+    send(client, range(0, 4), late_rank=2)
+    report = worker(engine).run_once()
+    assert report.windows == 3  # window 3 holds the newest steps: not complete yet
+    [(_, opened)] = report.transitions
+    f = opened.finding
+    assert (f.key, f.cause, f.ranks, f.status) == ("straggler:compute:rank=2", "compute", (2,), "open")
+    # Only the window not yet analysed is still staged.
+    assert {r.step for r in staged(engine)} == set(range(3 * STEPS + 1, 4 * STEPS + 1))
+    (ev,) = client.get("/api/v1/runs/test-run/events").json()
+    assert ev["evidence"]["opened_window"] == 1  # late in windows 0 and 1: open after two
+    assert ev["cost_seconds"] == pytest.approx(0.05, abs=0.002)
+    assert ev["cost_ratio"] == pytest.approx(0.1, abs=0.005)
+    assert ev["evidence"]["extra_cpu_s"] == pytest.approx(0.05, abs=0.002)
+    assert ev["message"].startswith("Rank 2 (host node0) is a compute straggler since step 1")
+
+
+def test_a_late_rank_without_extra_cpu_is_a_host_stall(client: TestClient, engine: Engine) -> None:
+    send(client, range(0, 4), late_rank=1, extra_cpu=0.0)
+    [(_, opened)] = worker(engine).run_once().transitions
+    assert (opened.finding.key, opened.finding.cause) == ("straggler:host_stall:rank=1", "host_stall")
+    (ev,) = client.get("/api/v1/runs/test-run/events").json()
+    assert ev["cause"] == "host_stall"
+
+
+def test_ranks_arriving_together_raise_nothing(client: TestClient, engine: Engine) -> None:
+    send(client, range(0, 6), late_rank=None)
+    report = worker(engine).run_once()
+    assert report.windows == 5 and report.transitions == []
+    assert client.get("/api/v1/runs/test-run/events").json() == []
+    assert len(staged(engine)) == W * STEPS
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(StepTiming)).scalar() == W * STEPS
