@@ -8,13 +8,16 @@ rank stops inside a step; the others then block in the next all-reduce).
 
 The slow rank's extra time comes in three kinds (``--slow-kind``):
 
-``op`` (default)
+``busy`` (default)
+    Real matmuls for the time: real extra compute, which competes for the cores like the
+    work of a rank whose device is slower. The always-on timing (the DDP comm hook that
+    ``sw.watch`` installs) sees the rank arrive last at every all-reduce having done more
+    work, and names it a compute straggler without the profiler.
+``op``
     A custom ATen op (``stepwatch_demo::throttle``) that holds the host for the time
     without using the CPU: to the profiler it is an operator that runs longer, as a
     kernel of a throttled GPU does, and it leaves the cores to the other ranks, so the
     effect does not drown in CPU contention when ranks outnumber cores.
-``busy``
-    Real matmuls for the time (compute that competes for cores).
 ``sleep``
     A plain ``time.sleep``: the profiler counts it as idle (host time outside operators).
 
@@ -74,7 +77,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-ms", type=float, default=0.0)
     p.add_argument("--slow-from", type=int, default=0, help="first step (1-based) of the slowdown")
     p.add_argument("--slow-to", type=int, default=1 << 30, help="last step of the slowdown")
-    p.add_argument("--slow-kind", choices=("op", "busy", "sleep"), default="op", help="see the docstring")
+    p.add_argument("--slow-kind", choices=("op", "busy", "sleep"), default="busy", help="see the docstring")
     p.add_argument("--profile-every", type=int, default=None, help="profiler window period (0: off)")
     p.add_argument("--profile-steps", type=int, default=None, help="steps per profiler window")
     p.add_argument("--profile-budget", type=float, default=None, help="profiler cost budget (0-1)")
@@ -137,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile_steps=args.profile_steps,
         profile_budget=args.profile_budget,
     )
+    sw.watch(ddp)  # always-on collective timing: who arrives last at each all-reduce
     stall_s = args.stall_ms / 1000.0 / args.batch if rank == args.stall_rank else 0.0
     data = SyntheticText(cfg, size=args.steps * args.batch, seed=rank, stall_s=stall_s)
     loader = DataLoader(data, batch_size=args.batch, num_workers=0)

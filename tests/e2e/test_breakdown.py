@@ -73,7 +73,9 @@ def test_compute_straggler_has_the_most_compute_and_the_least_collective_wait(tm
     highest, it arrives last at the all-reduce so it waits least, and its peers wait for it.
     """
     slow = 0.1
-    ranks = _run(tmp_path, "e2e-slow-rank", ["--slow-rank", "2", "--slow-ms", str(slow * 1000)])
+    ranks = _run(
+        tmp_path, "e2e-slow-rank", ["--slow-rank", "2", "--slow-kind", "op", "--slow-ms", str(slow * 1000)]
+    )
     compute = {r["rank"]: r["profile"]["compute_s"] for r in ranks}
     wait = {r["rank"]: r["profile"]["comm_wait_s"] for r in ranks}
     assert max(compute, key=compute.__getitem__) == 2, compute
