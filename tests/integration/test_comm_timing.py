@@ -66,6 +66,10 @@ def _worker(rank: int, init: str, out: str) -> None:
     result["section"] = section
     with open(out.format(rank=rank), "w") as f:
         json.dump(result, f)
+    # Every rank leaves together, as the demo's ranks do: a gloo rank that tears its group
+    # down while a peer still talks to it can abort ("terminate called without an active
+    # exception", seen once under CI).
+    dist.barrier()
     dist.destroy_process_group()
 
 
