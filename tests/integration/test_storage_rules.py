@@ -26,8 +26,8 @@ from sqlalchemy import Engine, select
 
 from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.schemas.ingest import IngestPayload
-from stepwatch_server.storage.backend import Storage, open_storage
 from stepwatch_server.storage import migrate, rollups
+from stepwatch_server.storage.backend import Storage, open_storage
 from stepwatch_server.storage.columns import JOB_STEP_BUCKETS, JOB_STEPS, RANK_WINDOWS, RANKS, Summed
 from stepwatch_server.storage.engine import make_engine
 from stepwatch_server.storage.models import Run, unix
