@@ -13,6 +13,7 @@ Create Date: 2026-12-01
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
@@ -25,7 +26,7 @@ depends_on: str | Sequence[str] | None = None
 
 _VALUES = ("step_time", "slowest", "data_wait", "tokens_per_s", "ranks")
 #: The columns this revision creates (the backfill fills exactly these).
-COLUMNS: tuple[tuple[str, sa.types.TypeEngine[object], bool], ...] = (
+COLUMNS: tuple[tuple[str, Any, bool], ...] = (
     ("n_steps", sa.Integer(), False),
     ("first_step", sa.BigInteger(), False),
     ("last_step", sa.BigInteger(), False),

@@ -204,7 +204,7 @@ def overview(conn: Connection, name: str, *, rule: StatusRule = DEFAULT_RULE) ->
         tokens_total=round(totals[3]),
         step_time_s=Stat(
             latest=recent[0] / recent[1] if recent[1] else None,
-            mean=steady[0] / steady[1] if steady[1] else None,
+            mean=steady[0] / steady[1] if steady[1] and steady[0] is not None else None,
         ),
         tokens_per_s=tps,
         mfu=mfu,
@@ -359,7 +359,7 @@ def _raw_points(
         .where(JS.c.run_id == run_id, _valid(), JS.c.step >= lo, JS.c.step <= hi)
         .group_by(g)
     )
-    return [tuple(r) for r in conn.execute(q)]  # type: ignore[misc]
+    return [tuple(r) for r in conn.execute(q)]
 
 
 def _bucket_points(
@@ -379,7 +379,7 @@ def _bucket_points(
         .where(JB.c.run_id == run_id, JB.c.bucket >= b_lo, JB.c.bucket <= b_hi)
         .group_by(g)
     )
-    return [tuple(r) for r in conn.execute(q)]  # type: ignore[misc]
+    return [tuple(r) for r in conn.execute(q)]
 
 
 def ranks(conn: Connection, name: str, *, profile_windows: int = 1) -> list[RankSummary]:
