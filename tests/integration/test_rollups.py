@@ -4,6 +4,7 @@ PostgreSQL cannot lose each other's steps."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -80,7 +81,7 @@ def test_series_points_are_the_steps_they_cover(
     lo, hi = (1, STEPS) if from_step is None else (max(1, from_step), min(STEPS, to_step or 0))
     assert 0 < len(points) <= max_points
     assert sum(p["count"] for p in points) == hi - lo + 1  # every step once
-    for p, q in zip(points, points[1:], strict=False):
+    for p, q in itertools.pairwise(points):
         assert p["step_to"] < q["step_from"]
     for p in points:
         values = [steps[s].step_time_sum / steps[s].ranks for s in range(p["step_from"], p["step_to"] + 1)]
