@@ -1,22 +1,30 @@
 """The bounded reads behind one scrape, each returning plain rows.
 
-Every query is either an index probe per run (``max`` over a primary-key or index prefix)
-or a range of a run's newest rows, so a scrape costs O(runs exported x ranks) whatever
-the length of the runs' history. The one exception is the first token sum of a run after
-the collector starts (see ``collector.py``), which reads the run's steps once.
+Every query is an index probe per run (``max`` over a primary-key or index prefix), a
+range of a run's newest rows, or an aggregate over the rows of one or two windows of a
+run, so a scrape costs O(runs exported) round trips whatever the length of the runs'
+history, and returns O(runs x (top-K + quantiles)) rows whatever their rank count: the
+quantiles across ranks, the slowest ranks and the breakdown means are computed by the
+database (:func:`window_census`, :func:`profiled_summary`, :func:`order_statistics`),
+and only the selected ranks' rows are fetched (:func:`rank_rows`). Fetching every rank's
+rows of the newest windows into objects and sorting them in Python was 85% of a scrape at
+16,384 ranks. The one exception is the first token sum of a run after the collector
+starts (see ``collector.py``), which reads the run's steps once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Float, and_, cast, func, or_, select
+from sqlalchemy import Connection, Float, and_, case, cast, false, func, literal, or_, select, union_all
+from sqlalchemy.sql.elements import ColumnElement
 
-from ..storage.models import Event, JobStep, Rank, RankWindow, Run, unix
-from .state import EventRow, RankRow, StepRow
+from ..reads.runs import RunInfo, run_info
+from ..storage.models import Event, JobStep, Rank, RankWindow, Run
+from .state import RANK_QUANTITIES, EventRow, JobStepSums, RankWindowSums
 
 RUNS = Run.__table__
 JS = JobStep.__table__
@@ -26,24 +34,13 @@ RANKS = Rank.__table__
 
 
 @dataclass(frozen=True, slots=True)
-class RunHead:
-    id: int
-    name: str
-    world_size: int
-    dp_size: int
-    window_steps: int
-    convention: Mapping[str, Any] | None
-    last_report_ts: float
-
-
-@dataclass(frozen=True, slots=True)
 class RunTail:
     last_step: int | None
     last_step_ts: float | None
     last_profiled_window: int | None
 
 
-def reporting_runs(conn: Connection, *, since: float, limit: int) -> tuple[list[RunHead], int]:
+def reporting_runs(conn: Connection, *, since: float, limit: int) -> tuple[list[RunInfo], int]:
     """The ``limit`` runs that reported most recently, if at or after ``since`` (collector
     clock, Unix s), newest first; and how many reported since then.
 
@@ -53,33 +50,10 @@ def reporting_runs(conn: Connection, *, since: float, limit: int) -> tuple[list[
     recent = RUNS.c.last_report_at >= cutoff
     active = conn.execute(select(func.count()).select_from(RUNS).where(recent)).scalar_one()
     rows = conn.execute(
-        select(
-            RUNS.c.id,
-            RUNS.c.name,
-            RUNS.c.world_size,
-            RUNS.c.dp_size,
-            RUNS.c.window_steps,
-            RUNS.c.convention,
-            RUNS.c.last_report_at,
-        )
-        .where(recent)
-        .order_by(RUNS.c.last_report_at.desc(), RUNS.c.name)
-        .limit(limit)
+        select(RUNS).where(recent).order_by(RUNS.c.last_report_at.desc(), RUNS.c.name).limit(limit)
     ).all()
-    heads = [
-        RunHead(
-            id=r.id,
-            name=r.name,
-            world_size=r.world_size,
-            dp_size=r.dp_size,
-            window_steps=r.window_steps,
-            convention=r.convention,
-            last_report_ts=ts,
-        )
-        for r in rows
-        if (ts := unix(r.last_report_at)) is not None
-    ]
-    return heads, int(active)
+    runs = [run_info(r) for r in rows]
+    return [r for r in runs if r.last_report_ts is not None], int(active)
 
 
 def tails(conn: Connection, ids: Iterable[int]) -> dict[int, RunTail]:
@@ -108,8 +82,8 @@ def tails(conn: Connection, ids: Iterable[int]) -> dict[int, RunTail]:
     return {r.id: RunTail(r.s, r.w, r.p) for r in rows}
 
 
-def _step_row(r: Any) -> StepRow:
-    return StepRow(
+def _step_row(r: Any) -> JobStepSums:
+    return JobStepSums(
         step=r.step,
         ranks=r.ranks,
         token_ranks=r.token_ranks,
@@ -134,9 +108,9 @@ _STEP_COLS = (
 )
 
 
-def recent_steps(conn: Connection, after: Mapping[int, int]) -> dict[int, list[StepRow]]:
+def recent_steps(conn: Connection, after: Mapping[int, int]) -> dict[int, list[JobStepSums]]:
     """Job steps newer than ``after[run_id]``, per run (a primary-key range each)."""
-    out: dict[int, list[StepRow]] = {run_id: [] for run_id in after}
+    out: dict[int, list[JobStepSums]] = {run_id: [] for run_id in after}
     if not after:
         return out
     cond = or_(*(and_(JS.c.run_id == run_id, JS.c.step > step) for run_id, step in after.items()))
@@ -145,7 +119,7 @@ def recent_steps(conn: Connection, after: Mapping[int, int]) -> dict[int, list[S
     return out
 
 
-def first_untagged_steps(conn: Connection, run_id: int, limit: int) -> list[StepRow]:
+def first_untagged_steps(conn: Connection, run_id: int, limit: int) -> list[JobStepSums]:
     """The run's first ``limit`` untagged steps (its baseline after warm-up)."""
     q = select(*_STEP_COLS).where(JS.c.run_id == run_id, JS.c.tag == 0).order_by(JS.c.step).limit(limit)
     return [_step_row(r) for r in conn.execute(q)]
@@ -173,14 +147,213 @@ def token_sums(conn: Connection, spans: Mapping[int, tuple[int, int]]) -> dict[i
     return out
 
 
-def rank_rows(conn: Connection, windows: Mapping[int, Iterable[int]]) -> dict[int, list[RankRow]]:
-    """Every rank's row of the given windows, per run (index ``(run_id, window)``)."""
-    wanted = {run_id: sorted(set(ws)) for run_id, ws in windows.items()}
-    out: dict[int, list[RankRow]] = {run_id: [] for run_id in wanted}
-    wanted = {k: v for k, v in wanted.items() if v}
-    if not wanted:
+# -- across ranks, computed by the database -------------------------------------------
+
+#: Per-step means of a window row, as :class:`RankWindowSums` computes them.
+_STEP_TIME = case((RW.c.n_steps > 0, RW.c.step_time_sum / RW.c.n_steps), else_=0.0)
+_DATA_WAIT = case((RW.c.n_steps > 0, RW.c.data_wait_sum / RW.c.n_steps), else_=0.0)
+#: A row of a profiled window whose breakdown is known (``RankWindowSums.profiled``).
+_PROFILED = and_(RW.c.profiled_steps.is_not(None), RW.c.compute_s.is_not(None))
+
+
+def _in_windows(windows: Mapping[int, Collection[int]]) -> ColumnElement[bool]:
+    return or_(
+        false(),
+        *(and_(RW.c.run_id == run_id, RW.c.window.in_(sorted(ws))) for run_id, ws in windows.items() if ws),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WindowCensus:
+    """One window of a run: how many ranks stored a row, and their values' totals."""
+
+    ranks: int
+    step_time_total: float
+    data_wait_total: float
+
+
+def window_census(
+    conn: Connection, windows: Mapping[int, Collection[int]]
+) -> tuple[dict[int, dict[int, WindowCensus]], dict[int, int]]:
+    """Per run and window: the rank count and totals; and per run, the distinct ranks
+    that stored a row in any of its given windows (index ``(run_id, window)``)."""
+    out: dict[int, dict[int, WindowCensus]] = {run_id: {} for run_id in windows}
+    reporting = dict.fromkeys(windows, 0)
+    cond = _in_windows(windows)
+    q = (
+        select(RW.c.run_id, RW.c.window, func.count(), func.sum(_STEP_TIME), func.sum(_DATA_WAIT))
+        .where(cond)
+        .group_by(RW.c.run_id, RW.c.window)
+    )
+    for run_id, window, n, st, dw in conn.execute(q):
+        out[run_id][window] = WindowCensus(int(n), float(st or 0.0), float(dw or 0.0))
+    q2 = select(RW.c.run_id, func.count(func.distinct(RW.c.rank))).where(cond).group_by(RW.c.run_id)
+    for run_id, n in conn.execute(q2):
+        reporting[run_id] = int(n)
+    return out, reporting
+
+
+@dataclass(frozen=True, slots=True)
+class ProfiledSummary:
+    """The profiled rows of a run's newest profiled window: counts, totals, means."""
+
+    ranks: int
+    compute_total: float
+    comm_wait_ranks: int
+    comm_wait_total: float
+    #: Mean over the profiled ranks of each part of the step (``state.PHASES``).
+    means: Mapping[str, float]
+
+
+def profiled_summary(conn: Connection, windows: Mapping[int, int]) -> dict[int, ProfiledSummary]:
+    """Per run, the breakdown of its given profiled window (runs without one: absent)."""
+    if not windows:
+        return {}
+    cond = and_(_PROFILED, _in_windows({r: [w] for r, w in windows.items()}))
+    parts = {
+        "compute": func.coalesce(RW.c.compute_s, 0.0),
+        "comm_overlapped": func.coalesce(RW.c.comm_overlapped_s, 0.0),
+        "comm_exposed": func.coalesce(RW.c.comm_exposed_s, 0.0),
+        "data_wait": _DATA_WAIT,
+        "idle": func.coalesce(RW.c.idle_s, 0.0),
+    }
+    q = (
+        select(
+            RW.c.run_id,
+            func.count(),
+            func.sum(RW.c.compute_s),
+            func.count(RW.c.comm_wait_s),
+            func.sum(RW.c.comm_wait_s),
+            *(func.avg(v) for v in parts.values()),
+        )
+        .where(cond)
+        .group_by(RW.c.run_id)
+    )
+    out = {}
+    for run_id, n, compute, n_wait, wait, *means in conn.execute(q):
+        out[run_id] = ProfiledSummary(
+            ranks=int(n),
+            compute_total=float(compute or 0.0),
+            comm_wait_ranks=int(n_wait),
+            comm_wait_total=float(wait or 0.0),
+            means={k: float(m) for k, m in zip(parts, means, strict=True)},
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class OrderRequest:
+    """What one run needs of the ordering of its ranks: the window each quantity is read
+    from (``complete`` for step time and data wait, ``profiled`` for compute and
+    collective wait), the 0-based positions wanted per quantity in ascending order, and
+    how many of the largest of each quantity in ``top``."""
+
+    complete: int | None
+    profiled: int | None
+    positions: Mapping[str, Collection[int]]
+    top: int
+    top_of: Collection[str]
+
+
+@dataclass
+class OrderStatistics:
+    #: Quantity -> position -> value (ascending order of the quantity across ranks).
+    at: dict[str, dict[int, float]]
+    #: Quantity -> (rank, value) of the largest values, largest first, ties to the lower rank.
+    top: dict[str, list[tuple[int, float]]]
+
+
+_QUANTITY_CODE = {q: i for i, q in enumerate(RANK_QUANTITIES)}
+
+
+def order_statistics(conn: Connection, wanted: Mapping[int, OrderRequest]) -> dict[int, OrderStatistics]:
+    """Chosen order statistics and the largest values of each quantity across the ranks
+    of a run, in one query: the database ranks the rows (``row_number``), only the
+    wanted positions come back."""
+    out = {run_id: OrderStatistics(at={}, top={}) for run_id in wanted}
+    sources = []
+    for run_id, req in wanted.items():
+        for quantity, window, value, extra in (
+            ("step_time", req.complete, _STEP_TIME, None),
+            ("data_wait", req.complete, _DATA_WAIT, None),
+            ("compute", req.profiled, RW.c.compute_s, None),
+            ("comm_wait", req.profiled, RW.c.comm_wait_s, RW.c.comm_wait_s.is_not(None)),
+        ):
+            if window is None or not (req.positions.get(quantity) or quantity in req.top_of):
+                continue
+            conds = [RW.c.run_id == run_id, RW.c.window == window]
+            if quantity in ("compute", "comm_wait"):
+                conds.append(_PROFILED)
+            if extra is not None:
+                conds.append(extra)
+            sources.append(
+                select(
+                    RW.c.run_id,
+                    literal(_QUANTITY_CODE[quantity]).label("q"),
+                    RW.c.rank,
+                    cast(value, Float).label("v"),
+                ).where(*conds)
+            )
+    if not sources:
         return out
-    cond = or_(*(and_(RW.c.run_id == run_id, RW.c.window.in_(ws)) for run_id, ws in wanted.items()))
+    u = union_all(*sources).subquery()
+    part = (u.c.run_id, u.c.q)
+    ordered = select(
+        u.c.run_id,
+        u.c.q,
+        u.c.rank,
+        u.c.v,
+        (func.row_number().over(partition_by=part, order_by=(u.c.v, u.c.rank)) - 1).label("i"),
+        (func.row_number().over(partition_by=part, order_by=(u.c.v.desc(), u.c.rank)) - 1).label("d"),
+    ).subquery()
+    picks = []
+    for run_id, req in wanted.items():
+        for quantity, positions in req.positions.items():
+            if positions:
+                picks.append(
+                    and_(
+                        ordered.c.run_id == run_id,
+                        ordered.c.q == _QUANTITY_CODE[quantity],
+                        ordered.c.i.in_(sorted(positions)),
+                    )
+                )
+        for quantity in req.top_of:
+            picks.append(
+                and_(
+                    ordered.c.run_id == run_id, ordered.c.q == _QUANTITY_CODE[quantity], ordered.c.d < req.top
+                )
+            )
+    rows = conn.execute(
+        select(ordered.c.run_id, ordered.c.q, ordered.c.rank, ordered.c.v, ordered.c.i, ordered.c.d).where(
+            or_(false(), *picks)
+        )
+    )
+    for run_id, code, rank, v, i, d in rows:
+        quantity = RANK_QUANTITIES[code]
+        stats, req = out[run_id], wanted[run_id]
+        if i in req.positions.get(quantity, ()):
+            stats.at.setdefault(quantity, {})[int(i)] = float(v)
+        if quantity in req.top_of and d < req.top:
+            stats.top.setdefault(quantity, []).append((int(rank), float(v)))
+    for stats in out.values():
+        for ranked in stats.top.values():
+            ranked.sort(key=lambda t: (-t[1], t[0]))
+    return out
+
+
+def rank_rows(
+    conn: Connection, wanted: Mapping[int, tuple[Collection[int], Collection[int]]]
+) -> dict[int, list[RankWindowSums]]:
+    """The rows of the given ranks in the given windows, per run: ``wanted[run_id] =
+    (windows, ranks)`` (primary-key probes: the selected ranks only)."""
+    out: dict[int, list[RankWindowSums]] = {run_id: [] for run_id in wanted}
+    conds = [
+        and_(RW.c.run_id == run_id, RW.c.window.in_(sorted(ws)), RW.c.rank.in_(sorted(rs)))
+        for run_id, (ws, rs) in wanted.items()
+        if ws and rs
+    ]
+    if not conds:
+        return out
     q = select(
         RW.c.run_id,
         RW.c.rank,
@@ -194,10 +367,10 @@ def rank_rows(conn: Connection, windows: Mapping[int, Iterable[int]]) -> dict[in
         RW.c.comm_exposed_s,
         RW.c.idle_s,
         RW.c.comm_wait_s,
-    ).where(cond)
+    ).where(or_(*conds))
     for r in conn.execute(q):
         out[r.run_id].append(
-            RankRow(
+            RankWindowSums(
                 rank=r.rank,
                 window=r.window,
                 n_steps=r.n_steps,

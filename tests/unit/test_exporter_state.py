@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 
 from stepwatch_server.exporter import state
 from stepwatch_server.exporter.catalog import FAMILIES, series_bound, series_per_run
-from stepwatch_server.exporter.state import EventRow, RankRow, StepRow
+from stepwatch_server.exporter.state import EventRow, JobStepSums, RankWindowSums
 
 
 def step(
     n: int, t: float = 0.5, tag: int = 0, ranks: int = 4, tokens: int = 4000, wait: float = 0.0
-) -> StepRow:
-    return StepRow(
+) -> JobStepSums:
+    return JobStepSums(
         step=n,
         ranks=ranks,
         token_ranks=ranks,
@@ -39,7 +39,7 @@ def test_current_rates_use_the_newest_untagged_steps_only() -> None:
 
 def test_tokens_scale_from_reporting_replicas_to_all() -> None:
     # 2 of 4 replicas reported 2,000 tokens: the step is estimated at 4,000.
-    half = StepRow(
+    half = JobStepSums(
         5, ranks=2, token_ranks=2, step_time_sum=1.0, data_wait_max=0, tokens=2000, padded_tokens=None, tag=0
     )
     assert half.tokens_est(4) == pytest.approx(4000)
@@ -99,8 +99,8 @@ def test_quantiles_are_monotone_and_within_range(values: list[float]) -> None:
 
 def rank_row(
     rank: int, window: int, t: float = 0.5, compute: float | None = None, wait: float = 0.0
-) -> RankRow:
-    return RankRow(
+) -> RankWindowSums:
+    return RankWindowSums(
         rank=rank,
         window=window,
         n_steps=4,
