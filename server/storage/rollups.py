@@ -48,13 +48,14 @@ Dp = ColumnElement[Any] | int
 
 # -- the per-step job values ----------------------------------------------------------
 def step_time() -> ColumnElement[Any]:
-    """Mean step time over the ranks that reported the step."""
-    return JS.c.step_time_sum / JS.c.ranks
+    """Mean step time over the ranks that reported the step (in floating point: an
+    integer divisor would make PostgreSQL divide in ``numeric``, several times slower)."""
+    return JS.c.step_time_sum / sql_cast(JS.c.ranks, Float)
 
 
 def tokens_est(dp: Dp) -> ColumnElement[Any]:
     """Global tokens of the step: the reporting replicas' tokens scaled to ``dp`` replicas."""
-    return sql_cast(JS.c.tokens, Float) * dp / JS.c.token_ranks
+    return sql_cast(JS.c.tokens, Float) * dp / sql_cast(JS.c.token_ranks, Float)
 
 
 def usable() -> ColumnElement[bool]:
