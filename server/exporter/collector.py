@@ -204,53 +204,62 @@ def _read_ranks(
     cfg: ExporterConfig,
 ) -> dict[int, _View]:
     """Each run's ranks as the database summarises them: which window is complete, the
-    quantiles across ranks, the breakdown means and the top-K candidates, then the rows
-    of the selected (flagged and slowest) ranks only."""
+    quantiles across ranks, the breakdown means and the top-K, then the rows of the
+    selected (flagged and slowest) ranks only."""
     newest = {h.id: state.windows_in_view(tail[h.id].last_step, h.window_steps)[1] for h in heads}
-    census, reporting = read.window_census(conn, {i: {max(0, w - 1), w} for i, w in newest.items()})
+    prev = {i: max(0, w - 1) for i, w in newest.items()}
+    census = read.window_census(conn, {i: (prev[i], w) for i, w in newest.items()})
+    ws = {h.id: h.window_steps for h in heads}
+    reporting = read.reporting_ranks(conn, {i: w * ws[i] + (1 if w else 0) for i, w in prev.items()})
     complete = {
         i: state.complete_window({w: c.ranks for w, c in census[i].items()}, w) for i, w in newest.items()
     }
     profiled_at = {h.id: w for h in heads if (w := tail[h.id].last_profiled_window) is not None}
     profiled = read.profiled_summary(conn, profiled_at)
-    counts: dict[int, dict[str, tuple[int, float]]] = {}
+    # Per run and quantity: (values, total, quantiles if the database computed them, window).
+    dists: dict[int, dict[str, tuple[int, float, read.Quantiles | None, int | None]]] = {}
+    none: tuple[int, float, read.Quantiles | None, int | None] = (0, 0.0, None, None)
     for h in heads:
-        done = complete[h.id]
+        done, p_at = complete[h.id], profiled_at.get(h.id)
         c = census[h.id].get(done) if done is not None else None
         ps = profiled.get(h.id)
-        counts[h.id] = {
-            "step_time": (c.ranks, c.step_time_total) if c else (0, 0.0),
-            "data_wait": (c.ranks, c.data_wait_total) if c else (0, 0.0),
-            "compute": (ps.ranks, ps.compute_total) if ps else (0, 0.0),
-            "comm_wait": (ps.comm_wait_ranks, ps.comm_wait_total) if ps else (0, 0.0),
+        cq, pq = (c.quantiles if c else None) or {}, (ps.quantiles if ps else None) or {}
+        dists[h.id] = {
+            "step_time": (c.ranks, c.step_time_total, cq.get("step_time"), done) if c else none,
+            "data_wait": (c.ranks, c.data_wait_total, cq.get("data_wait"), done) if c else none,
+            "compute": (ps.ranks, ps.compute_total, pq.get("compute"), p_at) if ps else none,
+            "comm_wait": (ps.comm_wait_ranks, ps.comm_wait_total, pq.get("comm_wait"), p_at) if ps else none,
         }
-    key = {i: "compute" if counts[i]["compute"][0] else "step_time" for i in counts}
-    stats = read.order_statistics(
-        conn,
-        {
-            h.id: read.OrderRequest(
-                complete=complete[h.id],
-                profiled=profiled_at.get(h.id),
-                positions={q: state.order_positions(n) for q, (n, _) in counts[h.id].items()},
-                top=cfg.top_k,
-                top_of=(key[h.id],) if cfg.top_k > 0 else (),
-            )
-            for h in heads
-        },
+    # Where the database did not interpolate the quantiles (SQLite), it returns the
+    # order statistics they need.
+    wanted = {
+        h.id: {
+            q: (w, state.order_positions(n))
+            for q, (n, _, qs, w) in dists[h.id].items()
+            if n and qs is None and w is not None
+        }
+        for h in heads
+    }
+    stats = read.order_statistics(conn, {i: q for i, q in wanted.items() if q})
+    key = {i: "compute" if d["compute"][0] else "step_time" for i, d in dists.items()}
+    top_at = {
+        i: (key[i], d[key[i]][3]) for i, d in dists.items() if d[key[i]][0] and d[key[i]][3] is not None
+    }
+    top = (
+        read.top_ranks(conn, {i: (q, w) for i, (q, w) in top_at.items() if w is not None}, cfg.top_k)
+        if cfg.top_k > 0
+        else {}
     )
     flagged = {h.id: state.flagged_ranks(events[h.id], cfg.max_flagged) for h in heads}
     selected = {}
     for h in heads:
-        candidates = {rank: {key[h.id]: v} for rank, v in stats[h.id].top.get(key[h.id], [])}
+        candidates = {rank: {key[h.id]: v} for rank, v in top.get(h.id, [])}
         slowest = state.slowest(candidates, cfg.top_k)
         selected[h.id] = list(dict.fromkeys([r for r, _, _ in flagged[h.id]] + slowest))
     rows = read.rank_rows(
         conn,
         {
-            h.id: (
-                {w for w in (complete[h.id], profiled_at.get(h.id)) if w is not None},
-                selected[h.id],
-            )
+            h.id: ({w for w in (complete[h.id], profiled_at.get(h.id)) if w is not None}, selected[h.id])
             for h in heads
         },
     )
@@ -259,10 +268,10 @@ def _read_ranks(
         chosen = {r.rank: r for r in rows[h.id] if r.window == complete[h.id]}
         prof = {r.rank: r for r in rows[h.id] if r.window == profiled_at.get(h.id)}
         distributions = {}
-        for q, (n, total) in counts[h.id].items():
-            d = state.distribution(n, stats[h.id].at.get(q, {}), total)
-            if d is not None:
-                distributions[q] = d
+        for q, (n, total, qs, _) in dists[h.id].items():
+            if n:
+                quantiles = qs if qs is not None else state.interpolate(n, stats.get(h.id, {}).get(q, {}))
+                distributions[q] = state.Distribution(quantiles=quantiles, count=n, total=total)
         summary = profiled.get(h.id)
         parts, overlap = state.breakdown(summary.means if summary else None)
         views[h.id] = _View(

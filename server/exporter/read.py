@@ -19,12 +19,25 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Float, and_, case, cast, false, func, literal, or_, select, union_all
+from sqlalchemy import (
+    ARRAY,
+    Connection,
+    Float,
+    and_,
+    case,
+    cast,
+    false,
+    func,
+    literal,
+    or_,
+    select,
+    union_all,
+)
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..reads.runs import RunInfo, run_info
 from ..storage.models import Event, JobStep, Rank, RankWindow, Run
-from .state import RANK_QUANTITIES, EventRow, JobStepSums, RankWindowSums
+from .state import QUANTILES, RANK_QUANTITIES, EventRow, JobStepSums, RankWindowSums
 
 RUNS = Run.__table__
 JS = JobStep.__table__
@@ -163,39 +176,81 @@ def _in_windows(windows: Mapping[int, Collection[int]]) -> ColumnElement[bool]:
     )
 
 
+Quantiles = tuple[tuple[float, float], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class WindowCensus:
-    """One window of a run: how many ranks stored a row, and their values' totals."""
+    """One window of a run: how many ranks stored a row, their values' totals and, where
+    the database computes them in the same pass (PostgreSQL), the values' quantiles."""
 
     ranks: int
     step_time_total: float
     data_wait_total: float
+    quantiles: Mapping[str, Quantiles] | None = None
+
+
+def _is_pg(conn: Connection) -> bool:
+    return conn.dialect.name == "postgresql"
+
+
+def _percentiles(value: ColumnElement[Any]) -> Any:
+    """PostgreSQL's ``percentile_cont`` at every exported quantile: the same linear
+    interpolation between order statistics as ``state.quantiles``."""
+    return func.percentile_cont(literal(list(QUANTILES), ARRAY(Float))).within_group(cast(value, Float))
+
+
+def _quantiles_of(values: Any) -> Quantiles:
+    return tuple((q, float(v)) for q, v in zip(QUANTILES, values or (), strict=False))
 
 
 def window_census(
-    conn: Connection, windows: Mapping[int, Collection[int]]
-) -> tuple[dict[int, dict[int, WindowCensus]], dict[int, int]]:
-    """Per run and window: the rank count and totals; and per run, the distinct ranks
-    that stored a row in any of its given windows (index ``(run_id, window)``)."""
+    conn: Connection, windows: Mapping[int, tuple[int, int]]
+) -> dict[int, dict[int, WindowCensus]]:
+    """Per run and each of its two given windows (``windows[run_id] = (previous,
+    newest)``): the rank count and totals, one pass over their rows (index ``(run_id,
+    window)``); on PostgreSQL also the quantiles of step time and data wait in the
+    previous window (None for the newest: the caller asks ``order_statistics``)."""
     out: dict[int, dict[int, WindowCensus]] = {run_id: {} for run_id in windows}
-    reporting = dict.fromkeys(windows, 0)
-    cond = _in_windows(windows)
+    if not windows:
+        return out
+    pg = _is_pg(conn)
+    # Quantiles of the previous window only: it is the complete one unless it has no
+    # row (a run's first window), and a sort of the newest would be wasted.
+    previous = RW.c.window == case({r: w[0] for r, w in windows.items()}, value=RW.c.run_id)
+    extra = (
+        (_percentiles(_STEP_TIME).filter(previous), _percentiles(_DATA_WAIT).filter(previous)) if pg else ()
+    )
     q = (
-        select(RW.c.run_id, RW.c.window, func.count(), func.sum(_STEP_TIME), func.sum(_DATA_WAIT))
-        .where(cond)
+        select(RW.c.run_id, RW.c.window, func.count(), func.sum(_STEP_TIME), func.sum(_DATA_WAIT), *extra)
+        .where(_in_windows({r: set(w) for r, w in windows.items()}))
         .group_by(RW.c.run_id, RW.c.window)
     )
-    for run_id, window, n, st, dw in conn.execute(q):
-        out[run_id][window] = WindowCensus(int(n), float(st or 0.0), float(dw or 0.0))
-    q2 = select(RW.c.run_id, func.count(func.distinct(RW.c.rank))).where(cond).group_by(RW.c.run_id)
-    for run_id, n in conn.execute(q2):
-        reporting[run_id] = int(n)
-    return out, reporting
+    for run_id, window, n, st, dw, *qs in conn.execute(q):
+        quantiles = None
+        if pg and window == windows[run_id][0]:
+            quantiles = {"step_time": _quantiles_of(qs[0]), "data_wait": _quantiles_of(qs[1])}
+        out[run_id][window] = WindowCensus(int(n), float(st or 0.0), float(dw or 0.0), quantiles)
+    return out
+
+
+def reporting_ranks(conn: Connection, since_step: Mapping[int, int]) -> dict[int, int]:
+    """Per run, the ranks whose newest step is at or after ``since_step[run_id]`` (those
+    with a row in the windows from there on): a count over ``ranks``, not a distinct
+    count over the windows' rows."""
+    out = dict.fromkeys(since_step, 0)
+    if not since_step:
+        return out
+    cond = or_(*(and_(RANKS.c.run_id == r, RANKS.c.last_step >= s) for r, s in since_step.items()))
+    for run_id, n in conn.execute(select(RANKS.c.run_id, func.count()).where(cond).group_by(RANKS.c.run_id)):
+        out[run_id] = int(n)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
 class ProfiledSummary:
-    """The profiled rows of a run's newest profiled window: counts, totals, means."""
+    """The profiled rows of a run's newest profiled window: counts, totals, means and,
+    on PostgreSQL, the quantiles of compute and collective wait."""
 
     ranks: int
     compute_total: float
@@ -203,6 +258,7 @@ class ProfiledSummary:
     comm_wait_total: float
     #: Mean over the profiled ranks of each part of the step (``state.PHASES``).
     means: Mapping[str, float]
+    quantiles: Mapping[str, Quantiles] | None = None
 
 
 def profiled_summary(conn: Connection, windows: Mapping[int, int]) -> dict[int, ProfiledSummary]:
@@ -217,6 +273,12 @@ def profiled_summary(conn: Connection, windows: Mapping[int, int]) -> dict[int, 
         "data_wait": _DATA_WAIT,
         "idle": func.coalesce(RW.c.idle_s, 0.0),
     }
+    pg = _is_pg(conn)
+    extra = (
+        (_percentiles(RW.c.compute_s), _percentiles(RW.c.comm_wait_s).filter(RW.c.comm_wait_s.is_not(None)))
+        if pg
+        else ()
+    )
     q = (
         select(
             RW.c.run_id,
@@ -225,120 +287,87 @@ def profiled_summary(conn: Connection, windows: Mapping[int, int]) -> dict[int, 
             func.count(RW.c.comm_wait_s),
             func.sum(RW.c.comm_wait_s),
             *(func.avg(v) for v in parts.values()),
+            *extra,
         )
         .where(cond)
         .group_by(RW.c.run_id)
     )
     out = {}
-    for run_id, n, compute, n_wait, wait, *means in conn.execute(q):
+    for run_id, n, compute, n_wait, wait, *rest in conn.execute(q):
+        means, qs = rest[: len(parts)], rest[len(parts) :]
         out[run_id] = ProfiledSummary(
             ranks=int(n),
             compute_total=float(compute or 0.0),
             comm_wait_ranks=int(n_wait),
             comm_wait_total=float(wait or 0.0),
             means={k: float(m) for k, m in zip(parts, means, strict=True)},
+            quantiles={"compute": _quantiles_of(qs[0]), "comm_wait": _quantiles_of(qs[1])} if pg else None,
         )
     return out
 
 
-@dataclass(frozen=True)
-class OrderRequest:
-    """What one run needs of the ordering of its ranks: the window each quantity is read
-    from (``complete`` for step time and data wait, ``profiled`` for compute and
-    collective wait), the 0-based positions wanted per quantity in ascending order, and
-    how many of the largest of each quantity in ``top``."""
-
-    complete: int | None
-    profiled: int | None
-    positions: Mapping[str, Collection[int]]
-    top: int
-    top_of: Collection[str]
+def _source(quantity: str, window: int) -> tuple[ColumnElement[Any], list[ColumnElement[bool]]]:
+    """The value of ``quantity`` per rank row and the rows it is read from."""
+    if quantity in ("step_time", "data_wait"):
+        return (_STEP_TIME if quantity == "step_time" else _DATA_WAIT), [RW.c.window == window]
+    if quantity == "compute":
+        return RW.c.compute_s, [RW.c.window == window, _PROFILED]
+    return RW.c.comm_wait_s, [RW.c.window == window, _PROFILED, RW.c.comm_wait_s.is_not(None)]
 
 
-@dataclass
-class OrderStatistics:
-    #: Quantity -> position -> value (ascending order of the quantity across ranks).
-    at: dict[str, dict[int, float]]
-    #: Quantity -> (rank, value) of the largest values, largest first, ties to the lower rank.
-    top: dict[str, list[tuple[int, float]]]
+def top_ranks(
+    conn: Connection, wanted: Mapping[int, tuple[str, int]], k: int
+) -> dict[int, list[tuple[int, float]]]:
+    """Per run, the ``k`` largest values of one quantity in one window (``wanted[run_id]
+    = (quantity, window)``), largest first, ties to the lower rank: a top-N sort."""
+    out: dict[int, list[tuple[int, float]]] = {run_id: [] for run_id in wanted}
+    for run_id, (quantity, window) in wanted.items():
+        value, conds = _source(quantity, window)
+        v = cast(value, Float).label("v")
+        q = select(RW.c.rank, v).where(RW.c.run_id == run_id, *conds).order_by(v.desc(), RW.c.rank).limit(k)
+        out[run_id] = [(int(r), float(x)) for r, x in conn.execute(q)]
+    return out
 
 
-_QUANTITY_CODE = {q: i for i, q in enumerate(RANK_QUANTITIES)}
-
-
-def order_statistics(conn: Connection, wanted: Mapping[int, OrderRequest]) -> dict[int, OrderStatistics]:
-    """Chosen order statistics and the largest values of each quantity across the ranks
-    of a run, in one query: the database ranks the rows (``row_number``), only the
-    wanted positions come back."""
-    out = {run_id: OrderStatistics(at={}, top={}) for run_id in wanted}
-    sources = []
-    for run_id, req in wanted.items():
-        for quantity, window, value, extra in (
-            ("step_time", req.complete, _STEP_TIME, None),
-            ("data_wait", req.complete, _DATA_WAIT, None),
-            ("compute", req.profiled, RW.c.compute_s, None),
-            ("comm_wait", req.profiled, RW.c.comm_wait_s, RW.c.comm_wait_s.is_not(None)),
-        ):
-            if window is None or not (req.positions.get(quantity) or quantity in req.top_of):
-                continue
-            conds = [RW.c.run_id == run_id, RW.c.window == window]
-            if quantity in ("compute", "comm_wait"):
-                conds.append(_PROFILED)
-            if extra is not None:
-                conds.append(extra)
+def order_statistics(
+    conn: Connection, wanted: Mapping[int, Mapping[str, tuple[int, Collection[int]]]]
+) -> dict[int, dict[str, dict[int, float]]]:
+    """Where the database has no ``percentile_cont`` (SQLite): chosen order statistics
+    of each quantity across a run's ranks, ``wanted[run_id][quantity] = (window,
+    positions)``, in one query ranking the rows (``row_number``): only the wanted
+    positions come back."""
+    out: dict[int, dict[str, dict[int, float]]] = {run_id: {} for run_id in wanted}
+    sources, picks = [], []
+    for run_id, quantities in wanted.items():
+        for quantity, (window, _) in quantities.items():
+            value, conds = _source(quantity, window)
+            code = literal(_QUANTITY_CODE[quantity]).label("q")
             sources.append(
-                select(
-                    RW.c.run_id,
-                    literal(_QUANTITY_CODE[quantity]).label("q"),
-                    RW.c.rank,
-                    cast(value, Float).label("v"),
-                ).where(*conds)
+                select(RW.c.run_id, code, RW.c.rank, cast(value, Float).label("v")).where(
+                    RW.c.run_id == run_id, *conds
+                )
             )
     if not sources:
         return out
     u = union_all(*sources).subquery()
-    part = (u.c.run_id, u.c.q)
-    ordered = select(
-        u.c.run_id,
-        u.c.q,
-        u.c.rank,
-        u.c.v,
-        (func.row_number().over(partition_by=part, order_by=(u.c.v, u.c.rank)) - 1).label("i"),
-        (func.row_number().over(partition_by=part, order_by=(u.c.v.desc(), u.c.rank)) - 1).label("d"),
-    ).subquery()
-    picks = []
-    for run_id, req in wanted.items():
-        for quantity, positions in req.positions.items():
-            if positions:
-                picks.append(
-                    and_(
-                        ordered.c.run_id == run_id,
-                        ordered.c.q == _QUANTITY_CODE[quantity],
-                        ordered.c.i.in_(sorted(positions)),
-                    )
-                )
-        for quantity in req.top_of:
+    i = (func.row_number().over(partition_by=(u.c.run_id, u.c.q), order_by=(u.c.v, u.c.rank)) - 1).label("i")
+    ordered = select(u.c.run_id, u.c.q, u.c.v, i).subquery()
+    for run_id, quantities in wanted.items():
+        for quantity, (_, positions) in quantities.items():
             picks.append(
                 and_(
-                    ordered.c.run_id == run_id, ordered.c.q == _QUANTITY_CODE[quantity], ordered.c.d < req.top
+                    ordered.c.run_id == run_id,
+                    ordered.c.q == _QUANTITY_CODE[quantity],
+                    ordered.c.i.in_(sorted(positions)),
                 )
             )
-    rows = conn.execute(
-        select(ordered.c.run_id, ordered.c.q, ordered.c.rank, ordered.c.v, ordered.c.i, ordered.c.d).where(
-            or_(false(), *picks)
-        )
-    )
-    for run_id, code, rank, v, i, d in rows:
-        quantity = RANK_QUANTITIES[code]
-        stats, req = out[run_id], wanted[run_id]
-        if i in req.positions.get(quantity, ()):
-            stats.at.setdefault(quantity, {})[int(i)] = float(v)
-        if quantity in req.top_of and d < req.top:
-            stats.top.setdefault(quantity, []).append((int(rank), float(v)))
-    for stats in out.values():
-        for ranked in stats.top.values():
-            ranked.sort(key=lambda t: (-t[1], t[0]))
+    q = select(ordered.c.run_id, ordered.c.q, ordered.c.i, ordered.c.v).where(or_(false(), *picks))
+    for run_id, code, pos, v in conn.execute(q):
+        out[run_id].setdefault(RANK_QUANTITIES[code], {})[int(pos)] = float(v)
     return out
+
+
+_QUANTITY_CODE = {q: i for i, q in enumerate(RANK_QUANTITIES)}
 
 
 def rank_rows(
