@@ -381,7 +381,8 @@ def check_first_step() -> list[Verdict]:
     import torch
     from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-    from stepwatch.profiler.trace import parse_chrome_trace, trace_from_profiler, window_breakdown
+    from stepwatch.profiler.chrome import trace_from_profiler
+    from stepwatch.profiler.trace import parse_chrome_trace, window_breakdown
 
     a = torch.randn(2048, 2048, device="cuda")
     n = 6
