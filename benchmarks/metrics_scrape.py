@@ -159,7 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for n in sizes:
                     _make_newest(engine, f"r{n}")
-                    app = create_app(Settings(database_url=url, metrics_max_runs=1), engine=engine)
+                    # No analysis worker: its passes over every rank would share the scrape's CPU.
+                    only = Settings(database_url=url, metrics_max_runs=1, analysis_enabled=False)
+                    app = create_app(only, engine=engine)
                     t, text_ = scrape_times(app, args.scrapes)
                     rounds[n].append(t)
                     series[n] = series_of(text_).get(f"r{n}", 0)
