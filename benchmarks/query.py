@@ -102,27 +102,32 @@ def _buckets(url: str, run_id: int) -> None:
         engine.dispose()
 
 
-def _time(client: httpx.Client, path: str, params: dict[str, object], n: int = 10) -> float:
-    client.get(path, params=params).raise_for_status()  # warm-up
-    samples = []
-    for _ in range(n):
-        t0 = time.perf_counter()
+def _paired(client: httpx.Client, paths: list[tuple[str, dict[str, object]]], n: int = 10) -> list[float]:
+    """Median seconds of each request, the requests interleaved (one of each per round)
+    after a warm-up of each, so that a change of the machine's load hits all alike."""
+    for path, params in paths:
         client.get(path, params=params).raise_for_status()
-        samples.append(time.perf_counter() - t0)
-    return median(samples)
+    samples: list[list[float]] = [[] for _ in paths]
+    for _ in range(n):
+        for i, (path, params) in enumerate(paths):
+            t0 = time.perf_counter()
+            client.get(path, params=params).raise_for_status()
+            samples[i].append(time.perf_counter() - t0)
+    return [median(x) for x in samples]
 
 
-def _timings(c: httpx.Client, name: str, steps: int) -> dict[str, float]:
+def _requests(name: str, steps: int) -> dict[str, tuple[str, dict[str, object]]]:
     run = f"/api/v1/runs/{name}"
     day = int(86400 / STEP_S)
     return {
-        "run overview": _time(c, run, {}),
-        "series, step time whole run (500 points)": _time(c, f"{run}/series", {"metric": "step_time_s"}),
-        "series, MFU whole run": _time(c, f"{run}/series", {"metric": "mfu"}),
-        "series, tokens/s last day zoomed": _time(
-            c, f"{run}/series", {"metric": "tokens_per_s", "from_step": max(1, steps - day), "to_step": steps}
+        "run overview": (run, {}),
+        "series, step time whole run (500 points)": (f"{run}/series", {"metric": "step_time_s"}),
+        "series, MFU whole run": (f"{run}/series", {"metric": "mfu"}),
+        "series, tokens/s last day zoomed": (
+            f"{run}/series",
+            {"metric": "tokens_per_s", "from_step": max(1, steps - day), "to_step": steps},
         ),
-        "ranks (latest window of every rank)": _time(c, f"{run}/ranks", {}, n=5),
+        "ranks (latest window of every rank)": (f"{run}/ranks", {}),
     }
 
 
@@ -162,8 +167,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             ) as base,
             httpx.Client(base_url=base, timeout=60) as c,
         ):
-            timings = {days: _timings(c, name, steps) for days, (name, steps) in runs.items()}
-            listing = _time(c, "/api/v1/runs", {})
+            asked = {days: _requests(name, steps) for days, (name, steps) in runs.items()}
+            timings: dict[int, dict[str, float]] = {days: {} for days in runs}
+            for what in asked[args.days]:
+                figures = _paired(c, [asked[days][what] for days in runs], n=5 if "ranks" in what else 10)
+                for days, t in zip(runs, figures, strict=True):
+                    timings[days][what] = t
+            (listing,) = _paired(c, [("/api/v1/runs", {})])
     per_row = rw_bytes / rw_rows
     windows_month = 30 * 86400 / STEP_S * args.ranks
     rolled_month = windows_month * (2 / 30) + windows_month * (28 / 30) / ROLLUP
