@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from .arrivals import RankSteps
@@ -258,10 +258,11 @@ class RunAnalysis:
         one list of ranks per peer group (empty without the agent's communication hook)."""
         changes: list[Change] = []
         if ranks:
-            changes += [Change(f, window) for f in self.stragglers.update(ranks)]
+            changes += [Change(replace(f, source="window"), window) for f in self.stragglers.update(ranks)]
             self.imbalance = stage_imbalance(ranks) or self.imbalance
         if timing:
-            changes += [Change(f, window) for f in self.arrivals.update(window, timing)]
+            found = self.arrivals.update(window, timing)
+            changes += [Change(replace(f, source="arrivals"), window) for f in found]
         # The always-on timing covers every window, the profiler only some: when a run has
         # the former, every window's breakdown comes from it, so that they compare.
         tagged = {s.step for s in steps if s.tag is not None}
@@ -281,7 +282,9 @@ class RunAnalysis:
     def open_findings(self) -> list[Finding]:
         """Every flag open now, with its latest numbers."""
         return (
-            self.stragglers.open_findings() + self.arrivals.open_findings() + self.regressions.open_findings()
+            [replace(f, source="window") for f in self.stragglers.open_findings()]
+            + [replace(f, source="arrivals") for f in self.arrivals.open_findings()]
+            + self.regressions.open_findings()
         )
 
     def to_state(self) -> dict[str, Any]:

@@ -142,6 +142,10 @@ class Finding:
     cost_ratio: float
     message: str
     metric: str | None = None
+    #: The detector that raised it (``window``: the per-window detector of :mod:`.peers`;
+    #: ``arrivals``: the always-on late-arrival detector), so that the collector can keep
+    #: one event when both flag the same key.
+    source: str = ""
 
     @property
     def id(self) -> str:
@@ -165,6 +169,7 @@ class Finding:
             "cost_ratio": self.cost_ratio,
             "message": self.message,
             "metric": self.metric,
+            "source": self.source,
         }
 
     @classmethod
@@ -185,4 +190,5 @@ class Finding:
             cost_ratio=float(data["cost_ratio"]),
             message=str(data["message"]),
             metric=None if data.get("metric") is None else str(data["metric"]),
+            source=str(data.get("source", "")),
         )
