@@ -77,6 +77,12 @@ class RealScenario:
     fault_from: int | None = None
     #: A regression scenario: the breakdown part its attribution must name.
     expect_component: str | None = None
+    #: The harness' warm-up (steps the agent tags ``warmup``): the first steps of a
+    #: fresh process run slower for a while (allocator, caches), not a baseline.
+    warmup_steps: int = 5
+    #: Niceness of the burner relative to the ranks (``nice`` + this): positive keeps both
+    #: cores busy while the ranks' wake-ups go first, as a job outranks background work.
+    burner_nice: int = 0
     #: DDP bucket size (MB): small buckets give a step many collectives to time, each a
     #: hop through the scheduler on a loaded host; a job-wide scenario uses large ones.
     bucket_cap_mb: float = 0.05
@@ -89,10 +95,12 @@ class RealScenario:
 STEADY = RealScenario(
     "clean, steady load",
     nice=-15,
+    burner_nice=10,
     bucket_cap_mb=25.0,
+    warmup_steps=24,
     env=(("STEPWATCH_WINDOW_SECONDS", "3"), ("STEPWATCH_ANALYSIS_BASELINE_WINDOWS", "8")),
-    steps=136,
-    fault_from=81,
+    steps=160,
+    fault_from=97,
 )
 
 SCENARIOS: tuple[RealScenario, ...] = (
@@ -293,7 +301,7 @@ def _start_ranks(
         cmd += ["--steps", str(steps), "--fault", s.fault, "--fault-ranks", ",".join(map(str, s.fault_ranks))]
         cmd += ["--fault-from", str(fault_from), "--size", str(s.size), "--comm-mb", str(s.comm_mb)]
         cmd += ["--profile-every", str(profile_every), "--out", os.path.join(work, "rank{rank}.json")]
-        cmd += ["--bucket-cap-mb", str(s.bucket_cap_mb)]
+        cmd += ["--bucket-cap-mb", str(s.bucket_cap_mb), "--warmup-steps", str(s.warmup_steps)]
         if s.hosts:
             cmd += ["--host", s.hosts[r]]
         if record:
@@ -388,7 +396,7 @@ def run_scenario(
         if netns:
             env["STEPWATCH_HOST"] = "0.0.0.0"
         burner: contextlib.AbstractContextManager[list[int]] = (
-            cpu_burner(nice=s.nice) if burn else contextlib.nullcontext([])
+            cpu_burner(nice=s.nice + s.burner_nice) if burn else contextlib.nullcontext([])
         )
         db = f"sqlite:///{os.path.join(work, 'real.db')}"
         log = os.path.join(work, "collector.log")
