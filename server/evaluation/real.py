@@ -88,19 +88,19 @@ class RealScenario:
     bucket_cap_mb: float = 0.05
 
 
-#: The job-wide regression scenarios: windows of about 3 s (8 steps here), a baseline of 8
-#: windows after the tagged warm-up, the onset after it, 6 windows after the onset; every
-#: rank's extra compute sized to 10% of its step time; DDP's default 25 MB buckets;
-#: everything at niceness -15 (see ``nice``).
+#: The job-wide regression scenarios: windows of about 5 s (16 steps here), a warm-up of
+#: 24 steps, a baseline of 8 windows after it, the onset at window 10, 6 windows after
+#: it; every rank's extra compute is 10% of its step time; DDP's default 25 MB buckets;
+#: the session at niceness -20 (see ``nice``), the burner 10 below the ranks.
 STEADY = RealScenario(
     "clean, steady load",
-    nice=-15,
+    nice=-20,
     burner_nice=10,
     bucket_cap_mb=25.0,
     warmup_steps=24,
-    env=(("STEPWATCH_WINDOW_SECONDS", "3"), ("STEPWATCH_ANALYSIS_BASELINE_WINDOWS", "8")),
-    steps=160,
-    fault_from=97,
+    env=(("STEPWATCH_WINDOW_SECONDS", "5"), ("STEPWATCH_ANALYSIS_BASELINE_WINDOWS", "8")),
+    steps=256,
+    fault_from=161,
 )
 
 SCENARIOS: tuple[RealScenario, ...] = (

@@ -2,10 +2,10 @@
 
 Four gloo ranks of the evaluation harness (:mod:`stepwatch_server.evaluation.real`: a tiny
 GPT under DDP, the real agent with its communication hook, a real ``stepwatch serve``, a
-CPU burner on every core started and stopped by PID), profiler off. From step 97 every
+CPU burner on every core started and stopped by PID), profiler off. From step 161 every
 rank does 10% of its step time more real compute (a matmul loop in forward). The
 collector's regression detector must open ``regression:step_time`` within 5 windows of the
-onset (8-step windows, the baseline formed over the 8 windows after the tagged warm-up),
+onset (16-step windows, the baseline formed over the 8 windows after the tagged warm-up),
 attributed to compute; the same run without the fault must open no regression. The
 scenarios' processes run at a raised niceness of their session, so that the load they see
 is their own burner, not whatever else the machine runs (which would change the whole
