@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -65,10 +65,17 @@ class RealScenario:
     expect_ranks: tuple[int, ...] = ()
     link_rate: str | None = None  # tbf rate of the faulty rank's veth (link scenario)
     comm_mb: float = 4.0
+    #: Ranks in network namespaces joined by a bridge (always so with ``link_rate``).
+    netns: bool = False
+
+    @property
+    def in_namespaces(self) -> bool:
+        return self.netns or self.link_rate is not None
 
 
 SCENARIOS: tuple[RealScenario, ...] = (
     RealScenario("clean"),
+    RealScenario("clean (namespaces)", netns=True),
     RealScenario(
         "compute +20%", "compute", (2,), 0.2, expect_key="straggler:compute:rank=2", expect_ranks=(2,)
     ),
@@ -148,10 +155,17 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+def _tc(ns: str, dev: str, shape: Sequence[str]) -> None:
+    subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *shape], check=True)
+
+
 @contextlib.contextmanager
-def namespaces(n: int, *, slow_rank: int, rate: str) -> Iterator[tuple[str, list[str]]]:
+def namespaces(
+    n: int, *, slow_rank: int | None = None, rate: str | None = None
+) -> Iterator[tuple[str, list[str]]]:
     """A bridge namespace and ``n`` rank namespaces joined by veth pairs; the veth of
-    ``slow_rank`` is shaped by ``tbf`` in both directions. Yields (bridge ns, rank nss)."""
+    ``slow_rank`` (if any) is shaped by ``tbf`` at ``rate`` in both directions. Yields
+    (bridge ns, rank nss)."""
     tag = f"sw{os.getpid() % 100000}"
     br = f"{tag}br"
     ranks = [f"{tag}r{i}" for i in range(n)]
@@ -171,13 +185,10 @@ def namespaces(n: int, *, slow_rank: int, rate: str) -> Iterator[tuple[str, list
             _ip("-n", br, "link", "set", f"v{i}", "up")
             _ip("-n", ns, "addr", "add", f"{NET}.{i + 1}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
-        shape = ["root", "tbf", "rate", rate, "burst", "32kb", "latency", "100ms"]
-        subprocess.run(
-            ["ip", "netns", "exec", ranks[slow_rank], "tc", "qdisc", "add", "dev", "eth0", *shape], check=True
-        )
-        subprocess.run(
-            ["ip", "netns", "exec", br, "tc", "qdisc", "add", "dev", f"v{slow_rank}", *shape], check=True
-        )
+        if slow_rank is not None and rate is not None:
+            shape = ["root", "tbf", "rate", rate, "burst", "32kb", "latency", "100ms"]
+            _tc(ranks[slow_rank], "eth0", shape)
+            _tc(br, f"v{slow_rank}", shape)
         yield br, ranks
     finally:
         for ns in reversed(made):
@@ -273,7 +284,7 @@ def run_scenario(
 ) -> RealOutcome:
     """Run one scenario end to end and score it (see the module docstring); with
     ``record``, every rank also writes the payloads it sent into that folder."""
-    if s.link_rate is not None and not os.environ.get("STEPWATCH_REAL_INSIDE"):
+    if s.in_namespaces and not os.environ.get("STEPWATCH_REAL_INSIDE"):
         return _run_in_namespaces(
             s, steps=steps, fault_from=fault_from, profile_every=profile_every, burn=burn, record=record
         )
@@ -382,7 +393,8 @@ def _run_in_namespaces(
     s: RealScenario, *, steps: int, fault_from: int, profile_every: int, burn: bool, record: str | None
 ) -> RealOutcome:
     """Re-run this scenario inside the bridge namespace, ranks in their own namespaces."""
-    shaped = namespaces(RANKS, slow_rank=s.fault_ranks[0], rate=s.link_rate or "100mbit")
+    slow = s.fault_ranks[0] if s.link_rate is not None and s.fault_ranks else None
+    shaped = namespaces(RANKS, slow_rank=slow, rate=s.link_rate)
     with shaped as (br, ranks), tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         env = {**os.environ, "STEPWATCH_REAL_INSIDE": "1", "STEPWATCH_REAL_NETNS": json.dumps(ranks)}
         cmd = ["ip", "netns", "exec", br, sys.executable, "-m", "stepwatch_server.evaluation.real"]
@@ -440,8 +452,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-burn", action="store_true", help="no CPU burner")
     p.add_argument("--json", default=None, help="write the outcomes here as JSON")
     p.add_argument("--record", default=None, help="folder: every rank's payloads, per scenario")
+    p.add_argument("--link-rate", default=None, help="tbf rate of the slowed link (e.g. 50mbit)")
     args = p.parse_args(argv)
     chosen = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
+    if args.link_rate:
+        chosen = [replace(s, link_rate=args.link_rate) if s.link_rate else s for s in chosen]
     outcomes = []
     for s in chosen:
         for _ in range(args.runs):
