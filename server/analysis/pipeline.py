@@ -30,6 +30,7 @@ from typing import Any, cast
 from .arrivals import RankSteps
 from .efficiency import StageImbalance, stage_imbalance
 from .late_arrivals import ArrivalDetector
+from .links import LinkSample
 from .peers import StragglerConfig
 from .progress import ThroughputWindow
 from .regressions import Baseline, RegressionConfig, RegressionDetector
@@ -211,16 +212,18 @@ class RunAnalysis:
         last_step: int,
         mfu_per_token_rate: float | None,
         timing: Sequence[Sequence[RankSteps]] = (),
+        links: Sequence[LinkSample] = (),
     ) -> list[Change]:
         """Analyse one complete window (steps ``first_step..last_step``); return the flags
         that opened or closed in it. ``timing``: the window's per-step collective timing,
-        one list of ranks per peer group (empty without the agent's communication hook)."""
+        one list of ranks per peer group (empty without the agent's communication hook);
+        ``links``: its per-connection link samples."""
         changes: list[Change] = []
         if ranks:
             changes += [Change(f, window) for f in self.stragglers.update(ranks)]
             self.imbalance = stage_imbalance(ranks) or self.imbalance
         if timing:
-            changes += [Change(f, window) for f in self.arrivals.update(window, timing)]
+            changes += [Change(f, window) for f in self.arrivals.update(window, timing, links)]
         sample = window_sample(
             steps,
             first_step=first_step,
