@@ -35,6 +35,7 @@ def upgrade() -> None:
         sa.Column("bytes_sent", sa.BigInteger(), nullable=False),
         sa.Column("bytes_received", sa.BigInteger(), nullable=False),
         sa.Column("busy_s", sa.Float(), nullable=False),
+        sa.Column("steps", sa.Integer(), nullable=False),
         sa.ForeignKeyConstraint(
             ["run_id"], ["runs.id"], name=op.f("fk_link_samples_run_id_runs"), ondelete="CASCADE"
         ),

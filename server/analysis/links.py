@@ -14,10 +14,13 @@ Localisation is the intersection of design brief §4 done on connections: a slow
 NIC, a cable, a shaped veth) slows every connection that carries the rank's data, in
 *and* out, while each of its peers has only one slow connection (the one to it). So a
 rank is named when every data-carrying connection it has, in both directions, is at
-least ``slow_ratio`` times slower than the median of the data connections it is not on,
-and the time lost (its connections' busy time beyond what the others' rate needs) is at
-least ``min_share`` of the step. A one-way slow connection alone names nobody: either
-end could be at fault.
+least ``slow_ratio`` times slower than the median of the connections it is not on that
+carry about as many bytes per step (the same collective's traffic: a rate measured on
+small messages is bound by latency; on loopback the 4 MB all-reduces of a side group
+were 5-10x "faster" than the 50 KB gradient buckets of the same ranks), and the time
+lost (its connections' busy time beyond what the others' rate needs) is at least
+``min_share`` of the step. A one-way slow connection alone names nobody: either end
+could be at fault.
 
 Extra communication (:func:`extra_bytes`): a rank that sent much more than its peers'
 median (leave-one-out) spent the difference on its link; the late-arrival detector
@@ -44,16 +47,23 @@ class LinkSample:
     bytes_sent: int
     bytes_received: int
     busy_s: float
+    steps: int = 1  # steps of the batches summed
 
 
 @dataclass(frozen=True, slots=True)
 class Edge:
-    """A connection by direction of its data: ``src`` sent ``bytes`` to ``dst``."""
+    """A connection by direction of its data: ``src`` sent ``bytes`` to ``dst`` over
+    ``steps`` steps."""
 
     src: int
     dst: int
     bytes: int
     busy_s: float
+    steps: int = 1
+
+    @property
+    def per_step(self) -> float:
+        return self.bytes / max(1, self.steps)
 
     @property
     def rate(self) -> float:
@@ -68,8 +78,13 @@ class LinkConfig:
     data_share: float = 0.1
     #: ... and at least this many bytes (rates of tiny transfers are latency, not speed).
     min_bytes: int = 1 << 20
-    #: The rank's fastest data connection against the median of the others'.
+    #: A data connection is slow at this many times below the median rate of the
+    #: connections it is compared with: those the rank is not on that moved about as
+    #: many bytes per step (within ``like_bytes``: the same collective's traffic; the
+    #: rate of small messages is bound by latency, so a 4 MB all-reduce and 50 KB
+    #: gradient buckets are not compared).
     slow_ratio: float = 3.0
+    like_bytes: float = 1.25
     #: Busy time lost on its slowest connection, per step, as a share of the step.
     min_share: float = 0.05
     #: Bytes sent beyond the peers' median, as a share of it, that make a late rank's
@@ -91,12 +106,14 @@ def merge(samples: Sequence[LinkSample]) -> list[LinkSample]:
     """One sample per (rank, connection): a window's batches summed."""
     acc: dict[tuple[int, int, int], list[float]] = {}
     for s in samples:
-        a = acc.setdefault((s.rank, s.local, s.peer), [0, 0, 0.0])
+        a = acc.setdefault((s.rank, s.local, s.peer), [0, 0, 0.0, 0])
         a[0] += s.bytes_sent
         a[1] += s.bytes_received
         a[2] += s.busy_s
+        a[3] += s.steps
     return [
-        LinkSample(r, lo, pe, int(a[0]), int(a[1]), float(a[2])) for (r, lo, pe), a in sorted(acc.items())
+        LinkSample(r, lo, pe, int(a[0]), int(a[1]), float(a[2]), int(a[3]))
+        for (r, lo, pe), a in sorted(acc.items())
     ]
 
 
@@ -109,7 +126,7 @@ def edges(samples: Sequence[LinkSample]) -> list[Edge]:
     for s in samples:
         dst = owner.get(s.peer)
         if dst is not None and dst != s.rank and s.bytes_sent > 0:
-            out.append(Edge(s.rank, dst, s.bytes_sent, s.busy_s))
+            out.append(Edge(s.rank, dst, s.bytes_sent, s.busy_s, s.steps))
     return out
 
 
@@ -125,18 +142,23 @@ def slow_links(
     data = [e for e in all_edges if e.bytes >= floor]
     out = []
     for c in sorted({r for e in data for r in (e.src, e.dst)}):
-        mine = [e for e in data if c in (e.src, e.dst)]
         others = [e for e in data if c not in (e.src, e.dst)]
-        if not others or not any(e.src == c for e in mine) or not any(e.dst == c for e in mine):
-            continue
-        fastest = max(e.rate for e in mine)
-        ref = statistics.median(e.rate for e in others)
-        if not math.isfinite(ref) or fastest * cfg.slow_ratio > ref:
-            continue
-        lost = max(e.busy_s - e.bytes / ref for e in mine) / steps
+        # Each of its data connections against the like ones it is not on.
+        judged: list[tuple[Edge, float, int]] = []
+        for e in (e for e in data if c in (e.src, e.dst)):
+            like = [o.rate for o in others if _like(o.per_step, e.per_step, cfg.like_bytes)]
+            ref = statistics.median(like) if like else math.nan
+            if math.isfinite(ref):
+                judged.append((e, ref, len(like)))
+        if not judged or any(e.rate * cfg.slow_ratio > ref for e, ref, _ in judged):
+            continue  # nothing to compare, or one of its connections is not slow
+        if not any(e.src == c for e, _, _ in judged) or not any(e.dst == c for e, _, _ in judged):
+            continue  # slow one way only: either end could be at fault
+        lost = max(e.busy_s - e.bytes / ref for e, ref, _ in judged) / steps
         share = lost / step_time_s
         if share < cfg.min_share:
             continue
+        fastest, ref = max(((e.rate, r) for e, r, _ in judged), key=lambda x: x[0])
         out.append(
             SlowLink(
                 rank=c,
@@ -148,13 +170,17 @@ def slow_links(
                     "rate_mb_s": fastest / 1e6,
                     "peer_rate_mb_s": ref / 1e6,
                     "lost_s": lost,
-                    "connections": float(len(mine)),
-                    "other_connections": float(len(others)),
-                    "sent_mb": sum(e.bytes for e in mine if e.src == c) / 1e6,
+                    "connections": float(len(judged)),
+                    "compared_with": float(min(n for _, _, n in judged)),
+                    "sent_mb": sum(e.bytes for e, _, _ in judged if e.src == c) / 1e6,
                 },
             )
         )
     return out
+
+
+def _like(a: float, b: float, factor: float) -> bool:
+    return a > 0 and b > 0 and max(a, b) <= factor * min(a, b)
 
 
 def extra_bytes(

@@ -54,12 +54,13 @@ def fold(payloads: Sequence[IngestPayload], run_ids: Sequence[int], window_steps
 def _link_samples(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:
     """One ``link_samples`` row per (run, rank, batch's last step, connection); a key two
     batches of the group both carry keeps the later one (LAST)."""
-    rows: dict[tuple[int, int, int, int, int], tuple[int, int, float]] = {}
+    rows: dict[tuple[int, int, int, int, int], tuple[int, int, float, int]] = {}
     for p, run_id in zip(payloads, run_ids, strict=True):
         assert p.comm is not None
-        last = p.steps.first + len(p.steps.time_s) - 1
+        n = len(p.steps.time_s)
+        last = p.steps.first + n - 1
         for x in p.comm.links:
-            rows[(run_id, p.rank.rank, last, x.local, x.peer)] = (x.bytes, x.received, x.busy_s)
+            rows[(run_id, p.rank.rank, last, x.local, x.peer)] = (x.bytes, x.received, x.busy_s, n)
     keys = sorted(rows)
     values = [rows[k] for k in keys]
     return {
@@ -70,6 +71,7 @@ def _link_samples(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> 
         "bytes_sent": np.array([v[0] for v in values], dtype=np.int64),
         "bytes_received": np.array([v[1] for v in values], dtype=np.int64),
         "busy_s": np.array([v[2] for v in values], dtype=np.float64),
+        "steps": np.array([v[3] for v in values], dtype=np.int64),
     }
 
 

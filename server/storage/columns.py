@@ -142,7 +142,7 @@ LINK_SAMPLES = Summed(
     LinkSample.__table__,  # type: ignore[arg-type]
     (
         *_cols(Rule.KEY, "run_id", "rank", "step", "local_ep", "peer_ep"),
-        *_cols(Rule.LAST, "bytes_sent", "bytes_received", "busy_s"),
+        *_cols(Rule.LAST, "bytes_sent", "bytes_received", "busy_s", "steps"),
     ),
 )
 

@@ -310,6 +310,8 @@ class LinkSample(Base):
     bytes_received: Mapped[int] = mapped_column(BigInteger)
     #: Seconds with data in flight, not limited by the receiver's window.
     busy_s: Mapped[float] = mapped_column(Float)
+    #: Steps of the batch (bytes per step compare connections of the same collective).
+    steps: Mapped[int] = mapped_column(Integer)
 
 
 class IngestedBatch(Base):

@@ -271,13 +271,14 @@ def link_samples(
                 LS.c.bytes_sent,
                 LS.c.bytes_received,
                 LS.c.busy_s,
+                LS.c.steps,
             )
             .where(LS.c.run_id == run.id, LS.c.rank.in_(ids[i : i + RANK_CHUNK]), LS.c.step.between(lo, hi))
             .order_by(LS.c.rank, LS.c.step)
         )
         for r in rows:
             out.setdefault(window_of(r.step, ws), []).append(
-                LinkSample(r.rank, r.local_ep, r.peer_ep, r.bytes_sent, r.bytes_received, r.busy_s)
+                LinkSample(r.rank, r.local_ep, r.peer_ep, r.bytes_sent, r.bytes_received, r.busy_s, r.steps)
             )
     return out
 
