@@ -100,7 +100,7 @@ class ArrivalDetector:
         step_ref = float(np.nanmedian(aligned.step_time)) if aligned.step_time.size else 0.0
         members = set(aligned.ranks)
         mine = [s for s in links if s.rank in members]
-        found = slow_links(mine, steps=len(aligned.steps), step_time_s=step_ref, cfg=self.link_config)
+        found = slow_links(mine, step_time_s=step_ref, cfg=self.link_config)
         return {
             x.rank: _link_hit(x, aligned.hosts[aligned.ranks.index(x.rank)], span, step_ref) for x in found
         }

@@ -131,12 +131,13 @@ def edges(samples: Sequence[LinkSample]) -> list[Edge]:
 
 
 def slow_links(
-    samples: Sequence[LinkSample], *, steps: int, step_time_s: float, cfg: LinkConfig = LinkConfig()
+    samples: Sequence[LinkSample], *, step_time_s: float, cfg: LinkConfig = LinkConfig()
 ) -> list[SlowLink]:
-    """Ranks whose link is slow in this window (see the module docstring); ``steps``
-    and ``step_time_s`` (median) put the lost time per step."""
+    """Ranks whose link is slow in this window (see the module docstring); the lost time
+    is per step of the batches sampled, ``step_time_s`` (the median step) makes it a
+    share."""
     all_edges = edges(merge(samples))
-    if not all_edges or steps <= 0 or step_time_s <= 0:
+    if not all_edges or step_time_s <= 0:
         return []
     floor = max(cfg.min_bytes, cfg.data_share * max(e.bytes for e in all_edges))
     data = [e for e in all_edges if e.bytes >= floor]
@@ -154,7 +155,7 @@ def slow_links(
             continue  # nothing to compare, or one of its connections is not slow
         if not any(e.src == c for e, _, _ in judged) or not any(e.dst == c for e, _, _ in judged):
             continue  # slow one way only: either end could be at fault
-        lost = max(e.busy_s - e.bytes / ref for e, ref, _ in judged) / steps
+        lost = max((e.busy_s - e.bytes / ref) / max(1, e.steps) for e, ref, _ in judged)
         share = lost / step_time_s
         if share < cfg.min_share:
             continue

@@ -25,8 +25,10 @@ def _ring(n: int, rates: dict[tuple[int, int], float], sent: float = 20 * MB) ->
     for r in range(n):
         dst = (r - 1) % n
         rate = rates.get((r, dst), 100 * MB)
-        out.append(LinkSample(r, 1000 + r * 10 + dst, 1000 + dst * 10 + r, int(sent), 40_000, sent / rate))
-        out.append(LinkSample(dst, 1000 + dst * 10 + r, 1000 + r * 10 + dst, 40_000, int(sent), 0.01))
+        out.append(
+            LinkSample(r, 1000 + r * 10 + dst, 1000 + dst * 10 + r, int(sent), 40_000, sent / rate, 16)
+        )
+        out.append(LinkSample(dst, 1000 + dst * 10 + r, 1000 + r * 10 + dst, 40_000, int(sent), 0.01, 16))
     return out
 
 
@@ -46,7 +48,7 @@ def test_merge_sums_a_windows_batches() -> None:
 def test_the_rank_behind_a_slow_link_is_named(n: int) -> None:
     # Its link is slow both ways: what it sends (1 -> 0) and what it receives (2 -> 1).
     samples = _ring(n, {(1, 0): 15 * MB, (2, 1): 16 * MB})
-    (x,) = slow_links(samples, steps=16, step_time_s=0.4)
+    (x,) = slow_links(samples, step_time_s=0.4)
     assert x.rank == 1
     assert x.rate == pytest.approx(16 * MB) and x.peer_rate == pytest.approx(100 * MB)
     # 20 MB at 15 MB/s instead of 100 MB/s: 1.13 s lost over 16 steps.
@@ -55,22 +57,25 @@ def test_the_rank_behind_a_slow_link_is_named(n: int) -> None:
 
 def test_a_clean_ring_and_one_slow_connection_name_nobody() -> None:
     jitter = {(1, 0): 60 * MB, (2, 1): 130 * MB, (3, 2): 45 * MB}  # a loaded host's spread
-    assert slow_links(_ring(4, jitter), steps=16, step_time_s=0.4) == []
+    assert slow_links(_ring(4, jitter), step_time_s=0.4) == []
     # One direction only: either end could be at fault.
-    assert slow_links(_ring(4, {(2, 1): 10 * MB}), steps=16, step_time_s=0.4) == []
+    assert slow_links(_ring(4, {(2, 1): 10 * MB}), step_time_s=0.4) == []
 
 
 def test_a_slow_link_that_costs_nothing_is_not_named() -> None:
     samples = _ring(4, {(1, 0): 15 * MB, (2, 1): 16 * MB}, sent=0.5 * MB)
-    assert slow_links(samples, steps=16, step_time_s=0.4) == []  # under the data floor
+    assert slow_links(samples, step_time_s=0.4) == []  # under the data floor
     samples = _ring(4, {(1, 0): 15 * MB, (2, 1): 16 * MB}, sent=2 * MB)
-    assert slow_links(samples, steps=16, step_time_s=10.0) == []  # 7 ms a 10 s step
+    assert slow_links(samples, step_time_s=10.0) == []  # 7 ms a 10 s step
 
 
 def test_extra_bytes_names_the_ranks_that_sent_more() -> None:
     samples = _ring(4, {})
     # Ranks 1 and 2 all-reduce 30 MB more on a group of their own.
-    samples += [LinkSample(1, 7, 8, 30 * MB, 30 * MB, 0.3), LinkSample(2, 8, 7, 30 * MB, 30 * MB, 0.3)]
+    samples += [
+        LinkSample(1, 7, 8, 30 * MB, 30 * MB, 0.3, 16),
+        LinkSample(2, 8, 7, 30 * MB, 30 * MB, 0.3, 16),
+    ]
     heavy = extra_bytes(samples)
     assert set(heavy) == {1, 2}
     assert heavy[1][0] == pytest.approx(50 * MB + 40_000)
@@ -79,7 +84,7 @@ def test_extra_bytes_names_the_ranks_that_sent_more() -> None:
 
 def test_a_late_rank_that_sent_more_is_named_link_not_host_stall() -> None:
     det = ArrivalDetector("r")
-    extra = [LinkSample(1, 7, 8, 30 * MB, 30 * MB, 0.3), LinkSample(2, 8, 7, 30 * MB, 30 * MB, 0.3)]
+    extra = [LinkSample(1, 7, 8, 30 * MB, 30 * MB, 0.3, 8), LinkSample(2, 8, 7, 30 * MB, 30 * MB, 0.3, 8)]
     keys: set[str] = set()
     for w in range(3):
         first = w * 8 + 1
