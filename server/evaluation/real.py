@@ -389,10 +389,15 @@ def _wait(
         while time.monotonic() < deadline:
             if s.fault != "hang":
                 launch.poll_all(procs, work)
-            r = c.get(f"/api/v1/runs/{run}")
+            try:
+                r = c.get(f"/api/v1/runs/{run}")
+                if r.status_code == 200:
+                    ov = r.json()
+                    events = c.get(f"/api/v1/runs/{run}/events").raise_for_status().json()
+            except httpx.TransportError:  # a collector starved by the machine's load: ask again
+                time.sleep(0.5)
+                continue
             if r.status_code == 200:
-                ov = r.json()
-                events = c.get(f"/api/v1/runs/{run}/events").raise_for_status().json()
                 if s.fault == "hang" and any(e["key"].startswith("hang:") for e in events):
                     break
                 done = all(p.poll() is not None for p in procs)
