@@ -1,7 +1,8 @@
 """The link detector (``analysis/links.py``): a rank whose every data connection is slow
 is named, a clean ring or one slow connection names nobody, a rank that sends far more
 bytes is found; and the same on payloads recorded from real gloo ranks in network
-namespaces (one veth limited by ``tc tbf`` at 150 Mbit/s, a CPU burner on every core)."""
+namespaces (one veth limited by ``tc tbf`` at 150 Mbit/s, a CPU burner on every core)
+and on loopback with extra traffic between two ranks."""
 
 from __future__ import annotations
 
@@ -161,11 +162,9 @@ def test_recorded_slow_link_is_named_link_on_its_rank() -> None:
     assert opened[1:] and all(k == {"straggler:link:rank=1"} for k in opened[1:]), opened
 
 
-def test_recorded_clean_run_in_namespaces_opens_nothing() -> None:
-    assert all(k == set() for k in _keys_by_window("clean--namespaces"))
-
-
-def test_recorded_extra_comm_names_the_pair_for_its_link() -> None:
+def test_recorded_side_group_traffic_makes_no_slow_link() -> None:
+    # Ranks 1 and 2 all-reduced 4 MiB per step on a group of their own (loopback): those
+    # connections' large messages ran 5-10x "faster" than the ring's small buckets, which
+    # once made the ring connections of ranks 0 and 3 look slow. Like is compared with like.
     opened = _keys_by_window("extra-comm--pair-1-2")
-    print(opened)
     assert all(not (k & {"straggler:link:rank=0", "straggler:link:rank=3"}) for k in opened), opened
