@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -430,8 +431,17 @@ def _run_in_namespaces(
             cmd.append("--no-burn")
         if record:
             cmd += ["--record", os.path.dirname(record)]
-        # The inner run keeps its own deadline; this one only stops a stuck interpreter.
-        subprocess.run(cmd, check=True, env=env, timeout=timeout_s + 60)
+        # The inner run keeps its own deadline; this one stops a stuck one, with its
+        # collector, ranks and burner (its own process group), before the namespaces go.
+        inner = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            rc = inner.wait(timeout=timeout_s + 60)
+        finally:
+            if inner.poll() is None:
+                os.killpg(inner.pid, signal.SIGKILL)
+                inner.wait()
+        if rc != 0:
+            raise subprocess.CalledProcessError(rc, cmd)
         (result,) = json.load(out)
         return RealOutcome(**result)
 
