@@ -120,3 +120,14 @@ def table_bytes_per_row(conn: psycopg.Connection[Any], table: str) -> float:
     ).fetchone()
     assert row is not None
     return float(row[0])
+
+
+def hot_share(conn: psycopg.Connection[Any], table: str) -> float:
+    """The share of ``table``'s updates that were HOT (no new index entry, the old version
+    prunable in its page as soon as no open transaction on the server can see it)."""
+    row = conn.execute(
+        "SELECT n_tup_hot_upd::float8 / greatest(n_tup_upd, 1) FROM pg_stat_user_tables WHERE relname = %s",
+        (table,),
+    ).fetchone()
+    assert row is not None
+    return float(row[0])

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import psycopg
 
 from . import loadgen
-from ._copy_baseline import CopyLoad, table_bytes_per_row
+from ._copy_baseline import CopyLoad, hot_share, table_bytes_per_row
 from ._harness import median, pg_database, server
 
 RATE_BUDGET = 100_000  # rank-steps/s
@@ -86,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 windows = len(bodies) // args.ranks
                 assert stored == (args.ranks * windows * n, windows * n), (run, stored)
             job_bytes = table_bytes_per_row(conn, "job_steps")
+            job_hot = hot_share(conn, "job_steps")
         copy_job_bytes = table_bytes_per_row(copy_conn, "job_steps")
         copy_conn.close()
 
@@ -124,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  ratio PostgreSQL / no-op     {ratio:9.2f}")
     print(
         f"  job_steps after the run      {job_bytes:9.0f} B/row, freshly copied {copy_job_bytes:.0f} B/row "
-        f"({bloat:.2f}x)"
+        f"({bloat:.2f}x; {job_hot:.0%} of its updates HOT)"
     )
     checks = {
         f"COPY ratio >= {COPY_BUDGET}": copy_ratio >= COPY_BUDGET,
