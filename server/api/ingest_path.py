@@ -28,7 +28,7 @@ log = logging.getLogger("stepwatch_server")
 
 def is_ingest(scope: Scope) -> bool:
     """The requests :class:`IngestPath` answers."""
-    return scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == INGEST_PATH
+    return bool(scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == INGEST_PATH)
 
 
 class IngestPath:
