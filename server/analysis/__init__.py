@@ -7,8 +7,9 @@ be fed from the ingest path, the simulator or a test, and property-tested.
 - :mod:`.robust`: median, MAD and the floored robust z-score.
 - :mod:`.peers` / :mod:`.stragglers`: per-window straggler evidence, then persistence and
   hysteresis (``StragglerDetector``).
-- :mod:`.regressions`: CUSUM regressions of MFU and step time with attribution, and
-  comparison with a named baseline run.
+- :mod:`.baseline` / :mod:`.regressions` / :mod:`.attribution` / :mod:`.compare`: a run's
+  frozen baseline, CUSUM regressions of MFU and step time, the part of the step that
+  moved, and comparison with a named baseline run.
 - :mod:`.hangs`: ``check_hang``.
 - :mod:`.progress`: tokens done, calendar efficiency, projected finish, required step time.
 - :mod:`.efficiency`: static pipeline-stage imbalance.
@@ -18,6 +19,8 @@ be fed from the ingest path, the simulator or a test, and property-tested.
 
 from __future__ import annotations
 
+from .baseline import Baseline, FingerprintMismatchError
+from .compare import RunComparison, compare_runs
 from .efficiency import StageImbalance, stage_imbalance
 from .hangs import check_hang, hang_threshold_s
 from .peers import Hit, StragglerConfig, WindowVerdict, evaluate_window
@@ -29,15 +32,7 @@ from .progress import (
     project,
     required_step_time_s,
 )
-from .regressions import (
-    Baseline,
-    FingerprintMismatchError,
-    RegressionConfig,
-    RegressionDetector,
-    RunComparison,
-    build_baseline,
-    compare_runs,
-)
+from .regressions import RegressionConfig, RegressionDetector, build_baseline
 from .robust import RobustStats, robust_stats
 from .stragglers import StragglerDetector
 from .types import EXCLUDED_TAGS, Cause, Finding, JobStep, Kind, RankWindow, Status, StepTag

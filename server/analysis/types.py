@@ -82,7 +82,14 @@ class JobStep:
 
     ``step`` is the last step the sample covers; a window sample covers steps
     ``step - n_steps + 1 .. step``. ``mfu`` is a 0-1 ratio or ``None`` when the hardware
-    peak is unknown. The breakdown means are per step and optional.
+    peak is unknown. The breakdown means are per step and optional; ``cpu_s`` is the
+    training thread's CPU time per step where the always-on timing measured it.
+
+    A window sample built from its per-step job rows also carries their robust summary:
+    ``step_time_median_s`` and ``mfu_median`` (medians over its untagged steps),
+    ``step_time_spread_s`` (1.4826 x their MAD) and ``n_samples`` (how many there were),
+    which the regression detector uses instead of the mean, so a few long steps do not
+    move a window, and to know how noisy one window's median is.
     """
 
     step: int
@@ -96,6 +103,11 @@ class JobStep:
     comm_overlapped_s: float | None = None
     data_wait_s: float | None = None
     idle_s: float | None = None
+    cpu_s: float | None = None
+    step_time_median_s: float | None = None
+    step_time_spread_s: float | None = None
+    mfu_median: float | None = None
+    n_samples: int = 0
 
     @property
     def first_step(self) -> int:
@@ -130,6 +142,10 @@ class Finding:
     cost_ratio: float
     message: str
     metric: str | None = None
+    #: The detector that raised it (``window``: the per-window detector of :mod:`.peers`;
+    #: ``arrivals``: the always-on late-arrival detector), so that the collector can keep
+    #: one event when both flag the same key.
+    source: str = ""
 
     @property
     def id(self) -> str:
@@ -153,6 +169,7 @@ class Finding:
             "cost_ratio": self.cost_ratio,
             "message": self.message,
             "metric": self.metric,
+            "source": self.source,
         }
 
     @classmethod
@@ -173,4 +190,5 @@ class Finding:
             cost_ratio=float(data["cost_ratio"]),
             message=str(data["message"]),
             metric=None if data.get("metric") is None else str(data["metric"]),
+            source=str(data.get("source", "")),
         )

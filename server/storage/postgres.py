@@ -17,15 +17,14 @@ UPDATE first, then INSERT ... ON CONFLICT for the keys that the UPDATE did not f
 Merged by ``ON CONFLICT DO UPDATE`` alone, most old versions of such a row stayed in
 their page until a VACUUM (the speculative-insertion path seldom prunes): ``job_steps``
 grew to 10-15x its size. A plain UPDATE into a page with free space (fillfactor 50,
-migration 0010) is a HOT update, and the page is pruned as it is read: measured alone on
+migration 0011) is a HOT update, and the page is pruned as it is read: measured alone on
 the server, 32 merges of 192 rows left the table at its fresh size (ON CONFLICT: 8x).
 Pruning can only drop versions no open transaction on the server may still see, so a
 long transaction anywhere on the server (another database's included) defers it.
 An UPDATE's join visits rows in the table's physical order, not in key order, so two
-writers of one run updating the same rows could deadlock: the writers of a run take the
-run's write lock (a transaction-scoped advisory lock) just before ``job_steps``, and write
-it one at a time (they waited for each other's row locks there anyway: every group of a
-run merges into the same rows).
+writers updating the same rows could deadlock; they do not meet there: the writers of a
+job-step bucket take turns (the bucket locks below, taken in key order before
+``job_steps``), so no two transactions update the same ``job_steps`` rows at once.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeEngine
 
 from ..schemas.ingest import IngestPayload
-from . import columns, pg_arrays
+from . import columns, pg_arrays, rollups
 from .columns import Columns, Rows, Summed
 
 _CLAIM = """
@@ -69,10 +68,16 @@ _CLAIM = """
 #: Tables whose rows are mostly merged into rather than inserted: UPDATE first (above).
 UPDATED_IN_PLACE = frozenset({columns.JOB_STEPS.name})
 
+#: Bucket locks, in key order (two writers cannot wait for each other): the two-key form,
+#: a key space apart from the analysis locks' single key.
+_BUCKET_LOCKS = """
+    SELECT pg_advisory_xact_lock(CAST(mod(r, 2147483647) AS int), CAST(mod(b, 2147483647) AS int))
+    FROM (SELECT r, b FROM unnest(CAST(%(run)s AS bigint[]), CAST(%(bucket)s AS bigint[])) AS u(r, b)
+          ORDER BY r, b OFFSET 0) AS s
+    """
+
 #: Analysis locks: the run id in the low bits of a PostgreSQL advisory lock key.
 _LOCK_NAMESPACE = 0x5357414E << 32
-#: Write locks (``UPDATED_IN_PLACE``), in a namespace of their own.
-_WRITE_NAMESPACE = 0x53575752 << 32
 
 
 class PostgresStorage:
@@ -99,17 +104,20 @@ class PostgresStorage:
         return {(r[0], r[1]) for r in rows}
 
     def write(self, conn: Connection, rows: Rows) -> None:
-        locked = False
         for table, cols in rows.tables():
             if not cols:
                 continue
-            if table.name in UPDATED_IN_PLACE and not locked:
-                for run_id in sorted({int(r) for r in cols["run_id"]}):  # one run, almost always
-                    conn.exec_driver_sql(
-                        "SELECT pg_advisory_xact_lock(%(key)s)", {"key": _WRITE_NAMESPACE | run_id}
-                    )
-                locked = True
+            buckets = rollups.touched(cols["run_id"], cols["step"]) if table is columns.JOB_STEPS else []
+            if buckets:
+                # Writers of a bucket take turns from here to their commit, so each
+                # recompute below sees every step committed before it (rollups.py).
+                conn.exec_driver_sql(
+                    _BUCKET_LOCKS,
+                    {"run": _literal([r for r, _ in buckets]), "bucket": _literal([b for _, b in buckets])},
+                )
             conn.exec_driver_sql(self._upsert(table, tuple(cols)), _params(table, cols))
+            if buckets:
+                rollups.refresh(conn, self.insert, buckets)
 
     def lock_run(self, conn: Connection, run_id: int) -> bool:
         key = _LOCK_NAMESPACE | run_id
