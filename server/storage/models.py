@@ -258,7 +258,7 @@ class JobStep(Base):
 
     __tablename__ = "job_steps"
     # Merged by every group that carries the step: half of each page free for HOT
-    # updates, pruned as read (0011, ``storage/postgres.py``). An index on a column that
+    # updates, pruned as read (0012, ``storage/postgres.py``). An index on a column that
     # ingest updates (wall_end, tokens, ...) would make every update non-HOT.
     __table_args__ = ({"postgresql_with": {"fillfactor": 50}},)
 

@@ -17,7 +17,7 @@ UPDATE first, then INSERT ... ON CONFLICT for the keys that the UPDATE did not f
 Merged by ``ON CONFLICT DO UPDATE`` alone, most old versions of such a row stayed in
 their page until a VACUUM (the speculative-insertion path seldom prunes): ``job_steps``
 grew to 10-15x its size. A plain UPDATE into a page with free space (fillfactor 50,
-migration 0011) is a HOT update, and the page is pruned as it is read: measured alone on
+migration 0012) is a HOT update, and the page is pruned as it is read: measured alone on
 the server, 32 merges of 192 rows left the table at its fresh size (ON CONFLICT: 8x).
 Pruning can only drop versions no open transaction on the server may still see, so a
 long transaction anywhere on the server (another database's included) defers it.

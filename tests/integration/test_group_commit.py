@@ -181,4 +181,4 @@ def test_concurrent_writers_merge_the_same_job_steps_once_each(pg_admin: str) ->
                 "SELECT reloptions FROM pg_class WHERE relname = 'job_steps'"
             ).scalar()
         assert [tuple(s) for s in steps] == [(s, ranks + 1) for s in range(1, n * windows + 1)]
-        assert "fillfactor=50" in (options or []), options  # room for HOT updates (0011)
+        assert "fillfactor=50" in (options or []), options  # room for HOT updates (0012)
