@@ -64,6 +64,10 @@ link: the excess transfer of its slow groups over their type medians, summed. Fo
 host: the largest cost among its flagged ranks (the step waits for the slowest one).
 Each is an upper bound when several ranks are slow at once. ``cost_ratio`` divides by the
 job's median step time in the window.
+
+Why one module of more than 400 lines: the causes are judged in one pass over the
+window's ranks (a compute verdict needs the same rank's wait, a link verdict its
+compute), and the physics above is written next to the code that applies it.
 """
 
 from __future__ import annotations

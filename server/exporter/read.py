@@ -10,6 +10,10 @@ and only the selected ranks' rows are fetched (:func:`rank_rows`). Fetching ever
 rows of the newest windows into objects and sorting them in Python was 85% of a scrape at
 16,384 ranks. The one exception is the first token sum of a run after the collector
 starts (see ``collector.py``), which reads the run's steps once.
+
+Why more than 400 lines: one bounded query per quantity a scrape exports, each with
+its SQLite and PostgreSQL form; splitting them would separate queries that must stay
+bounded the same way.
 """
 
 from __future__ import annotations

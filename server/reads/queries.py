@@ -4,6 +4,11 @@ Per-step job values are derived in SQL from the additive columns that ingest kee
 step time is the mean over the ranks that reported the step, and global tokens are the
 tokens of the reporting data-parallel replicas scaled to all replicas, so a step that
 only some ranks have reported yet is still an unbiased estimate.
+
+Why one module of more than 400 lines: every read here derives the same per-step
+values (from ``storage/rollups.py``'s definitions) and must agree with the others
+(the overview's totals are the series' points summed); keeping them together keeps one
+definition in view.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ row per rank per step: at 4,096 ranks that would be the whole database.
 
 Constraint names follow one convention so that migrations are reproducible on every
 backend (alembic's recommended naming convention).
+
+Why more than 400 lines: every table in one metadata, which the migrations, the
+column rules (``columns.py``) and the tests check against; a table's comments say why
+each column is there.
 """
 
 from __future__ import annotations
