@@ -36,6 +36,10 @@ _perf = time.perf_counter
 _OFF = float("-inf")
 #: Padded-token slot no step wrote (counts are >= 0).
 _UNSET = -1
+#: Send intervals without a window after which the sender sends a heartbeat (and again
+#: as often while none closes): sooner than any hang threshold the collector uses (its
+#: floor is several send intervals), later than a window that is merely a step late.
+HEARTBEAT_INTERVALS = 1.5
 
 
 class Stepwatch:
@@ -83,6 +87,8 @@ class Stepwatch:
         self._last = now
         self._window_start = now
         self._close_at = now + self._interval
+        #: Wall time of the last closed window (a heartbeat's ``wall_end``).
+        self._last_wall_end = time.time()
         # Self-timing: the common step is timed one in 64 (a second clock read per
         # step was a quarter of its cost); edge and closing steps every time.
         self._hot_s = 0.0
@@ -113,6 +119,8 @@ class Stepwatch:
                 timeout_s=config.http_timeout_s,
                 max_attempts=config.max_attempts,
                 label=f"rank {rank.rank}",
+                heartbeat=self._heartbeat,
+                heartbeat_s=HEARTBEAT_INTERVALS * self._interval,
             )
             if self._enabled:  # here, not on the training thread at the first window close
                 sender.start()
@@ -219,6 +227,7 @@ class Stepwatch:
             for j in range(n):
                 if padded[j] == _UNSET:
                     padded[j] = self._tokens[j]
+        wall_end = self._last_wall_end = time.time()
         window = Window(
             first_step=first,
             step_time_s=self._time[:n],
@@ -226,7 +235,7 @@ class Stepwatch:
             tokens=self._tokens[:n],
             padded_tokens=padded if unset < n else None,
             tags=tags,
-            wall_end=time.time(),
+            wall_end=wall_end,
             device_events=self._dev.take(n) if self._dev is not None else None,
             final=final,
             comm=self.comm_timing.take(n),
@@ -363,9 +372,31 @@ class Stepwatch:
         }
 
     # -- sender thread -------------------------------------------------------------
+    def _heartbeat(self) -> Window | None:
+        """A step-free window carrying the collective counters (sender thread, while the
+        training thread has closed no window for a while). Reads two fields the training
+        thread writes (each one store); a window closing meanwhile only makes them a
+        window newer. None without counters (no communication hook) or once off."""
+        if not self._enabled or not self.comm_timing.seq:
+            return None
+        none_f, none_q = array("d"), array("q")
+        return Window(
+            first_step=self._first_step,
+            step_time_s=none_f,
+            data_wait_s=none_f,
+            tokens=none_q,
+            padded_tokens=None,
+            tags=None,
+            wall_end=self._last_wall_end,
+            heartbeat=True,
+            profiles=[],  # profiler entries ride on the batch of the steps they profiled
+        )
+
     def _encode(self, window: Window, stats: SenderStats) -> bytes:
         if not window.batch_id:
             window.batch_id = new_batch_id()
+        if window.heartbeat and window.comm_section is None:  # once: a retry sends the same body
+            window.comm_section = self.comm_timing.heartbeat_section()
         if window.comm is not None:  # summarised once (host clock), so a retry sends the same body
             window.comm_section = self.comm_timing.summarise(
                 window.comm, window.first_step, window.step_time_s, window.perf_end

@@ -9,7 +9,8 @@ be fed from the ingest path, the simulator or a test, and property-tested.
   hysteresis (``StragglerDetector``).
 - :mod:`.regressions`: CUSUM regressions of MFU and step time with attribution, and
   comparison with a named baseline run.
-- :mod:`.hangs`: ``check_hang``.
+- :mod:`.hangs`: ``check_hang``; :mod:`.stuck_collectives`: which collective a stopped run
+  is stuck in, who never entered it and who waits in it.
 - :mod:`.progress`: tokens done, calendar efficiency, projected finish, required step time.
 - :mod:`.efficiency`: static pipeline-stage imbalance.
 - :mod:`.pipeline`: one run's analysis window by window (both detectors, the progress
@@ -40,6 +41,7 @@ from .regressions import (
 )
 from .robust import RobustStats, robust_stats
 from .stragglers import StragglerDetector
+from .stuck_collectives import GroupCounters, StuckCollective, stuck_collectives
 from .types import EXCLUDED_TAGS, Cause, Finding, JobStep, Kind, RankWindow, Status, StepTag
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "Cause",
     "Finding",
     "FingerprintMismatchError",
+    "GroupCounters",
     "Hit",
     "JobStep",
     "Kind",
@@ -62,6 +65,7 @@ __all__ = [
     "StepTag",
     "StragglerConfig",
     "StragglerDetector",
+    "StuckCollective",
     "ThroughputWindow",
     "WindowVerdict",
     "build_baseline",
@@ -75,4 +79,5 @@ __all__ = [
     "required_step_time_s",
     "robust_stats",
     "stage_imbalance",
+    "stuck_collectives",
 ]

@@ -130,6 +130,9 @@ class Finding:
     cost_ratio: float
     message: str
     metric: str | None = None
+    #: A hang's stuck collective (``StuckCollective.to_dict``): structured, not a number,
+    #: so kept apart from ``evidence``; the event stores it as ``evidence.collective``.
+    collective: Mapping[str, Any] | None = None
 
     @property
     def id(self) -> str:
@@ -153,6 +156,7 @@ class Finding:
             "cost_ratio": self.cost_ratio,
             "message": self.message,
             "metric": self.metric,
+            "collective": dict(self.collective) if self.collective is not None else None,
         }
 
     @classmethod
@@ -173,4 +177,5 @@ class Finding:
             cost_ratio=float(data["cost_ratio"]),
             message=str(data["message"]),
             metric=None if data.get("metric") is None else str(data["metric"]),
+            collective=None if data.get("collective") is None else dict(data["collective"]),
         )

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from sqlalchemy import BigInteger, Integer, Table, bindparam, func
 from sqlalchemy.sql.elements import ColumnElement
 
-from .models import INT32_MAX, INT64_MAX, JobStep, Rank, RankWindow, StepTiming
+from .models import INT32_MAX, INT64_MAX, JobStep, Rank, RankGroup, RankWindow, StepTiming
 
 
 class Rule(enum.Enum):
@@ -138,6 +138,17 @@ STEP_TIMINGS = Summed(
     ),
 )
 
+#: Each rank's latest collective counters per process group: counters only grow (a
+#: batch that arrives late cannot take them back), the rest is what the rank said last.
+RANK_GROUPS = Summed(
+    RankGroup.__table__,  # type: ignore[arg-type]
+    (
+        *_cols(Rule.KEY, "run_id", "rank", "group_name"),
+        *_cols(Rule.MAX, "entered", "completed", "sampled_at"),
+        *_cols(Rule.LAST, "op", "since", "heartbeat"),
+    ),
+)
+
 #: The breakdown parts a profiler window measures per step, as ``rank_windows`` keeps them.
 BREAKDOWN = tuple(c.name for c in RANK_WINDOWS.columns if c.weight == "profiled_steps")
 #: The wait/transfer split, filled once all ranks reported a window.
@@ -151,12 +162,13 @@ Columns = dict[str, Any]
 class Rows:
     """Column-oriented rows for the summed tables, one row per key, sorted by key: numpy
     arrays for the step-derived tables (sent to PostgreSQL in binary), lists for ``ranks``.
-    ``step_timings`` is empty for batches without a ``comm`` section."""
+    ``step_timings`` and ``rank_groups`` are empty for batches without a ``comm`` section."""
 
     ranks: Columns
     windows: Columns
     job_steps: Columns
     step_timings: Columns = field(default_factory=dict)
+    rank_groups: Columns = field(default_factory=dict)
 
     def tables(self) -> tuple[tuple[Summed, Columns], ...]:
         """The tables in the order every writer takes them (so writers cannot deadlock)."""
@@ -165,6 +177,7 @@ class Rows:
             (RANK_WINDOWS, self.windows),
             (JOB_STEPS, self.job_steps),
             (STEP_TIMINGS, self.step_timings),
+            (RANK_GROUPS, self.rank_groups),
         )
 
 

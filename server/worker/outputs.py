@@ -137,6 +137,8 @@ def write_findings(
     for ident, (finding, window, step) in sorted(merged.items()):
         row = existing.get(ident)
         evidence: dict[str, Any] = dict(finding.evidence)
+        if finding.collective is not None:
+            evidence["collective"] = dict(finding.collective)
         old = dict(row.evidence) if row is not None else {}
         for name, value in (("opened_window", window), ("opened_step", step)):
             if name in old:
@@ -177,24 +179,29 @@ def open_hangs(conn: Connection, run_id: int) -> list[Finding]:
     rows = conn.execute(
         select(EV).where(EV.c.run_id == run_id, EV.c.kind == "hang", EV.c.status == "open")
     ).mappings()
-    return [
-        Finding(
-            kind="hang",
-            run="",
-            key=r["key"],
-            cause=None,
-            ranks=tuple(r["ranks"]),
-            hosts=tuple(r["hosts"]),
-            first_step=r["first_step"],
-            last_step=r["last_step"],
-            status="open",
-            evidence={k: float(v) for k, v in dict(r["evidence"]).items()},
-            cost_seconds=r["cost_seconds"],
-            cost_ratio=r["cost_ratio"],
-            message=r["message"],
+    out = []
+    for r in rows:
+        evidence = dict(r["evidence"])
+        collective = evidence.pop("collective", None)
+        out.append(
+            Finding(
+                kind="hang",
+                run="",
+                key=r["key"],
+                cause=None,
+                ranks=tuple(r["ranks"]),
+                hosts=tuple(r["hosts"]),
+                first_step=r["first_step"],
+                last_step=r["last_step"],
+                status="open",
+                evidence={k: float(v) for k, v in evidence.items()},
+                cost_seconds=r["cost_seconds"],
+                cost_ratio=r["cost_ratio"],
+                message=r["message"],
+                collective=collective,
+            )
         )
-        for r in rows
-    ]
+    return out
 
 
 def utcnow_from(unix_s: float) -> datetime:
