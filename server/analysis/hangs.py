@@ -71,11 +71,11 @@ def check_hang(
         "k": k,
         "floor_s": floor_s,
     }
-    live = sorted(silent) if live_ranks is None else sorted(live_ranks)
-    stuck = stuck_collectives(collectives, live) if collectives else []
+    live = set(silent) if live_ranks is None else set(live_ranks)
+    stuck = stuck_collectives(collectives, sorted(silent)) if collectives else []
     culprit = stuck[0] if stuck else None
     # Every live rank is either missing from the stuck collective or waiting in it.
-    blocked = culprit is not None and set(culprit.never_entered) | set(culprit.waiting) == set(live)
+    blocked = culprit is not None and live <= set(culprit.never_entered) | set(culprit.waiting)
     if run_silent > threshold or (blocked and max(silent.values()) > threshold):
         return [_run_hang(run, silent, run_silent, threshold, evidence_base, hosts, steps, stuck)]
     out = []

@@ -16,8 +16,9 @@ with a heartbeat, sent after the rank stopped closing windows: a window's counte
 read while it still stepped and may show any collective in flight. A missing rank's
 counters are used as they are: a stale one can only be lower than its truth, and a rank
 that stopped before a collective its peers wait in has the lower count in any case; the
-diagnosis says which missing ranks sent no heartbeat (their process may be stuck with
-the interpreter held).
+diagnosis says which missing ranks are unconfirmed: no heartbeat (their process may be
+stuck with the interpreter held) or a count below what the others completed (they took
+part in those collectives, so the count is older than the rank).
 
 Pure functions over plain data, as the rest of ``analysis``.
 """
@@ -91,19 +92,18 @@ class StuckCollective:
 def stuck_collectives(counters: Iterable[GroupCounters], ranks: Sequence[int]) -> list[StuckCollective]:
     """Every group with a collective that some member waits in and none completed.
 
-    ``ranks`` are the run's live ranks (members of :data:`WORLD` without a row entered
-    nothing there yet); other groups' members are the ranks that reported them. Ordered
+    ``ranks`` are the run's ranks, all members of :data:`WORLD` (one without a row
+    entered nothing there yet); other groups' members are the ranks that reported them.
+    A rank that finished is a member too: a peer waiting for it waits for ever. Ordered
     most telling first: groups with ranks missing, then by the number of waiting ranks.
     """
-    live = set(ranks)
     by_group: dict[str, dict[int, GroupCounters]] = {}
     for c in counters:
-        if c.rank in live:
-            by_group.setdefault(c.group, {})[c.rank] = c
+        by_group.setdefault(c.group, {})[c.rank] = c
     out = []
     for group, rows in by_group.items():
         if group == WORLD:
-            for r in live - rows.keys():
+            for r in set(ranks) - rows.keys():
                 rows[r] = GroupCounters(r, group, 0, 0, heartbeat=False)
         stuck = _stuck(group, rows)
         if stuck is not None:
@@ -148,5 +148,7 @@ def _stuck(group: str, rows: dict[int, GroupCounters]) -> StuckCollective | None
         never_entered=tuple(missing),
         waiting=tuple(waiting),
         since=min(times) if times else None,
-        unconfirmed=tuple(r for r in missing if not rows[r].heartbeat),
+        # No heartbeat, or counters below what others completed (the rank took part in
+        # those collectives, so they are older than its truth).
+        unconfirmed=tuple(r for r in missing if not rows[r].heartbeat or rows[r].entered < n - 1),
     )
