@@ -73,6 +73,10 @@ def check_hang(
     }
     live = set(silent) if live_ranks is None else set(live_ranks)
     stuck = stuck_collectives(collectives, sorted(silent)) if collectives else []
+    # A rank missing without a heartbeat may only not have sent it yet (heartbeats of
+    # one stop arrive over a few send intervals): named once the others have waited
+    # longer than the threshold, by which time a live agent has sent one.
+    stuck = [s for s in stuck if not s.unconfirmed or (s.since is not None and now - s.since > threshold)]
     culprit = stuck[0] if stuck else None
     # Every live rank is either missing from the stuck collective or waiting in it.
     blocked = culprit is not None and live <= set(culprit.never_entered) | set(culprit.waiting)

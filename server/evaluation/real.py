@@ -488,7 +488,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(
                     f"# {o.scenario}: flagged={o.flagged} right={o.right} windows={o.windows_to_flag} "
                     f"({o.seconds:.0f} s) {[e['key'] for e in o.events]}"
-                    + (f" s_to_flag={o.seconds_to_flag:.1f} {o.note}" if o.seconds_to_flag is not None else ""),
+                    + (
+                        f" s_to_flag={o.seconds_to_flag:.1f} {o.note}"
+                        if o.seconds_to_flag is not None
+                        else ""
+                    ),
                     flush=True,
                 )
     if args.json:

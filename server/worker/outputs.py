@@ -2,7 +2,9 @@
 
 An event row is one occurrence of a flag: ``(run_id, key, first_step)``. The worker writes
 it when the flag opens, refreshes it while it stays open (latest step, evidence, cost) and
-closes it; a replayed window cannot duplicate it. The window whose analysis opened a
+closes it; a replayed window cannot duplicate it. A transition (what the webhook sends)
+is an event created or changing status, or an open hang whose diagnosis (the stuck
+collective) arrived or changed. The window whose analysis opened a
 flag is kept in its evidence as ``opened_window`` (and ``opened_step``), so "how many
 windows did it take" can be read back later, whatever the flag's later updates.
 
@@ -151,9 +153,19 @@ def write_findings(
             transitions.append(Transition(finding, None))
             continue
         conn.execute(update(Event).where(EV.c.id == row.id).values(**values))
-        if row.status != finding.status:
+        if row.status != finding.status or _newly_diagnosed(finding, old):
             transitions.append(Transition(finding, row.status))
     return transitions
+
+
+def _newly_diagnosed(finding: Finding, old_evidence: Mapping[str, Any]) -> bool:
+    """An open hang whose diagnosis arrived or changed since it was stored: the webhook
+    says it again (heartbeats can come after the threshold passed)."""
+    if finding.status != "open" or finding.collective is None:
+        return False
+    before = old_evidence.get("collective") or {}
+    now = finding.collective
+    return any(before.get(k) != now.get(k) for k in ("group", "seq", "never_entered", "waiting"))
 
 
 def _row(f: Finding, evidence: Mapping[str, Any], now: datetime) -> dict[str, Any]:

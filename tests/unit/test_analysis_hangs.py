@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -173,8 +174,9 @@ def test_counters_read_while_ranks_stepped_give_no_diagnosis() -> None:
     [f] = check_hang(NOW, last, median_step_s=2.0, collectives=stale)
     assert f.collective is None and "all ranks stopped together" in f.message
     # A rank that stepped past the collective completed it: nobody is stuck in it.
-    moved = _counters({0: 9, 1: 9, 2: 6, 3: 9}, 6) + [
-        GroupCounters(4, WORLD, 12, 12, "all_reduce", NOW, True)
+    moved = [
+        *_counters({0: 9, 1: 9, 2: 6, 3: 9}, 6),
+        GroupCounters(4, WORLD, 12, 12, "all_reduce", NOW, True),
     ]
     assert stuck_collectives(moved, range(5)) == []
     # A rank silent while its peers step on is still a silent rank, counters or not.
@@ -195,7 +197,7 @@ def test_every_rank_waiting_inside_means_the_fault_is_below_the_ranks() -> None:
 def test_a_rank_that_never_entered_any_collective_and_a_rank_without_heartbeat() -> None:
     # Rank 3 sent no counters at all (stuck before its first collective) and rank 2's are
     # from its last window only: both never entered #1, the diagnosis says which is unconfirmed.
-    rows = _counters({0: 2, 1: 2}, 0) + [GroupCounters(2, WORLD, 0, 0, None, None, False)]
+    rows = [*_counters({0: 2, 1: 2}, 0), GroupCounters(2, WORLD, 0, 0, None, None, False)]
     [s] = stuck_collectives(rows, range(4))
     assert (s.seq, s.never_entered, s.waiting, s.unconfirmed) == (1, (2, 3), (0, 1), (2, 3))
     assert describe(s).startswith("ranks 2, 3 never entered all_reduce #1 of group world; 2 ranks wait in it")
@@ -229,3 +231,17 @@ def test_groups_other_than_world_have_the_members_that_report_them() -> None:
     # A rank that finished is still a member: rank 1 waits for a partner that left.
     [s] = stuck_collectives(rows, [0, 1])
     assert s.never_entered == (2,)
+
+
+def test_a_missing_rank_without_heartbeat_is_named_only_once_the_others_waited_past_the_threshold() -> None:
+    # Rank 2's heartbeat may still be on its way: its window counters are not evidence
+    # until the others have waited longer than the threshold (a live agent sent one by then).
+    last = dict.fromkeys(range(3), NOW - 90.0)
+    rows = [GroupCounters(r, WORLD, 9, 6, "all_reduce", NOW - 10.0, True) for r in (0, 1)]
+    rows.append(GroupCounters(2, WORLD, 6, 6, "all_reduce", NOW - 95.0, False))
+    [early] = check_hang(NOW, last, median_step_s=2.0, floor_s=60.0, collectives=rows)
+    assert early.collective is None
+    later = [replace(c, since=NOW - 61.0) if c.heartbeat else c for c in rows]
+    [f] = check_hang(NOW, last, median_step_s=2.0, floor_s=60.0, collectives=later)
+    assert f.collective is not None and f.collective["unconfirmed"] == [2] and f.ranks == (2,)
+    assert "rank 2 sent no heartbeat" in f.message
