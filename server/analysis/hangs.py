@@ -11,7 +11,10 @@ In synchronous training one stuck rank stops every rank at the next collective, 
 whole-run hang is reported once, naming the ranks that stopped first (those behind the
 others by step number when known, else by time): they are the likely cause, the rest are
 waiting for them. Per-rank flags are returned only while the run as a whole still makes
-progress (a rank, or its agent, went silent while the others step).
+progress (a rank, or its agent, went silent while the others step): some rank reported
+more than a threshold after the silent one went quiet. Ranks whose last reports are
+closer than that (windows close a send interval apart) stopped together: no per-rank
+flag for the first of them, which would name a rank that is only first to be late.
 
 With the ranks' collective counters (``collectives``, see :mod:`.stuck_collectives`)
 the run-level flag names the collective the run is stuck in, the ranks that never
@@ -83,7 +86,10 @@ def check_hang(
     if run_silent > threshold or (blocked and max(silent.values()) > threshold):
         return [_run_hang(run, silent, run_silent, threshold, evidence_base, hosts, steps, stuck)]
     out = []
-    for rank in sorted(r for r, s in silent.items() if s > threshold):
+    # A rank is silent "while the run steps" when another rank reported more than a
+    # threshold after it went quiet; ranks that stopped within a threshold of each
+    # other stopped together, and the run-level verdict follows within a threshold.
+    for rank in sorted(r for r, s in silent.items() if s > threshold and s - run_silent > threshold):
         host = hosts.get(rank)
         last_step = steps.get(rank, 0)
         where = f" (host {host})" if host else ""
