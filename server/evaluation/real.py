@@ -123,6 +123,9 @@ class RealOutcome:
     note: str = ""
     #: How far the collector's analysis got (the scenario's steps when it finished in time).
     analysed_through_step: int = 0
+    #: A hang scenario: whether the first hang event read already named who never
+    #: entered the stuck collective (None: no hang event read).
+    first_hang_diagnosed: bool | None = None
 
     @property
     def false_flags(self) -> int:
@@ -290,6 +293,7 @@ def run_scenario(
     netns = json.loads(os.environ.get("STEPWATCH_REAL_NETNS", "null"))
     run = "real-" + _slug(s.name)
     diagnosed = [0.0]
+    first_diagnosed: list[bool | None] = [None]
     with tempfile.TemporaryDirectory(prefix="stepwatch-real-") as work:
         env = dict(COLLECTOR_ENV)
         if netns:
@@ -313,7 +317,15 @@ def run_scenario(
             )
             try:
                 events, ov = _wait(
-                    s, procs, col.url, run, work, steps=steps, deadline=t0 + timeout_s, diagnosed_at=diagnosed
+                    s,
+                    procs,
+                    col.url,
+                    run,
+                    work,
+                    steps=steps,
+                    deadline=t0 + timeout_s,
+                    diagnosed_at=diagnosed,
+                    first_seen_diagnosed=first_diagnosed,
                 )
             finally:
                 _stop_all(procs)
@@ -349,6 +361,7 @@ def run_scenario(
         time.monotonic() - t0,
         note=note,
         analysed_through_step=analysed,
+        first_hang_diagnosed=first_diagnosed[0],
     )
 
 
@@ -379,10 +392,12 @@ def _wait(
     steps: int,
     deadline: float,
     diagnosed_at: list[float],
+    first_seen_diagnosed: list[bool | None],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Poll until the ranks finished and the analysis passed the last step (a hang: until
     a hang event names the ranks that never entered the stuck collective, the wall time
-    of that poll going to ``diagnosed_at``); returns the events and the run's overview."""
+    of that poll going to ``diagnosed_at``, and whether the first hang event seen was
+    already diagnosed to ``first_seen_diagnosed``); returns the events and the overview."""
     events: list[dict[str, Any]] = []
     ov: dict[str, Any] = {}
     with httpx.Client(base_url=url, timeout=10.0) as c:
@@ -393,8 +408,12 @@ def _wait(
             if r.status_code == 200:
                 ov = r.json()
                 events = c.get(f"/api/v1/runs/{run}/events").raise_for_status().json()
-                # A hang: until an event names who never entered the stuck collective.
-                if s.fault == "hang" and any(_never_entered(e) for e in events):
+                # A hang: until an event names who never entered the stuck collective
+                # (noting whether the first hang event seen already did).
+                hangs = [e for e in events if e["kind"] == "hang"]
+                if s.fault == "hang" and hangs and first_seen_diagnosed[0] is None:
+                    first_seen_diagnosed[0] = any(_never_entered(e) for e in hangs)
+                if s.fault == "hang" and any(_never_entered(e) for e in hangs):
                     diagnosed_at[0] = time.time()
                     break
                 done = all(p.poll() is not None for p in procs)
