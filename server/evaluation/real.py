@@ -404,10 +404,15 @@ def _wait(
         while time.monotonic() < deadline:
             if s.fault != "hang":
                 launch.poll_all(procs, work)
-            r = c.get(f"/api/v1/runs/{run}")
+            try:
+                r = c.get(f"/api/v1/runs/{run}")
+                if r.status_code == 200:
+                    got = c.get(f"/api/v1/runs/{run}/events").raise_for_status().json()
+            except httpx.TransportError:  # a collector slow to answer on a loaded machine: poll again
+                time.sleep(0.5)
+                continue
             if r.status_code == 200:
-                ov = r.json()
-                events = c.get(f"/api/v1/runs/{run}/events").raise_for_status().json()
+                ov, events = r.json(), got
                 # A hang: until an event names who never entered the stuck collective
                 # (noting whether the first hang event seen already did).
                 hangs = [e for e in events if e["kind"] == "hang"]
