@@ -404,6 +404,7 @@ def _wait(
         while time.monotonic() < deadline:
             if s.fault != "hang":
                 launch.poll_all(procs, work)
+            got: list[dict[str, Any]] = []
             try:
                 r = c.get(f"/api/v1/runs/{run}")
                 if r.status_code == 200:
