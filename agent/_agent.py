@@ -23,7 +23,7 @@ from ._comm_timing import CommTiming, comm_hook
 from ._device_clock import CudaEventClock
 from ._env import RankInfo
 from ._payload import build_payload, encode, new_batch_id
-from ._sender import Sender, SenderStats
+from ._sender import Sender, SenderStats, WindowSink
 from ._window import Window
 from .config import AgentConfig
 from .profiler._window import DATA_WAIT_SPAN, NEVER, ProfilerWindow
@@ -53,7 +53,7 @@ class Stepwatch:
         convention: Mapping[str, Any] | None,
         start_step: int = 0,
         device_clock: CudaEventClock | None = None,
-        sender: Sender | None = None,
+        sender: WindowSink | None = None,
         plan: Mapping[str, Any] | None = None,
         profiler: ProfilerWindow | None = None,
     ) -> None:

@@ -35,7 +35,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ._window import Window
 from .retry import Verdict, full_jitter, retry_after_s, verdict
@@ -85,6 +85,45 @@ class _Every:
         if self._last is not None and now - self._last < self._period_s:
             return False
         self._last = now
+        return True
+
+
+class WindowSink(Protocol):
+    """What the agent needs of whatever takes its closed windows (:class:`Sender` ships
+    them; :class:`MemorySink` keeps them)."""
+
+    stats: SenderStats
+
+    def submit(self, window: Window) -> None: ...
+    def pending(self) -> int: ...
+    def flush(self, timeout_s: float) -> bool: ...
+    def close(self, timeout_s: float) -> bool: ...
+
+
+class MemorySink:
+    """Keeps every closed window in a list instead of sending it.
+
+    For readers of the agent's windows in the same process: ``make gpu-check`` reads the
+    CUDA event times of the steps from them (the HTTP path is tested without a GPU), and
+    the unit tests read what the hot path stored.
+    """
+
+    def __init__(self) -> None:
+        self.windows: list[Window] = []
+        self.stats = SenderStats()
+        self.closed = False
+
+    def submit(self, window: Window) -> None:
+        self.windows.append(window)
+
+    def pending(self) -> int:
+        return 0
+
+    def flush(self, timeout_s: float) -> bool:
+        return True
+
+    def close(self, timeout_s: float) -> bool:
+        self.closed = True
         return True
 
 

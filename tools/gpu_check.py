@@ -38,7 +38,10 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stepwatch._sender import MemorySink
 
 DDP_DELAY_S = 0.05
 """Host delay of the late rank before every backward (2-GPU DDP check)."""
@@ -205,35 +208,14 @@ def ddp_single_verdict(
 # -- measurements: need CUDA ------------------------------------------------------------
 
 
-class _Recorder:
-    """The agent's sender replaced by a list (the HTTP path is tested in CI)."""
-
-    def __init__(self) -> None:
-        from stepwatch._sender import SenderStats
-
-        self.windows: list[Any] = []
-        self.stats = SenderStats()
-
-    def submit(self, window: Any) -> None:
-        self.windows.append(window)
-
-    def pending(self) -> int:
-        return 0
-
-    def flush(self, timeout_s: float) -> bool:
-        return True
-
-    def close(self, timeout_s: float) -> bool:
-        return True
-
-
-def _agent(steps: int, *, rank: int = 0, world: int = 1) -> tuple[Any, _Recorder]:
+def _agent(steps: int, *, rank: int = 0, world: int = 1) -> tuple[Any, MemorySink]:
     import stepwatch
     from stepwatch._device_clock import cuda_clock
     from stepwatch._env import detect
+    from stepwatch._sender import MemorySink
     from stepwatch.config import AgentConfig
 
-    rec = _Recorder()
+    rec = MemorySink()
     cfg = AgentConfig(run="gpu-check", send_interval_s=1e9, warmup_steps=0, max_window_steps=max(steps, 16))
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
     clock = cuda_clock(cfg.max_window_steps)
@@ -249,7 +231,7 @@ def _agent(steps: int, *, rank: int = 0, world: int = 1) -> tuple[Any, _Recorder
     return sw, rec
 
 
-def _event_times(sw: Any, rec: _Recorder) -> list[float]:
+def _event_times(sw: Any, rec: MemorySink) -> list[float]:
     from stepwatch._device_clock import CudaEventClock
 
     sw.close(10.0)
@@ -381,7 +363,8 @@ def check_first_step() -> list[Verdict]:
     import torch
     from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-    from stepwatch.profiler.trace import parse_chrome_trace, trace_from_profiler, window_breakdown
+    from stepwatch.profiler.chrome import trace_from_profiler
+    from stepwatch.profiler.trace import parse_chrome_trace, window_breakdown
 
     a = torch.randn(2048, 2048, device="cuda")
     n = 6

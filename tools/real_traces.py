@@ -22,7 +22,8 @@ from collections import Counter
 from pathlib import Path
 
 from stepwatch.profiler.breakdown import total, union
-from stepwatch.profiler.trace import load_chrome_trace, parse_chrome_trace, window_breakdown
+from stepwatch.profiler.chrome import load_chrome_trace
+from stepwatch.profiler.trace import parse_chrome_trace, window_breakdown
 
 
 def main(argv: list[str]) -> int:

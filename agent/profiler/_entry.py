@@ -27,7 +27,7 @@ Per window:
     runs the same collectives in the same order (DDP, FSDP and NCCL all require it).
     "Enter" is when the collective starts to run: the gloo operation's start on its
     worker thread, the NCCL kernel's start on the device. Both sit on the host's
-    Unix clock in the trace (:func:`stepwatch.profiler.trace.unix_base_us`).
+    Unix clock in the trace (:func:`stepwatch.profiler.chrome.unix_base_us`).
 ``top_ops``
     The ten operations with the most *self* time per step: ATen CPU ops on the training
     thread (CPU path) or GPU kernels (CUDA path), names cut to 96 characters.
@@ -41,15 +41,8 @@ from typing import Any
 
 from ..sketch import LogSketch
 from .breakdown import Interval, StepBreakdown, breakdown
-from .trace import (
-    CollectiveRecord,
-    TraceEvent,
-    WindowTrace,
-    classify_events,
-    events_from_chrome_trace,
-    main_thread,
-    unix_base_us,
-)
+from .chrome import TraceEvent, events_from_chrome_trace, unix_base_us
+from .trace import CollectiveRecord, WindowTrace, classify_events, main_thread
 
 __all__ = ["MAX_ARRIVALS", "MAX_TOP_OPS", "assemble_entry", "build_entry", "top_ops"]
 

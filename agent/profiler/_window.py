@@ -34,7 +34,7 @@ sets ``TEARDOWN_CUPTI=1`` (Kineto then calls ``cuptiFinalize`` when a window end
 the variable is already set, by the user or by torch itself (torch sets it to 0 when CUDA
 graphs are in use on older CUDA, where teardown crashes). It is set once, at ``init``.
 
-A trace over :data:`stepwatch.profiler.trace.MAX_TRACE_BYTES` is not parsed: the window
+A trace over :data:`stepwatch.profiler.chrome.MAX_TRACE_BYTES` is not parsed: the window
 is skipped and says so, and its export cost still counts.
 
 Budget: the period is stretched to the smallest ``base * 2**j`` for which the median
@@ -73,7 +73,8 @@ from typing import Any
 from .._clock_sync import ClockSync
 from .._nvml import Nvml
 from ._entry import build_entry
-from .trace import DATA_WAIT_SPAN, MAX_TRACE_BYTES, trace_from_profiler
+from .chrome import MAX_TRACE_BYTES, trace_from_profiler
+from .trace import DATA_WAIT_SPAN
 
 log = logging.getLogger("stepwatch")
 _perf = time.perf_counter

@@ -25,8 +25,9 @@ from typing import Any
 
 from ..sketch import LogSketch
 from ._entry import build_entry
+from .chrome import events_from_chrome_trace, load_chrome_trace
 from .lineup import GroupArrivals, split_wait_transfer
-from .trace import classify_events, events_from_chrome_trace, load_chrome_trace, main_thread
+from .trace import classify_events, main_thread
 
 __all__ = ["PARTS", "RankReport", "Report", "analyse", "find_traces", "render"]
 

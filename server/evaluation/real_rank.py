@@ -138,14 +138,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         watch(ddp)
     sent: list[dict[str, Any]] = []
     if args.record:  # keep what the agent sent, as recorded inputs for the detectors' tests
-        encode = sw._sender._encode
+        sender: Any = sw._sender  # the HTTP sender: its encoder is wrapped to keep a copy
+        encode = sender._encode
 
         def recording(window: Any, stats: Any) -> bytes:
-            body = encode(window, stats)
+            body: bytes = encode(window, stats)
             sent.append(json.loads(body))
             return body
 
-        sw._sender._encode = recording
+        sender._encode = recording
     stall = [0.0]
     comm_buf = torch.ones(int(args.comm_mb * (1 << 20) / 4))
     ends: list[float] = []

@@ -172,10 +172,14 @@ def test_web_page_in_chromium_shows_the_run_and_its_straggler(demo: DemoRun, bro
                 el,
             )
             assert inked > 2000, f"{chart} drew {inked} pixels"
-        event = browser.find_element(By.CSS_SELECTOR, "#events tr.event.straggler")
-        assert event.is_displayed()
-        assert "straggler / compute" in event.text and "Rank 2" in event.text
-        first, last = (int(x) for x in re.search(r"(\d+)–(\d+)", event.text).groups())  # type: ignore[union-attr]
+        # Every straggler row names rank 2, and one of them says compute over the slowdown.
+        # (Rank 2 may also show a small data flag: on 2 overcommitted cores the process that
+        # burnt its share waits longest for the CPU in its loader too, which is measured.)
+        rows = browser.find_elements(By.CSS_SELECTOR, "#events tr.event.straggler")
+        assert rows and all(r.is_displayed() and "Rank 2" in r.text for r in rows), [r.text for r in rows]
+        compute = [r.text for r in rows if "straggler / compute" in r.text]
+        assert compute, [r.text for r in rows]
+        first, last = (int(x) for x in re.search(r"(\d+)–(\d+)", compute[0]).groups())  # type: ignore[union-attr]
         assert first <= SLOW_TO and last >= SLOW_FROM, f"the flag's steps {first}-{last} miss the slowdown"
         labels = browser.find_elements(By.CSS_SELECTOR, "#heatmap svg text:not(.axis)")
         assert [t.text for t in labels] == ["0", "1", "2", "3"]

@@ -12,30 +12,8 @@ import stepwatch
 from stepwatch import _agent
 from stepwatch._env import detect
 from stepwatch._payload import build_payload, encode
-from stepwatch._window import Window
+from stepwatch._sender import MemorySink
 from stepwatch.config import AgentConfig, load
-
-
-class RecordingSender:
-    def __init__(self) -> None:
-        from stepwatch._sender import SenderStats
-
-        self.windows: list[Window] = []
-        self.stats = SenderStats()
-        self.closed = False
-
-    def submit(self, window: Window) -> None:
-        self.windows.append(window)
-
-    def pending(self) -> int:
-        return 0
-
-    def flush(self, timeout_s: float) -> bool:
-        return True
-
-    def close(self, timeout_s: float) -> bool:
-        self.closed = True
-        return True
 
 
 class FakeClock:
@@ -53,12 +31,12 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     return c
 
 
-def make(cfg: AgentConfig, sender: RecordingSender) -> stepwatch.Stepwatch:
-    return stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=sender)  # type: ignore[arg-type]
+def make(cfg: AgentConfig, sender: MemorySink) -> stepwatch.Stepwatch:
+    return stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=sender)
 
 
 def test_windows_close_on_capacity_and_keep_every_step(clock: FakeClock) -> None:
-    rec = RecordingSender()
+    rec = MemorySink()
     sw = make(AgentConfig(run="r", max_window_steps=4, send_interval_s=1e9, warmup_steps=0), rec)
     for i in range(10):
         clock.t += 0.25
@@ -72,7 +50,7 @@ def test_windows_close_on_capacity_and_keep_every_step(clock: FakeClock) -> None
 
 
 def test_windows_close_on_time(clock: FakeClock) -> None:
-    rec = RecordingSender()
+    rec = MemorySink()
     sw = make(AgentConfig(run="r", send_interval_s=1.0, warmup_steps=0), rec)
     for _ in range(7):
         clock.t += 0.3
@@ -86,7 +64,7 @@ def test_windows_close_on_time(clock: FakeClock) -> None:
 
 
 def test_loader_wait_is_charged_to_the_step_that_uses_the_batch(clock: FakeClock) -> None:
-    rec = RecordingSender()
+    rec = MemorySink()
     sw = make(AgentConfig(run="r", max_window_steps=8, warmup_steps=0), rec)
 
     def slow_batches():  # type: ignore[no-untyped-def]
@@ -104,7 +82,7 @@ def test_loader_wait_is_charged_to_the_step_that_uses_the_batch(clock: FakeClock
 
 
 def test_warmup_and_marked_steps_are_tagged(clock: FakeClock) -> None:
-    rec = RecordingSender()
+    rec = MemorySink()
     sw = make(AgentConfig(run="r", max_window_steps=3, warmup_steps=4), rec)
     for i in range(6):
         if i == 5:
@@ -120,7 +98,7 @@ def test_warmup_and_marked_steps_are_tagged(clock: FakeClock) -> None:
 
 
 def test_padded_tokens_only_when_given(clock: FakeClock) -> None:
-    rec = RecordingSender()
+    rec = MemorySink()
     sw = make(AgentConfig(run="r", max_window_steps=2, warmup_steps=0), rec)
     sw.step(tokens=3)
     sw.step(tokens=3)
@@ -134,7 +112,7 @@ def test_non_int_counts_take_the_slow_path(clock: FakeClock) -> None:
     import numpy as np
     import torch
 
-    rec = RecordingSender()
+    rec = MemorySink()
     sw = make(AgentConfig(run="r", max_window_steps=3, warmup_steps=0), rec)
     sw.step(tokens=np.int64(7))
     sw.step(tokens=torch.tensor(8))
@@ -143,7 +121,7 @@ def test_non_int_counts_take_the_slow_path(clock: FakeClock) -> None:
 
 
 def test_internal_error_disables_the_agent_and_never_raises(clock: FakeClock) -> None:
-    rec = RecordingSender()
+    rec = MemorySink()
     sw = make(AgentConfig(run="r", max_window_steps=4, warmup_steps=0), rec)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -154,7 +132,7 @@ def test_internal_error_disables_the_agent_and_never_raises(clock: FakeClock) ->
 
 
 def test_disabled_by_environment(clock: FakeClock) -> None:
-    rec = RecordingSender()
+    rec = MemorySink()
     cfg = load("r", env={"STEPWATCH_DISABLED": "1"})
     sw = make(cfg, rec)
     sw.step(tokens=1)
@@ -172,7 +150,7 @@ def test_config_validation_names_the_setting() -> None:
 
 
 def test_payload_is_compact_json_with_identity_and_convention(clock: FakeClock) -> None:
-    rec = RecordingSender()
+    rec = MemorySink()
     sw = make(AgentConfig(run="r", max_window_steps=100, send_interval_s=1e9, warmup_steps=0), rec)
     for _ in range(100):
         clock.t += 1.0
@@ -209,7 +187,7 @@ def test_common_steps_read_the_clock_once_and_time_themselves_one_in_64(
         return 1000.0 + reads[0] * 1e-6  # every read 1 us after the one before
 
     monkeypatch.setattr(_agent, "_perf", counting_clock)
-    rec = RecordingSender()
+    rec = MemorySink()
     sw = make(AgentConfig(run="r", max_window_steps=1024, send_interval_s=1e9, warmup_steps=0), rec)
     reads[0] = 0
     for _ in range(640):
@@ -238,7 +216,7 @@ def test_the_sender_thread_starts_at_init_not_at_the_first_window() -> None:
 
 
 def test_disabled_agent_records_nothing_and_says_so_once(clock: FakeClock) -> None:
-    rec = RecordingSender()
+    rec = MemorySink()
     sw = make(AgentConfig(run="r", max_window_steps=4, send_interval_s=1e9, warmup_steps=0), rec)
     sw.step(tokens=1)
     tokens, sw._tokens = sw._tokens, None  # type: ignore[assignment]  # the next step fails inside
@@ -252,7 +230,7 @@ def test_disabled_agent_records_nothing_and_says_so_once(clock: FakeClock) -> No
 
 
 def test_a_wait_and_tag_charged_before_a_flush_ride_with_their_step(clock: FakeClock) -> None:
-    rec = RecordingSender()
+    rec = MemorySink()
     sw = make(AgentConfig(run="r", max_window_steps=4, send_interval_s=1e9, warmup_steps=0), rec)
     sw.step(tokens=1)
     sw.add_data_wait(0.5)

@@ -11,10 +11,11 @@ import stepwatch
 from stepwatch import _agent
 from stepwatch._env import detect
 from stepwatch._payload import build_payload, plan_section
+from stepwatch._sender import MemorySink
 from stepwatch._window import Window
 from stepwatch.config import AgentConfig
 
-from .test_agent import FakeClock, RecordingSender
+from .test_agent import FakeClock
 
 
 @pytest.fixture
@@ -24,17 +25,17 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     return c
 
 
-def make_agent(sender: RecordingSender, plan: dict[str, object] | None = None) -> stepwatch.Stepwatch:
+def make_agent(sender: MemorySink, plan: dict[str, object] | None = None) -> stepwatch.Stepwatch:
     cfg = AgentConfig(run="r", max_window_steps=8, send_interval_s=1e9, warmup_steps=0)
-    return stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=sender, plan=plan)  # type: ignore[arg-type]
+    return stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=sender, plan=plan)
 
 
 def _payload(sw: stepwatch.Stepwatch, window: Window) -> dict[str, object]:
-    return json.loads(sw._encode(window, RecordingSender().stats))  # type: ignore[no-any-return]
+    return json.loads(sw._encode(window, MemorySink().stats))  # type: ignore[no-any-return]
 
 
 def test_close_marks_the_last_window_final(clock: FakeClock) -> None:
-    sender = RecordingSender()
+    sender = MemorySink()
     sw = make_agent(sender)
     for _ in range(3):
         clock.t += 0.1
@@ -46,7 +47,7 @@ def test_close_marks_the_last_window_final(clock: FakeClock) -> None:
 
 
 def test_a_final_window_may_be_empty_but_only_after_some_step(clock: FakeClock) -> None:
-    sender = RecordingSender()
+    sender = MemorySink()
     sw = make_agent(sender)
     for _ in range(8):  # exactly one full window: nothing left open at close
         clock.t += 0.1
@@ -55,13 +56,13 @@ def test_a_final_window_may_be_empty_but_only_after_some_step(clock: FakeClock) 
     assert [(w.n_steps, w.final) for w in sender.windows] == [(8, False), (0, True)]
     body = _payload(sw, sender.windows[1])
     assert body["steps"]["time_s"] == [] and body["steps"]["first"] == 9  # type: ignore[index]
-    idle = RecordingSender()
+    idle = MemorySink()
     make_agent(idle).close()
     assert idle.windows == []  # never stepped: nothing to finish
 
 
 def test_plan_travels_with_every_batch_and_sections_are_left_out_when_empty(clock: FakeClock) -> None:
-    sender = RecordingSender()
+    sender = MemorySink()
     plan = plan_section(target_tokens=10**12, config_fingerprint="cfg-1")
     sw = make_agent(sender, plan)
     clock.t += 0.1

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from stepwatch.profiler._entry import build_entry, top_ops
-from stepwatch.profiler.trace import events_from_chrome_trace, load_chrome_trace
+from stepwatch.profiler.chrome import events_from_chrome_trace, load_chrome_trace
 from stepwatch.sketch import LogSketch
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

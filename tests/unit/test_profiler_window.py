@@ -18,30 +18,12 @@ torch = pytest.importorskip("torch")
 import stepwatch  # noqa: E402
 from stepwatch._clock_sync import ClockSync  # noqa: E402
 from stepwatch._env import detect  # noqa: E402
-from stepwatch._sender import SenderStats  # noqa: E402
+from stepwatch._sender import MemorySink, SenderStats  # noqa: E402
 from stepwatch._window import Window  # noqa: E402
 from stepwatch.config import AgentConfig  # noqa: E402
 from stepwatch.profiler._window import ProfilerWindow  # noqa: E402
 
 PARTS = ("compute_s", "comm_overlapped_s", "comm_exposed_s", "data_wait_s", "idle_s")
-
-
-class RecordingSender:
-    def __init__(self) -> None:
-        self.windows: list[Window] = []
-        self.stats = SenderStats()
-
-    def submit(self, window: Window) -> None:
-        self.windows.append(window)
-
-    def pending(self) -> int:
-        return 0
-
-    def flush(self, timeout_s: float) -> bool:
-        return True
-
-    def close(self, timeout_s: float) -> bool:
-        return True
 
 
 class CountingWindow(ProfilerWindow):
@@ -71,10 +53,10 @@ def _train(sw: stepwatch.Stepwatch, steps: int, pw: ProfilerWindow | None = None
             assert pw._idle.wait(30)
 
 
-def _agent(pw: ProfilerWindow) -> tuple[stepwatch.Stepwatch, RecordingSender]:
-    rec = RecordingSender()
+def _agent(pw: ProfilerWindow) -> tuple[stepwatch.Stepwatch, MemorySink]:
+    rec = MemorySink()
     cfg = AgentConfig(run="r", send_interval_s=1e9, warmup_steps=0)
-    sw = stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=rec, profiler=pw)  # type: ignore[arg-type]
+    sw = stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=rec, profiler=pw)
     return sw, rec
 
 
@@ -193,9 +175,9 @@ def test_a_due_window_waits_for_the_entry_of_its_profiled_steps(monkeypatch: pyt
     clock = [1000.0]
     monkeypatch.setattr(_agent, "_perf", lambda: clock[0])
     pw = ProfilerWindow(every=2, steps=1, budget=1e9, warmup_end=0)
-    rec = RecordingSender()
+    rec = MemorySink()
     cfg = AgentConfig(run="r", send_interval_s=1.0, warmup_steps=0)
-    sw = stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=rec, profiler=pw)  # type: ignore[arg-type]
+    sw = stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=rec, profiler=pw)
     for _ in range(3):  # the window starts after step 2 and stops at step 3
         clock[0] += 0.4
         sw.step(tokens=1)

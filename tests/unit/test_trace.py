@@ -15,16 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch.profiler.breakdown import StepBreakdown, intersect, total, union
-from stepwatch.profiler.trace import (
+from stepwatch.profiler.chrome import (
     TraceEvent,
-    WindowTrace,
-    classify_events,
     events_from_chrome_trace,
     load_chrome_trace,
-    parse_chrome_trace,
     trace_from_profiler,
-    window_breakdown,
 )
+from stepwatch.profiler.trace import WindowTrace, classify_events, parse_chrome_trace, window_breakdown
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 CPU_TRACE = FIXTURES / "cpu_gloo_ddp_rank0.json"
