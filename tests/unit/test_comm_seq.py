@@ -13,11 +13,9 @@ import stepwatch
 from stepwatch import _comm_timing
 from stepwatch._comm_timing import OP_CODES, SEQ_RING, CommTiming
 from stepwatch._env import detect
-from stepwatch._sender import SenderStats
+from stepwatch._sender import MemorySink, SenderStats
 from stepwatch.config import AgentConfig
 from stepwatch_server.schemas.ingest import IngestPayload
-
-from .test_agent import RecordingSender
 
 
 class Clock:
@@ -97,12 +95,12 @@ def test_the_hot_path_allocates_nothing_that_grows_per_collective(perf: Clock) -
 
 
 def test_a_heartbeat_carries_the_counters_and_no_step_and_is_a_valid_batch() -> None:
-    rec = RecordingSender()
+    rec = MemorySink()
     sw = stepwatch.Stepwatch(
         AgentConfig(run="r", send_interval_s=1e9, warmup_steps=0),
         detect({}, host="h"),
         convention=None,
-        sender=rec,  # type: ignore[arg-type]
+        sender=rec,
     )
     assert sw._heartbeat() is None  # no communication hook: nothing to say
     for _ in range(3):
