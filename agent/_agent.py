@@ -4,6 +4,10 @@
 clock, stores a few numbers into preallocated arrays and, once per window, copies them
 into a ``Window`` for the sender. It takes no lock, does no I/O, never synchronises a
 device and never raises: any internal error disables the agent with one warning.
+
+Longer than the usual module: the hot path, the window hand-off and the sender-side
+encoding (payload, heartbeats) all read the same preallocated slots and counters, which
+stay private to this class rather than becoming an interface between modules.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ Heartbeats: with ``heartbeat`` given, a thread that finds nothing to send for
 step-free window and sends that. A training thread blocked in a collective closes no
 window, but this thread still runs, so the collector still learns where the rank is
 (the collective counters of a hang's diagnosis).
+
+Longer than the usual module: the queue's bound, the retry loop, the heartbeats and the
+warnings share the sender thread's state; ``MemorySink`` sits beside the ``Sender`` it
+stands in for.
 """
 
 from __future__ import annotations

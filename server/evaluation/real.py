@@ -17,6 +17,9 @@ removed on exit.
 
 Run: ``python -m stepwatch_server.evaluation.real [--scenario NAME ...] [--runs N]``;
 ``stepwatch evaluate --real [--scenario NAME ...] [--runs N]`` runs the same.
+
+Longer than the usual module: the scenarios, the namespaces, the run and its scoring
+and the table are one harness, read together when a row looks wrong.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Pydantic lives here (and in ``responses.py``), at the edge, and nowhere else in 
 collector: ingest converts a validated payload into plain values before storage and
 analysis touch it. Every bound (array lengths, name charset, value ranges) is enforced here, so a bad batch is
 rejected with a 422 naming the field and nothing of it is stored.
+
+Longer than the usual module: the payload is one document and its cross-field rules
+(steps against comm, heartbeats, profiles) are validated in one place.
 """
 
 from __future__ import annotations
