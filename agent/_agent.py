@@ -400,7 +400,10 @@ class Stepwatch:
         if not window.batch_id:
             window.batch_id = new_batch_id()
         if window.heartbeat and window.comm_section is None:  # once: a retry sends the same body
-            window.comm_section = self.comm_timing.heartbeat_section()
+            # How long the training thread has not finished a step: the collector trusts
+            # these counters as where the rank is stuck once that exceeds a few steps.
+            idle = _perf() - self._last
+            window.comm_section = self.comm_timing.heartbeat_section(idle)
         if window.comm is not None:  # summarised once (host clock), so a retry sends the same body
             window.comm_section = self.comm_timing.summarise(
                 window.comm, window.first_step, window.step_time_s, window.perf_end

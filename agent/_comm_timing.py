@@ -51,6 +51,7 @@ MAX_BUCKETS = 16
 SKETCH_ALPHA = 0.01
 _perf = time.perf_counter
 _cpu = time.thread_time
+_wall = time.time
 _NONE = -1.0
 #: Process groups counted (the wire's limit); a further group is timed but not counted.
 MAX_GROUPS = 64
@@ -182,7 +183,7 @@ class CommTiming:
 
     def groups(self) -> list[dict[str, Any]]:
         """Every counted group's wire entry, now (sender thread)."""
-        offset = time.time() - _perf()
+        offset = _wall() - _perf()
         return [g.state(name, offset) for name, g in sorted(self.seq.items())]
 
     # -- window hand-off (training thread, once per window) ---------------------------
@@ -215,10 +216,12 @@ class CommTiming:
         out["groups"] = self.groups()
         return out
 
-    def heartbeat_section(self) -> dict[str, Any]:
+    def heartbeat_section(self, idle_s: float) -> dict[str, Any]:
         """The ``comm`` section of a heartbeat: no step, the group counters as they are
-        now (the training thread may be stuck inside, or before, a collective)."""
+        now (the training thread may be stuck inside, or before, a collective), and
+        ``idle_s``: seconds since the rank's last step ended."""
         return {
+            "idle_s": round(min(max(0.0, idle_s), 1e6), 3),
             "version": 1,
             "clock": "host",
             "arrive_s": [],

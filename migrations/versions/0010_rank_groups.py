@@ -35,6 +35,7 @@ def upgrade() -> None:
         sa.Column("since", sa.Float(), nullable=True),
         sa.Column("sampled_at", sa.Float(), nullable=False),
         sa.Column("heartbeat", sa.SmallInteger(), nullable=False),
+        sa.Column("idle_s", sa.Float(), nullable=True),
         sa.ForeignKeyConstraint(
             ["run_id"], ["runs.id"], name=op.f("fk_rank_groups_run_id_runs"), ondelete="CASCADE"
         ),

@@ -75,7 +75,9 @@ def check_hang(
         "floor_s": floor_s,
     }
     live = set(silent) if live_ranks is None else set(live_ranks)
-    stuck = stuck_collectives(collectives, sorted(silent)) if collectives else []
+    # Counters count once read half a threshold after the rank's last step (no healthy
+    # rank goes five median steps without finishing one).
+    stuck = stuck_collectives(collectives, sorted(silent), threshold / 2) if collectives else []
     # A rank missing without a heartbeat may only not have sent it yet (heartbeats of
     # one stop arrive over a few send intervals): named once the others have waited
     # longer than the threshold, by which time a live agent has sent one.

@@ -12,8 +12,10 @@ on no rank until every member entered it, so in a group whose members all stoppe
 
 No member missing means every rank waits inside the collective: the fault is below the
 ranks (a transport, a link). The counters of a waiting rank count only when they came
-with a heartbeat, sent after the rank stopped closing windows: a window's counters were
-read while it still stepped and may show any collective in flight. A missing rank's
+with a heartbeat read after the rank had finished no step for half the hang threshold
+(five median steps by default): a window's counters were read while it still stepped,
+and a heartbeat's of a rank that is only slow (windows a send interval and a step apart)
+may show a collective it is about to leave. A missing rank's
 counters are used as they are: a stale one can only be lower than its truth, and a rank
 that stopped before a collective its peers wait in has the lower count in any case; the
 diagnosis says which missing ranks are unconfirmed: no heartbeat (their process may be
@@ -48,6 +50,12 @@ class GroupCounters:
     since: float | None = None
     #: Sent with a heartbeat: read while the rank had closed no window for a while.
     heartbeat: bool = True
+    #: The heartbeat's seconds since the rank's last step ended, when they were read.
+    idle_s: float = 0.0
+
+    def stopped(self, min_idle_s: float) -> bool:
+        """Read while the rank had finished no step for ``min_idle_s``: where it stopped."""
+        return self.heartbeat and self.idle_s >= min_idle_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +97,17 @@ class StuckCollective:
         )
 
 
-def stuck_collectives(counters: Iterable[GroupCounters], ranks: Sequence[int]) -> list[StuckCollective]:
+def stuck_collectives(
+    counters: Iterable[GroupCounters], ranks: Sequence[int], min_idle_s: float = 0.0
+) -> list[StuckCollective]:
     """Every group with a collective that some member waits in and none completed.
 
     ``ranks`` are the run's ranks, all members of :data:`WORLD` (one without a row
     entered nothing there yet); other groups' members are the ranks that reported them.
-    A rank that finished is a member too: a peer waiting for it waits for ever. Ordered
+    A rank that finished is a member too: a peer waiting for it waits for ever. Counters
+    count as where a rank stopped when a heartbeat read them ``min_idle_s`` or more after
+    its last step (a heartbeat of a rank that is merely slow shows a collective it will
+    leave). Ordered
     most telling first: groups with ranks missing, then by the number of waiting ranks.
     """
     by_group: dict[str, dict[int, GroupCounters]] = {}
@@ -105,7 +118,7 @@ def stuck_collectives(counters: Iterable[GroupCounters], ranks: Sequence[int]) -
         if group == WORLD:
             for r in set(ranks) - rows.keys():
                 rows[r] = GroupCounters(r, group, 0, 0, heartbeat=False)
-        stuck = _stuck(group, rows)
+        stuck = _stuck(group, rows, min_idle_s)
         if stuck is not None:
             out.append(stuck)
     out.sort(key=lambda s: (not s.never_entered, -len(s.waiting), s.group))
@@ -131,10 +144,10 @@ def describe(s: StuckCollective) -> str:
     return text
 
 
-def _stuck(group: str, rows: dict[int, GroupCounters]) -> StuckCollective | None:
+def _stuck(group: str, rows: dict[int, GroupCounters], min_idle_s: float) -> StuckCollective | None:
     n = max(c.completed for c in rows.values()) + 1
     waiting = sorted(r for r, c in rows.items() if c.entered >= n)
-    if not waiting or any(not rows[r].heartbeat for r in waiting):
+    if not waiting or any(not rows[r].stopped(min_idle_s) for r in waiting):
         return None  # nobody inside it, or not known to be still inside it
     missing = sorted(r for r, c in rows.items() if c.entered < n)
     # The waiting ranks' counters describe collective n when it is the oldest in flight.
@@ -150,5 +163,5 @@ def _stuck(group: str, rows: dict[int, GroupCounters]) -> StuckCollective | None
         since=min(times) if times else None,
         # No heartbeat, or counters below what others completed (the rank took part in
         # those collectives, so they are older than its truth).
-        unconfirmed=tuple(r for r in missing if not rows[r].heartbeat or rows[r].entered < n - 1),
+        unconfirmed=tuple(r for r in missing if not rows[r].stopped(min_idle_s) or rows[r].entered < n - 1),
     )

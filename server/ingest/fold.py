@@ -68,6 +68,7 @@ def _rank_groups(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> C
                 "since": g.since,
                 "sampled_at": p.sent_at,
                 "heartbeat": int(p.heartbeat),
+                "idle_s": p.comm.idle_s,
             }
             key = (run_id, p.rank.rank, g.group)
             old = merged.get(key)

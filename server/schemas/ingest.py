@@ -343,6 +343,8 @@ class CommIn(_Strict):
     cpu_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
     collectives: list[CollectiveIn] = Field(default_factory=list, max_length=16)
     groups: list[GroupSeqIn] = Field(default_factory=list, max_length=64)
+    #: A heartbeat's: seconds since the rank's last step ended when the counters were read.
+    idle_s: Seconds | None = None
 
     @model_validator(mode="after")
     def _groups_once(self) -> CommIn:

@@ -145,7 +145,7 @@ RANK_GROUPS = Summed(
     (
         *_cols(Rule.KEY, "run_id", "rank", "group_name"),
         *_cols(Rule.MAX, "entered", "completed", "sampled_at"),
-        *_cols(Rule.LAST, "op", "since", "heartbeat"),
+        *_cols(Rule.LAST, "op", "since", "heartbeat", "idle_s"),
     ),
 )
 

@@ -312,6 +312,8 @@ class RankGroup(Base):
     sampled_at: Mapped[float] = mapped_column(Float)
     #: 1 when they came with a heartbeat (the rank had closed no window for a while).
     heartbeat: Mapped[int] = mapped_column(SmallInteger)
+    #: A heartbeat's seconds since the rank's last step ended, when they were read.
+    idle_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class IngestedBatch(Base):

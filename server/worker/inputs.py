@@ -95,12 +95,23 @@ def group_counters(conn: Connection, run_id: int) -> list[GroupCounters]:
     """Every rank's latest collective counters per process group (read only when a
     rank is silent past the hang threshold: a seek on the primary key's run prefix)."""
     rows = conn.execute(
-        select(RG.c.rank, RG.c.group_name, RG.c.entered, RG.c.completed, RG.c.op, RG.c.since, RG.c.heartbeat)
+        select(
+            RG.c.rank,
+            RG.c.group_name,
+            RG.c.entered,
+            RG.c.completed,
+            RG.c.op,
+            RG.c.since,
+            RG.c.heartbeat,
+            RG.c.idle_s,
+        )
         .where(RG.c.run_id == run_id)
         .order_by(RG.c.rank, RG.c.group_name)
     )
     return [
-        GroupCounters(r.rank, r.group_name, r.entered, r.completed, r.op, r.since, bool(r.heartbeat))
+        GroupCounters(
+            r.rank, r.group_name, r.entered, r.completed, r.op, r.since, bool(r.heartbeat), r.idle_s or 0.0
+        )
         for r in rows
     ]
 

@@ -205,7 +205,13 @@ def test_a_diagnosis_that_comes_after_the_hang_opened_updates_it_and_tells_the_w
             }
         ]
         beat = payload(
-            run=RUN, rank=r, world=RANKS, first=9, times=[], wall_end=stopped, comm=_comm(0, groups)
+            run=RUN,
+            rank=r,
+            world=RANKS,
+            first=9,
+            times=[],
+            wall_end=stopped,
+            comm=_comm(0, groups) | {"idle_s": 30.0},
         )
         beat["heartbeat"] = True
         assert httpx.post(f"{url}/api/v1/ingest", json=beat).status_code == 200

@@ -19,6 +19,8 @@ from stepwatch_server.analysis.stuck_collectives import (
 )
 
 NOW = 1_000_000.0
+#: A heartbeat's idle time: long after the rank's last step (its counters are where it stopped).
+IDLE = 1e4
 
 
 def test_threshold_is_k_times_median_with_a_floor() -> None:
@@ -122,7 +124,7 @@ def _counters(
     """Per rank ``entered`` (``completed`` for every rank); the waiting ranks entered
     collective ``completed + 1`` at ``since`` (+ rank ms)."""
     return [
-        GroupCounters(r, group, e, min(e, completed), "all_reduce", since + r / 1000, heartbeat)
+        GroupCounters(r, group, e, min(e, completed), "all_reduce", since + r / 1000, heartbeat, IDLE)
         for r, e in entered.items()
     ]
 
@@ -180,7 +182,7 @@ def test_counters_read_while_ranks_stepped_give_no_diagnosis() -> None:
     # A rank that stepped past the collective completed it: nobody is stuck in it.
     moved = [
         *_counters({0: 9, 1: 9, 2: 6, 3: 9}, 6),
-        GroupCounters(4, WORLD, 12, 12, "all_reduce", NOW, True),
+        GroupCounters(4, WORLD, 12, 12, "all_reduce", NOW, True, IDLE),
     ]
     assert stuck_collectives(moved, range(5)) == []
     # A rank silent while its peers step on is still a silent rank, counters or not.
@@ -219,8 +221,8 @@ def test_groups_other_than_world_have_the_members_that_report_them() -> None:
     # ranks 0 and 3 are not members (no row) and their world collectives all completed.
     rows = _counters({0: 5, 1: 5, 2: 5, 3: 5}, 5)
     rows += [
-        GroupCounters(1, "7", 4, 3, "send", NOW - 50.0, True),
-        GroupCounters(2, "7", 3, 3, "recv", NOW - 80.0, True),
+        GroupCounters(1, "7", 4, 3, "send", NOW - 50.0, True, IDLE),
+        GroupCounters(2, "7", 3, 3, "recv", NOW - 80.0, True, IDLE),
     ]
     [s] = stuck_collectives(rows, range(4))
     assert (s.group, s.op, s.seq, s.never_entered, s.waiting, s.since) == (
@@ -241,7 +243,7 @@ def test_a_missing_rank_without_heartbeat_is_named_only_once_the_others_waited_p
     # Rank 2's heartbeat may still be on its way: its window counters are not evidence
     # until the others have waited longer than the threshold (a live agent sent one by then).
     last = dict.fromkeys(range(3), NOW - 90.0)
-    rows = [GroupCounters(r, WORLD, 9, 6, "all_reduce", NOW - 10.0, True) for r in (0, 1)]
+    rows = [GroupCounters(r, WORLD, 9, 6, "all_reduce", NOW - 10.0, True, IDLE) for r in (0, 1)]
     rows.append(GroupCounters(2, WORLD, 6, 6, "all_reduce", NOW - 95.0, False))
     [early] = check_hang(NOW, last, median_step_s=2.0, floor_s=60.0, collectives=rows)
     assert early.collective is None
@@ -249,3 +251,17 @@ def test_a_missing_rank_without_heartbeat_is_named_only_once_the_others_waited_p
     [f] = check_hang(NOW, last, median_step_s=2.0, floor_s=60.0, collectives=later)
     assert f.collective is not None and f.collective["unconfirmed"] == [2] and f.ranks == (2,)
     assert "rank 2 sent no heartbeat" in f.message
+
+
+def test_a_heartbeat_read_soon_after_the_last_step_is_no_evidence_of_where_the_rank_stopped() -> None:
+    # Rank 3 sent a heartbeat 2 s after its last step (threshold 60 s): a slow rank between
+    # two windows, still on its way into the collective; it proves nothing yet.
+    last = dict.fromkeys(range(4), NOW - 90.0)
+    rows = _counters({0: 9, 1: 9, 2: 6, 3: 6}, 6, since=NOW - 10.0)
+    rows[3] = replace(rows[3], idle_s=2.0)
+    [f] = check_hang(NOW, last, median_step_s=2.0, floor_s=60.0, collectives=rows)
+    assert f.collective is None
+    rows[3] = replace(rows[3], idle_s=31.0)  # half the threshold without a step: stopped there
+    [f] = check_hang(NOW, last, median_step_s=2.0, floor_s=60.0, collectives=rows)
+    assert f.collective is not None and f.collective["never_entered"] == [2, 3]
+    assert f.collective["unconfirmed"] == []

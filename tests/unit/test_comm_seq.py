@@ -5,7 +5,6 @@ are tested over real HTTP in tests/integration/test_hang_diagnosis.py)."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -30,6 +29,7 @@ class Clock:
 def perf(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
     monkeypatch.setattr(_comm_timing, "_perf", c)
+    monkeypatch.setattr(_comm_timing, "_wall", lambda: c.t + 1.7e9)  # the wall clock, a fixed offset away
     return c
 
 
@@ -43,14 +43,14 @@ def test_a_rank_inside_a_collective_reports_that_one_with_its_op_and_entry_time(
     t.done(tokens[1], "world")
     perf.t += 1.0
     t.arrive("7", 0, 8, op=OP_CODES["all_gather"])
-    offset = time.time() - perf.t
+    offset = 1.7e9
     side, world = t.groups()  # sorted by name: "7" < "world"
     assert side == {
         "group": "7",
         "entered": 1,
         "completed": 0,
         "op": "all_gather",
-        "since": pytest.approx(504.0 + offset, abs=0.01),
+        "since": pytest.approx(504.0 + offset, abs=1e-3),
     }
     assert (world["group"], world["entered"], world["completed"], world["op"]) == (
         "world",
@@ -58,14 +58,14 @@ def test_a_rank_inside_a_collective_reports_that_one_with_its_op_and_entry_time(
         2,
         "all_reduce",
     )
-    assert world["since"] == pytest.approx(503.0 + offset, abs=0.01)  # bucket 3's entry
+    assert world["since"] == pytest.approx(503.0 + offset, abs=1e-3)  # bucket 3's entry
     t.done(tokens[2], "world")
     (_, world) = t.groups()
     # Nothing in flight: the last collective entered.
     assert (world["entered"], world["completed"], world["since"]) == (
         3,
         3,
-        pytest.approx(503.0 + offset, abs=0.01),
+        pytest.approx(503.0 + offset, abs=1e-3),
     )
 
 
@@ -113,6 +113,7 @@ def test_a_heartbeat_carries_the_counters_and_no_step_and_is_a_valid_batch() -> 
     assert beat.first_step == 4 and beat.wall_end == rec.windows[-1].wall_end
     body = json.loads(sw._encode(beat, SenderStats()))
     assert body["heartbeat"] is True and "final" not in body
+    assert body["comm"]["idle_s"] >= 0
     assert body["comm"]["groups"][0] | {"since": 0} == {
         "group": "world",
         "entered": 4,
