@@ -304,10 +304,16 @@ class AnalysisWorker:
                 collectives=inputs.group_counters(conn, run.id) if silent else (),
                 live_ranks=[r.rank for r in live],
             )
+        stored = open_hangs(conn, run.id)
+        # One stop of the run is one event: its first step is the lowest last step of
+        # the ranks when it opened, and a window still on its way (a sender retrying on
+        # a loaded collector) may raise that lowest step afterwards.
+        opened = {f.key: f.first_step for f in stored if f.key == "hang:run"}
+        current = [replace(f, first_step=opened[f.key]) if f.key in opened else f for f in current]
         ids = {(f.key, f.first_step) for f in current}
         closing = [
             Change(replace(f, run=run.name, status="closed", message="Resolved: " + f.message), window)
-            for f in open_hangs(conn, run.id)
+            for f in stored
             if (f.key, f.first_step) not in ids
         ]
         if not current and not closing:
