@@ -19,6 +19,7 @@ from sqlalchemy import Engine, text
 import stepwatch
 
 from . import web
+from .analysis.regressions import RegressionConfig
 from .api import errors
 from .api.auth import Authenticator, require_read
 from .api.limits import BodyLimit
@@ -42,6 +43,10 @@ def _worker_config(settings: Settings) -> WorkerConfig:
         horizon_s=settings.analysis_horizon_s,
         hang_k=settings.hang_k,
         hang_floor_s=settings.hang_floor_s,
+        regressions=RegressionConfig(
+            baseline_samples=settings.analysis_baseline_windows,
+            baseline_max=max(RegressionConfig().baseline_max, settings.analysis_baseline_windows),
+        ),
     )
 
 

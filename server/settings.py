@@ -81,6 +81,9 @@ class Settings(BaseSettings):
     analysis_grace_s: float = Field(default=60.0, ge=0)
     #: Runs without a batch for this long are no longer analysed (their flags stay as they are).
     analysis_horizon_s: float = Field(default=7 * 86_400.0, gt=0)
+    #: Windows after warm-up that form a run's own regression baseline (it keeps learning
+    #: from in-control windows after that, up to 120).
+    analysis_baseline_windows: int = Field(default=12, ge=3, le=10_000)
     #: A hang is no step for longer than max(hang_k x median step time, hang_floor_s).
     hang_k: float = Field(default=10.0, gt=0)
     hang_floor_s: float = Field(default=60.0, ge=0)

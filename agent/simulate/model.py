@@ -17,7 +17,8 @@ The one noise model of the project: the simulator sends it through the agent's p
   member, so a compute straggler shows long compute and short wait while its peers'
   waits grow, and every rank's step time is the job's;
 - tagged steps: the first ``warmup_steps`` (slower), a checkpoint every
-  ``checkpoint_every`` steps (``checkpoint_s`` longer), optionally ``eval_steps`` of
+  ``checkpoint_every`` steps (``checkpoint_s`` longer; untagged with
+  ``untagged_checkpoints``), optionally ``eval_steps`` of
   evaluation every ``eval_every`` steps (three times longer).
 
 Faults (:mod:`.faults`) act from their window on. Everything is seeded.
@@ -63,6 +64,8 @@ class Noise:
     checkpoint_s: float = 30.0
     eval_every: int = 0
     eval_steps: int = 4
+    #: Checkpoint steps carry no tag (a job that does not tag them): a few long steps.
+    untagged_checkpoints: bool = False
 
 
 @dataclass(frozen=True)
@@ -323,7 +326,7 @@ class TimingModel:
                 tag = "eval"
             elif nz.checkpoint_every > 0 and s % nz.checkpoint_every == 0:
                 t += nz.checkpoint_s
-                tag = "checkpoint"
+                tag = None if nz.untagged_checkpoints else "checkpoint"
             times.append(t)
             tags.append(tag)
         return times, tags

@@ -7,8 +7,9 @@ be fed from the ingest path, the simulator or a test, and property-tested.
 - :mod:`.robust`: median, MAD and the floored robust z-score.
 - :mod:`.peers` / :mod:`.stragglers`: per-window straggler evidence, then persistence and
   hysteresis (``StragglerDetector``).
-- :mod:`.regressions`: CUSUM regressions of MFU and step time with attribution, and
-  comparison with a named baseline run.
+- :mod:`.baseline` / :mod:`.regressions` / :mod:`.attribution` / :mod:`.compare`: a run's
+  frozen baseline, CUSUM regressions of MFU and step time, the part of the step that
+  moved, and comparison with a named baseline run.
 - :mod:`.hangs`: ``check_hang``; :mod:`.stuck_collectives`: which collective a stopped run
   is stuck in, who never entered it and who waits in it.
 - :mod:`.progress`: tokens done, calendar efficiency, projected finish, required step time.
@@ -19,6 +20,8 @@ be fed from the ingest path, the simulator or a test, and property-tested.
 
 from __future__ import annotations
 
+from .baseline import Baseline, FingerprintMismatchError
+from .compare import RunComparison, compare_runs
 from .efficiency import StageImbalance, stage_imbalance
 from .hangs import check_hang, hang_threshold_s
 from .peers import Hit, StragglerConfig, WindowVerdict, evaluate_window
@@ -30,15 +33,7 @@ from .progress import (
     project,
     required_step_time_s,
 )
-from .regressions import (
-    Baseline,
-    FingerprintMismatchError,
-    RegressionConfig,
-    RegressionDetector,
-    RunComparison,
-    build_baseline,
-    compare_runs,
-)
+from .regressions import RegressionConfig, RegressionDetector, build_baseline
 from .robust import RobustStats, robust_stats
 from .stragglers import StragglerDetector
 from .stuck_collectives import GroupCounters, StuckCollective, stuck_collectives

@@ -23,8 +23,8 @@ up to the step time and a regression can be attributed to the component that mov
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from .arrivals import RankSteps
@@ -33,6 +33,7 @@ from .late_arrivals import ArrivalDetector
 from .peers import StragglerConfig
 from .progress import ThroughputWindow
 from .regressions import Baseline, RegressionConfig, RegressionDetector
+from .robust import MAD_TO_SIGMA, mad, median
 from .stragglers import StragglerDetector
 from .types import Finding, JobStep, RankWindow, StepTag
 
@@ -167,6 +168,10 @@ def window_sample(
     seconds = sum(s.step_time_s for s in untagged)
     tokens = sum(s.tokens for s in untagged)
     mfu = tokens / seconds * mfu_per_token_rate if mfu_per_token_rate and seconds > 0 else None
+    times = [s.step_time_s for s in untagged]
+    mid = median(times)
+    rate = mfu_per_token_rate if mfu is not None else None
+    per_step_mfu = [s.tokens / s.step_time_s * rate for s in untagged] if rate else []
     return JobStep(
         step=last_step,
         step_time_s=seconds / len(untagged),
@@ -179,7 +184,43 @@ def window_sample(
         comm_overlapped_s=comps.get("comm_overlapped_s"),
         data_wait_s=comps.get("data_wait_s"),
         idle_s=comps.get("idle_s"),
+        cpu_s=comps.get("cpu_s"),
+        step_time_median_s=mid,
+        step_time_spread_s=MAD_TO_SIGMA * mad(times, mid),
+        mfu_median=median(per_step_mfu) if per_step_mfu else None,
+        n_samples=len(times),
     )
+
+
+def timing_means(timing: Sequence[Sequence[RankSteps]], excluded: Set[int] = frozenset()) -> dict[str, float]:
+    """A window's breakdown from the always-on timing: means over ranks and steps (those in
+    ``excluded``, the tagged ones, left out) of data wait, exposed communication (the sync at
+    the step's last collective), the rest of the step (``compute_s``) and the training
+    thread's CPU time (``cpu_s``); empty without timing. :mod:`.attribution` splits the
+    rest into compute and idle by the CPU time."""
+    sums = {"data_wait_s": 0.0, "comm_exposed_s": 0.0, "compute_s": 0.0}
+    cpu_sum, n, n_cpu = 0.0, 0, 0
+    for group in timing:
+        for r in group:
+            for j, t in enumerate(r.step_time_s):
+                sync = r.sync_s[j] if j < len(r.sync_s) else None
+                if sync is None or t <= 0 or r.first_step + j in excluded:
+                    continue
+                data = r.data_wait_s[j] if j < len(r.data_wait_s) else 0.0
+                sums["data_wait_s"] += data
+                sums["comm_exposed_s"] += sync
+                sums["compute_s"] += max(0.0, t - data - sync)
+                n += 1
+                cpu = r.cpu_s[j] if j < len(r.cpu_s) else None
+                if cpu is not None:
+                    cpu_sum += cpu
+                    n_cpu += 1
+    if not n:
+        return {}
+    out = {k: v / n for k, v in sums.items()}
+    if n_cpu == n:
+        out["cpu_s"] = cpu_sum / n_cpu
+    return out
 
 
 class RunAnalysis:
@@ -217,16 +258,21 @@ class RunAnalysis:
         one list of ranks per peer group (empty without the agent's communication hook)."""
         changes: list[Change] = []
         if ranks:
-            changes += [Change(f, window) for f in self.stragglers.update(ranks)]
+            changes += [Change(replace(f, source="window"), window) for f in self.stragglers.update(ranks)]
             self.imbalance = stage_imbalance(ranks) or self.imbalance
         if timing:
-            changes += [Change(f, window) for f in self.arrivals.update(window, timing)]
+            found = self.arrivals.update(window, timing)
+            changes += [Change(replace(f, source="arrivals"), window) for f in found]
+        # The always-on timing covers every window, the profiler only some: when a run has
+        # the former, every window's breakdown comes from it, so that they compare.
+        tagged = {s.step for s in steps if s.tag is not None}
+        components = timing_means(timing, tagged) or breakdown_means(ranks)
         sample = window_sample(
             steps,
             first_step=first_step,
             last_step=last_step,
             mfu_per_token_rate=mfu_per_token_rate,
-            components=breakdown_means(ranks),
+            components=components,
         )
         if sample is not None:
             changes += [Change(f, window) for f in self.regressions.update(sample)]
@@ -236,7 +282,9 @@ class RunAnalysis:
     def open_findings(self) -> list[Finding]:
         """Every flag open now, with its latest numbers."""
         return (
-            self.stragglers.open_findings() + self.arrivals.open_findings() + self.regressions.open_findings()
+            [replace(f, source="window") for f in self.stragglers.open_findings()]
+            + [replace(f, source="arrivals") for f in self.arrivals.open_findings()]
+            + self.regressions.open_findings()
         )
 
     def to_state(self) -> dict[str, Any]:

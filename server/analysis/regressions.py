@@ -1,53 +1,45 @@
 """Regressions of job MFU and step time: online one-sided CUSUM against a frozen baseline.
 
-Method. The first ``baseline_samples`` eligible samples (after tagged warm-up and
-``skip_samples`` more) give a frozen baseline per metric: median and floored robust scale
-``max(1.4826 MAD, 1% of median)``. Every later sample becomes a robust z-score in the bad
-direction (MFU down, step time up), clipped to ``+-clip_z`` so that one GC pause or one
-untagged checkpoint adds at most ``clip_z - k`` to the sum, and feeds a one-sided CUSUM
+Method. The first ``baseline_samples`` eligible windows (after tagged warm-up and
+``skip_samples`` more) give a frozen baseline per metric (:mod:`.baseline`): the median of
+the windows' robust values (each window's median over its per-step samples) and the
+baseline's own window-to-window noise as the scale, never below the standard error of one
+window's median nor ``rel_scale_floor`` of the median. Every later window becomes a robust
+z-score in the bad direction (MFU down, step time up), clipped to ``+-clip_z`` so that one
+odd window adds at most ``clip_z - k`` to the sum, and feeds a one-sided CUSUM
 ``S = max(0, S + z - k)``. The reference value ``k`` is half the smallest change worth
 reporting, in robust sigmas: ``max(k, min_change / 2 * median / scale)``, so a quiet
 baseline does not make the detector chase 1% wander. A regression opens when ``S >= h``
-and the excursion has lasted at least ``min_duration`` samples; its start is the sample
+and the excursion has lasted at least ``min_duration`` windows; its start is the window
 after the last low of S (the classical CUSUM change-point estimate). It closes, with
-hysteresis, once ``close_after`` consecutive samples are back within ``close_z`` robust
-sigmas of the baseline. Samples tagged warm-up, checkpoint or evaluation are skipped
-entirely: they neither feed the baseline nor the sums nor break an excursion.
+hysteresis, once ``close_after`` consecutive windows are back within ``close_z`` robust
+sigmas of the baseline. Windows tagged warm-up, checkpoint or evaluation are skipped
+entirely (neither baseline nor sums, nor do they break an excursion); a few long steps in
+an untagged window (a checkpoint nobody tagged) barely move its median.
 
-Tuning (defaults ``k = 0.5``, ``h = 10``, ``clip_z = 4``, ``min_change = 0.03``). With
-the tests' ``job_series`` (``tests/synthetic.py``: window samples of 20 steps,
-lognormal step jitter sigma 3%, GC pauses, loader stalls, a slow AR(1) drift of the job's
-speed with stationary sigma 0.3%, tagged warm-up, checkpoint and eval samples) we counted
-regressions opened on 20 clean series of 10,000 windows (200,000 windows) and the windows
-to open on 20 series with an MFU drop of 5%, 3% and 2%:
+Tuning (defaults ``k = 0.5``, ``h = 10``, ``clip_z = 6``, ``min_change = 0.03``,
+``baseline_samples = 12`` growing to ``baseline_max = 120``, ``loc_margin = 1.5``). The
+goal: a sustained job-wide change of 10% flagged within 5 windows of its onset, none on
+clean runs. With the scale at its 1% floor a 10% change adds ``6 - 1.5 = 4.5`` per window
+and opens at the third window (``min_duration``). Measured with ``tests/synthetic.py``'s
+``job_series`` (20 seeds; jitter 3%, GC pauses, loader stalls, a slow AR(1) drift of
+sigma 0.3%, tagged pauses): 0 opens over 20 clean series of 10,000 windows; +10% step time
+through compute, exposed communication, data wait or idle and a 5% MFU drop all open in 3
+windows (a 5% drop in 3-4). ``h = 8`` opened 2 false regressions over those 200,000
+windows with a frozen 12-window baseline, which is why the baseline learns and ``h``
+stayed 10. At five times the jitter (a window-to-window noise of 3.4%) a 10% change takes
+5-6 windows and about 6 clean windows in 10,000 open one: below that signal-to-noise a
+10% change cannot be told from noise in 5 windows. ``stepwatch evaluate`` runs the same
+checks on the simulator (job-wide +10% scenarios, clean runs with untagged checkpoints).
+Re-tune the same way: sweep (k or min_change, h) over clean runs (count opens) and runs
+with an injected change (windows to open).
 
-============================  ==============  =========  =========  ==========
-setting                       false opens     5% drop    3% drop    2% drop
-============================  ==============  =========  =========  ==========
-k 0.5, h 10, no min_change    732             1-4        -          -
-k 1.0, h 10 (min_change 2%)   9               4          4-8        5-31
-k 1.5, h 8 (min_change 3%)    0               4          4-9        6-196
-k 1.5, h 10 (min_change 3%)   0               4-5        5-12       8-never
-============================  ==============  =========  =========  ==========
-
-(ranges are min-max over the seeds; "-" means many opens before the change). The
-textbook k = 0.5 opens on the slow drift of the baseline level; k = 1.5 sigma, i.e. a
-3% smallest change at the 1% scale floor, removes that while a 5% drop still opens in 4-5
-windows, inside the goal of 10; h = 10 rather than 8 keeps margin for noisier runs.
-``clip_z = 4`` caps one bad window at 2.5 with this k, so no single window opens a
-regression. Re-tune with the simulator the same way: sweep (k or min_change, h) over clean
-runs (count opens) and runs with an injected drop (windows to open).
-
-Attribution compares the means of the breakdown components (compute, exposed
-communication, data wait, idle; they sum to step time) over the regression period with
-the baseline means and names the one whose time grew most, e.g. "MFU -9.0% from step
-41,200 (42.0% -> 38.2%): exposed communication +1.10 s/step; data wait unchanged".
-
-Against another run: :func:`build_baseline` freezes a baseline from a named run's samples
-and records its config fingerprint; a :class:`RegressionDetector` given that baseline (and
-the same fingerprint) starts detecting at once, and :func:`compare_runs` does that for a
-finished series. Runs whose fingerprints differ are not comparable
-(:class:`FingerprintMismatchError`).
+Attribution (:mod:`.attribution`) compares the means of the breakdown parts over the
+regression period with the baseline's and names the one whose time grew most, e.g. "MFU
+-9.0% from step 41,200 (42.0% -> 38.2%): exposed communication +1.10 s/step; data wait
+unchanged". A named baseline run: :func:`build_baseline` freezes one from that run's
+windows with its config fingerprint; a :class:`RegressionDetector` given it (and the same
+fingerprint) detects at once; :mod:`.compare` compares whole runs.
 
 State: :meth:`RegressionDetector.to_state` / :meth:`RegressionDetector.from_state` (JSON-ready
 dicts holding the baseline, or the samples collected towards it, and the sums).
@@ -55,30 +47,36 @@ dicts holding the baseline, or the samples collected towards it, and the sums).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from . import _format as fmt
-from .robust import MAD_TO_SIGMA, clip, mad, median
-from .types import EXCLUDED_TAGS, Finding, JobStep, Status
+from .attribution import MEANS, attribute, deltas
+from .baseline import (
+    MEDIAN_SE,
+    METRICS,
+    Baseline,
+    FingerprintMismatchError,
+    MetricBaseline,
+    freeze,
+    is_eligible,
+    metric_value,
+)
+from .robust import clip
+from .types import Finding, JobStep, Status
 
 STATE_VERSION = 1
 
-#: Metric name -> +1 when an increase is bad, -1 when a decrease is bad.
-METRICS: Mapping[str, float] = {"mfu": -1.0, "step_time": 1.0}
-
-#: Breakdown components that add up to the step time, with the words a person reads.
-COMPONENTS: Mapping[str, str] = {
-    "compute_s": "compute",
-    "comm_exposed_s": "exposed communication",
-    "data_wait_s": "data wait",
-    "idle_s": "idle",
-}
-
-
-class FingerprintMismatchError(ValueError):
-    """Two runs with different config fingerprints are not comparable."""
+__all__ = [
+    "METRICS",
+    "Baseline",
+    "FingerprintMismatchError",
+    "RegressionConfig",
+    "RegressionDetector",
+    "build_baseline",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +85,10 @@ class RegressionConfig:
 
     k: float = 0.5
     h: float = 10.0
-    clip_z: float = 4.0
-    baseline_samples: int = 30
+    clip_z: float = 6.0
+    baseline_samples: int = 12
+    baseline_max: int = 120
+    loc_margin: float = 1.5
     skip_samples: int = 0
     min_duration: int = 3
     min_change: float = 0.03
@@ -102,6 +102,8 @@ class RegressionConfig:
             raise ValueError("need k >= 0, h > 0 and clip_z > k")
         if self.baseline_samples < 3 or self.min_duration < 1 or self.close_after < 1:
             raise ValueError("need baseline_samples >= 3, min_duration >= 1, close_after >= 1")
+        if self.baseline_max < self.baseline_samples or self.loc_margin < 0:
+            raise ValueError("need baseline_max >= baseline_samples and loc_margin >= 0")
         if self.rel_scale_floor <= 0:
             raise ValueError("rel_scale_floor must be > 0")
 
@@ -116,95 +118,6 @@ class RegressionConfig:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-@dataclass(frozen=True, slots=True)
-class MetricBaseline:
-    """Frozen location and scale of one metric."""
-
-    median: float
-    scale: float
-    n: int
-
-
-@dataclass(frozen=True, slots=True)
-class Baseline:
-    """A run's frozen post-warm-up baseline: per-metric median/scale, component means."""
-
-    run: str
-    fingerprint: str | None
-    first_step: int
-    last_step: int
-    step_time_s: float
-    metrics: Mapping[str, MetricBaseline]
-    components: Mapping[str, float] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {
-            "run": self.run,
-            "fingerprint": self.fingerprint,
-            "first_step": self.first_step,
-            "last_step": self.last_step,
-            "step_time_s": self.step_time_s,
-            "metrics": {k: asdict(v) for k, v in self.metrics.items()},
-            "components": dict(self.components),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Baseline:
-        """Inverse of :meth:`to_dict`."""
-        fp = data.get("fingerprint")
-        return cls(
-            run=str(data["run"]),
-            fingerprint=None if fp is None else str(fp),
-            first_step=int(data["first_step"]),
-            last_step=int(data["last_step"]),
-            step_time_s=float(data["step_time_s"]),
-            metrics={
-                str(k): MetricBaseline(float(v["median"]), float(v["scale"]), int(v["n"]))
-                for k, v in dict(data["metrics"]).items()
-            },
-            components={str(k): float(v) for k, v in dict(data.get("components", {})).items()},
-        )
-
-
-def metric_value(sample: JobStep, metric: str) -> float | None:
-    """The value of ``metric`` in a sample, or ``None`` when it is unknown."""
-    if metric == "mfu":
-        return sample.mfu
-    if metric == "step_time":
-        return sample.step_time_s if sample.step_time_s > 0 else None
-    raise ValueError(f"unknown metric {metric!r}")
-
-
-def is_eligible(sample: JobStep) -> bool:
-    """Warm-up, checkpoint and evaluation samples are never evidence of a regression."""
-    return sample.tag not in EXCLUDED_TAGS
-
-
-def _freeze(samples: Sequence[JobStep], run: str, fingerprint: str | None, cfg: RegressionConfig) -> Baseline:
-    metrics: dict[str, MetricBaseline] = {}
-    for metric in METRICS:
-        values = [v for s in samples if (v := metric_value(s, metric)) is not None]
-        if len(values) >= 3:
-            med = median(values)
-            scale = max(MAD_TO_SIGMA * mad(values, med), cfg.rel_scale_floor * abs(med), 1e-12)
-            metrics[metric] = MetricBaseline(med, scale, len(values))
-    components: dict[str, float] = {}
-    for comp in COMPONENTS:
-        values = [v for s in samples if (v := getattr(s, comp)) is not None]
-        if values:
-            components[comp] = sum(values) / len(values)
-    return Baseline(
-        run=run,
-        fingerprint=fingerprint,
-        first_step=min(s.first_step for s in samples),
-        last_step=max(s.step for s in samples),
-        step_time_s=median([s.step_time_s for s in samples]),
-        metrics=metrics,
-        components=components,
-    )
-
-
 def build_baseline(
     samples: Iterable[JobStep],
     *,
@@ -217,7 +130,7 @@ def build_baseline(
     eligible = [s for s in samples if is_eligible(s)][cfg.skip_samples :][: cfg.baseline_samples]
     if len(eligible) < 3:
         raise ValueError("a baseline needs at least 3 eligible samples")
-    return _freeze(eligible, run, fingerprint, cfg)
+    return freeze(eligible, run, fingerprint, cfg.rel_scale_floor)
 
 
 @dataclass(slots=True)
@@ -253,7 +166,7 @@ class _Cusum:
         self.value_sum += value
         self.step_time_sum += sample.step_time_s
         self.peak = max(self.peak, self.s)
-        for comp in COMPONENTS:
+        for comp in MEANS:
             v = getattr(sample, comp)
             if v is not None:
                 self.comp_sum[comp] = self.comp_sum.get(comp, 0.0) + v
@@ -290,6 +203,11 @@ class RegressionDetector:
         self._baseline = baseline
         self._pending: list[JobStep] = []
         self._skipped = 0
+        #: The run's own baseline keeps learning (see :meth:`_learn`): the in-control
+        #: windows it is formed from, and those of an excursion still undecided.
+        self._learning = baseline is None
+        self._learned: list[JobStep] = []
+        self._held: list[JobStep] = []
         self._cusum: dict[str, _Cusum] = {m: _Cusum() for m in METRICS}
 
     @property
@@ -315,8 +233,8 @@ class RegressionDetector:
                 return []
             self._pending.append(sample)
             if len(self._pending) >= cfg.baseline_samples:
-                self._baseline = _freeze(self._pending, self.run, self.fingerprint, cfg)
-                self._pending = []
+                self._baseline = freeze(self._pending, self.run, self.fingerprint, cfg.rel_scale_floor)
+                self._learned, self._pending = self._pending, []
             return []
         events: list[Finding] = []
         for metric, sign in METRICS.items():
@@ -344,7 +262,33 @@ class RegressionDetector:
             if st.s >= cfg.h and st.n >= cfg.min_duration:
                 st.is_open = True
                 events.append(self._finding(metric, st, "open"))
+        self._learn(sample)
         return events
+
+    def _learn(self, sample: JobStep) -> None:
+        """Grow the run's own baseline with windows that turned out to be in control.
+
+        A baseline of a dozen windows places the level and the noise only roughly (the
+        median of 12 is off by ~0.36 sigma, their MAD by a third either way), and a frozen
+        error is paid on every later window. So until ``baseline_max`` windows, each window
+        that no excursion is running through joins it, with the windows of an excursion
+        that ended without opening a regression (leaving those out would cut the upper
+        tail and shrink the scale); an excursion that opens one is never learned. A named
+        baseline run's baseline is that run's and does not learn.
+        """
+        cfg = self.config
+        if not self._learning or len(self._learned) >= cfg.baseline_max:
+            return
+        if any(st.is_open for st in self._cusum.values()):
+            self._held = []
+            return
+        if any(st.s > 0.0 for st in self._cusum.values()):
+            self._held.append(sample)
+            return
+        self._learned += [*self._held, sample]
+        self._held = []
+        del self._learned[cfg.baseline_max :]
+        self._baseline = freeze(self._learned, self.run, self.fingerprint, cfg.rel_scale_floor)
 
     def open_findings(self) -> list[Finding]:
         """Regressions open now, with their latest numbers."""
@@ -359,6 +303,9 @@ class RegressionDetector:
             "config": self.config.to_dict(),
             "baseline": None if self._baseline is None else self._baseline.to_dict(),
             "pending": [asdict(s) for s in self._pending],
+            "learning": self._learning,
+            "learned": [asdict(s) for s in self._learned],
+            "held": [asdict(s) for s in self._held],
             "skipped": self._skipped,
             "cusum": {m: st.to_dict() for m, st in self._cusum.items()},
         }
@@ -377,6 +324,9 @@ class RegressionDetector:
         raw_base = state.get("baseline")
         det._baseline = None if raw_base is None else Baseline.from_dict(raw_base)
         det._pending = [JobStep(**s) for s in state.get("pending", [])]
+        det._learning = bool(state.get("learning", False))
+        det._learned = [JobStep(**s) for s in state.get("learned", [])]
+        det._held = [JobStep(**s) for s in state.get("held", [])]
         det._skipped = int(state.get("skipped", 0))
         for metric, raw in dict(state.get("cusum", {})).items():
             if metric in det._cusum:
@@ -384,9 +334,13 @@ class RegressionDetector:
         return det
 
     def _k(self, base: MetricBaseline) -> float:
-        """Reference value in robust sigmas: half the smallest change worth reporting."""
+        """Reference value in robust sigmas: half the smallest change worth reporting, and
+        never below ``k`` plus ``loc_margin`` standard errors of the baseline's own median
+        (a level known from few windows is known only so well, and its error would push
+        every later window the same way)."""
         cfg = self.config
-        return min(max(cfg.k, 0.5 * cfg.min_change * abs(base.median) / base.scale), 0.9 * cfg.clip_z)
+        k = cfg.k + cfg.loc_margin * MEDIAN_SE / math.sqrt(max(base.n, 1))
+        return min(max(k, 0.5 * cfg.min_change * abs(base.median) / base.scale), 0.9 * cfg.clip_z)
 
     def _finding(self, metric: str, st: _Cusum, status: Status) -> Finding:
         assert self._baseline is not None  # findings exist only after the baseline froze
@@ -397,11 +351,7 @@ class RegressionDetector:
         step_now = st.step_time_sum / st.n
         cost_s = max(0.0, step_now - base.step_time_s)
         cost_ratio = max(0.0, METRICS[metric] * change)
-        deltas = {
-            c: st.comp_sum[c] / st.comp_n[c] - base.components[c]
-            for c in COMPONENTS
-            if st.comp_n.get(c) and c in base.components
-        }
+        moved = deltas({c: st.comp_sum[c] / n for c, n in st.comp_n.items() if n}, base.components)
         evidence: dict[str, float] = {
             "baseline_median": ref,
             "baseline_scale": base.metrics[metric].scale,
@@ -413,7 +363,7 @@ class RegressionDetector:
             "baseline_step_time_s": base.step_time_s,
             "current_step_time_s": step_now,
         }
-        evidence.update({f"delta_{c}": d for c, d in deltas.items()})
+        evidence.update({f"delta_{c}": d for c, d in moved.items()})
         if metric == "mfu":
             head = f"MFU {fmt.signed_pct(change)}"
             values = f"({fmt.pct(ref)} -> {fmt.pct(current)})"
@@ -423,7 +373,7 @@ class RegressionDetector:
         when = f"from step {fmt.step(st.start_step)}"
         if status == "closed":
             when += f" to {fmt.step(st.last_step)} (recovered)"
-        attribution = attribute(deltas, base.step_time_s * self.config.unchanged_ratio)
+        attribution = attribute(moved, base.step_time_s * self.config.unchanged_ratio)
         return Finding(
             kind="regression",
             run=self.run,
@@ -440,97 +390,3 @@ class RegressionDetector:
             message=f"{head} {when} {values}: {attribution}.",
             metric=metric,
         )
-
-
-def attribute(deltas: Mapping[str, float], unchanged_s: float) -> str:
-    """Name the breakdown component whose time grew most, and say what did not move.
-
-    ``deltas`` maps component to (regression mean - baseline mean) in seconds per step;
-    a change smaller than ``unchanged_s`` reads "unchanged".
-    """
-    if not deltas:
-        return "no time breakdown to attribute it"
-    thr = max(unchanged_s, 1e-6)
-    top = max(deltas, key=lambda c: deltas[c])
-    if deltas[top] < thr:
-        return "no breakdown component grew (tokens per step or FLOPs may have changed)"
-    parts = [f"{COMPONENTS[top]} {fmt.signed_secs(deltas[top])}/step"]
-    for comp in sorted(deltas, key=lambda c: -abs(deltas[c])):
-        if comp != top and abs(deltas[comp]) >= thr and len(parts) < 3:
-            parts.append(f"{COMPONENTS[comp]} {fmt.signed_secs(deltas[comp])}/step")
-    # Say what did not move, data wait first: it is the first thing people suspect.
-    unchanged = [
-        COMPONENTS[c]
-        for c in ("data_wait_s", "comm_exposed_s", "compute_s")
-        if c in deltas and abs(deltas[c]) < thr
-    ]
-    if unchanged:
-        parts.append(f"{unchanged[0]} unchanged")
-    return "; ".join(parts)
-
-
-@dataclass(frozen=True, slots=True)
-class RunComparison:
-    """A run's series against a named baseline run with the same config fingerprint."""
-
-    run: str
-    baseline_run: str
-    fingerprint: str | None
-    samples: int
-    change: Mapping[str, float]
-    component_deltas: Mapping[str, float]
-    findings: tuple[Finding, ...]
-    message: str
-
-
-def compare_runs(
-    samples: Iterable[JobStep],
-    baseline: Baseline,
-    *,
-    run: str,
-    fingerprint: str | None,
-    config: RegressionConfig | None = None,
-) -> RunComparison:
-    """Compare a run with a baseline run: median change per metric, component deltas, and
-    the regressions a detector seeded with that baseline finds over the series.
-
-    Raises :class:`FingerprintMismatchError` when the fingerprints differ.
-    """
-    cfg = config or RegressionConfig()
-    det = RegressionDetector(run, cfg, baseline=baseline, fingerprint=fingerprint)
-    eligible = [s for s in samples if is_eligible(s)]
-    closed = [f for f in det.extend(eligible) if f.status == "closed"]
-    findings = tuple(closed + det.open_findings())
-    change: dict[str, float] = {}
-    for metric, base in baseline.metrics.items():
-        values = [v for s in eligible if (v := metric_value(s, metric)) is not None]
-        if values and base.median:
-            change[metric] = (median(values) - base.median) / base.median
-    deltas: dict[str, float] = {}
-    for comp in COMPONENTS:
-        values = [v for s in eligible if (v := getattr(s, comp)) is not None]
-        if values and comp in baseline.components:
-            deltas[comp] = sum(values) / len(values) - baseline.components[comp]
-    parts = []
-    if "mfu" in change:
-        parts.append(f"MFU {fmt.signed_pct(change['mfu'])}")
-    if "step_time" in change:
-        parts.append(f"step time {fmt.signed_pct(change['step_time'])}")
-    summary = ", ".join(parts) or "no comparable metric"
-    thr = baseline.step_time_s * cfg.unchanged_ratio
-    if any(abs(d) >= thr for d in deltas.values()):
-        attribution = attribute(deltas, thr)
-    else:
-        attribution = "time breakdown unchanged" if deltas else ""
-    message = f"Run {run} vs baseline {baseline.run}: {summary}"
-    message += f"; {attribution}." if attribution else "."
-    return RunComparison(
-        run=run,
-        baseline_run=baseline.run,
-        fingerprint=fingerprint,
-        samples=len(eligible),
-        change=change,
-        component_deltas=deltas,
-        findings=findings,
-        message=message,
-    )

@@ -82,7 +82,14 @@ class JobStep:
 
     ``step`` is the last step the sample covers; a window sample covers steps
     ``step - n_steps + 1 .. step``. ``mfu`` is a 0-1 ratio or ``None`` when the hardware
-    peak is unknown. The breakdown means are per step and optional.
+    peak is unknown. The breakdown means are per step and optional; ``cpu_s`` is the
+    training thread's CPU time per step where the always-on timing measured it.
+
+    A window sample built from its per-step job rows also carries their robust summary:
+    ``step_time_median_s`` and ``mfu_median`` (medians over its untagged steps),
+    ``step_time_spread_s`` (1.4826 x their MAD) and ``n_samples`` (how many there were),
+    which the regression detector uses instead of the mean, so a few long steps do not
+    move a window, and to know how noisy one window's median is.
     """
 
     step: int
@@ -96,6 +103,11 @@ class JobStep:
     comm_overlapped_s: float | None = None
     data_wait_s: float | None = None
     idle_s: float | None = None
+    cpu_s: float | None = None
+    step_time_median_s: float | None = None
+    step_time_spread_s: float | None = None
+    mfu_median: float | None = None
+    n_samples: int = 0
 
     @property
     def first_step(self) -> int:
@@ -133,6 +145,10 @@ class Finding:
     #: A hang's stuck collective (``StuckCollective.to_dict``): structured, not a number,
     #: so kept apart from ``evidence``; the event stores it as ``evidence.collective``.
     collective: Mapping[str, Any] | None = None
+    #: The detector that raised it (``window``: the per-window detector of :mod:`.peers`;
+    #: ``arrivals``: the always-on late-arrival detector), so that the collector can keep
+    #: one event when both flag the same key.
+    source: str = ""
 
     @property
     def id(self) -> str:
@@ -157,6 +173,7 @@ class Finding:
             "message": self.message,
             "metric": self.metric,
             "collective": dict(self.collective) if self.collective is not None else None,
+            "source": self.source,
         }
 
     @classmethod
@@ -178,4 +195,5 @@ class Finding:
             message=str(data["message"]),
             metric=None if data.get("metric") is None else str(data["metric"]),
             collective=None if data.get("collective") is None else dict(data["collective"]),
+            source=str(data.get("source", "")),
         )

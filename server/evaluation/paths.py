@@ -233,7 +233,8 @@ def run_collector(s: Scenario, seed: int, base_url: str, *, timeout_s: float = 6
     """Send the scenario to the collector at ``base_url``; wait for its analysis; read events."""
     t0 = time.perf_counter()
     model = model_for(s, seed)
-    slug = s.name.replace(" ", "-").replace("%", "pct")
+    named = s.name.replace("%", "pct").replace("+", "plus-")
+    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in named).strip("-")
     run = f"eval-{slug}-{s.topology.world}-{s.topology.tp}x{s.topology.pp}-{seed}"
     sent_at: dict[int, float] = {}
     sim = Simulation(

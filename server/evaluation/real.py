@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -68,7 +68,43 @@ class RealScenario:
     expect_ranks: tuple[int, ...] = ()
     link_rate: str | None = None  # tbf rate of the faulty rank's veth (link scenario)
     comm_mb: float = 4.0
+    #: Niceness of every process the scenario starts (collector, ranks, burner). Negative
+    #: keeps other work on the machine from changing the job's speed mid-run, so that the
+    #: load is the scenario's own burner: what a job-wide regression test needs, since
+    #: anything else that slows the whole job is a real change of its step time.
+    nice: int = 0
+    #: Collector settings for this scenario on top of ``COLLECTOR_ENV``.
+    env: tuple[tuple[str, str], ...] = ()
+    #: The scenario's own run length and onset (else the caller's).
+    steps: int | None = None
+    fault_from: int | None = None
+    #: A regression scenario: the breakdown part its attribution must name.
+    expect_component: str | None = None
+    #: The harness' warm-up (steps the agent tags ``warmup``): the first steps of a
+    #: fresh process run slower for a while (allocator, caches), not a baseline.
+    warmup_steps: int = 5
+    #: Niceness of the burner relative to the ranks (``nice`` + this): positive keeps both
+    #: cores busy while the ranks' wake-ups go first, as a job outranks background work.
+    burner_nice: int = 0
+    #: DDP bucket size (MB): small buckets give a step many collectives to time, each a
+    #: hop through the scheduler on a loaded host; a job-wide scenario uses large ones.
+    bucket_cap_mb: float = 0.05
 
+
+#: The job-wide regression scenarios: windows of about 5 s (16 steps here), a warm-up of
+#: 24 steps, a baseline of 8 windows after it, the onset at window 10, 6 windows after
+#: it; every rank's extra compute is 10% of its step time; DDP's default 25 MB buckets;
+#: the session at niceness -20 (see ``nice``), the burner 10 below the ranks.
+STEADY = RealScenario(
+    "clean, steady load",
+    nice=-20,
+    burner_nice=10,
+    bucket_cap_mb=25.0,
+    warmup_steps=24,
+    env=(("STEPWATCH_WINDOW_SECONDS", "5"), ("STEPWATCH_ANALYSIS_BASELINE_WINDOWS", "8")),
+    steps=256,
+    fault_from=161,
+)
 
 SCENARIOS: tuple[RealScenario, ...] = (
     RealScenario("clean"),
@@ -101,6 +137,16 @@ SCENARIOS: tuple[RealScenario, ...] = (
     # The whole run stops: one run-level flag naming rank 2 as the one that never
     # entered the all-reduce its peers wait in.
     RealScenario("hang in all_reduce", "hang", (2,), expect_key="hang:run", expect_ranks=(2,)),
+    replace(
+        STEADY,
+        name="job-wide +10%",
+        fault="compute",
+        fault_ranks=tuple(range(RANKS)),
+        size=0.1,
+        expect_key="regression:step_time",
+        expect_component="compute_s",
+    ),
+    STEADY,
     RealScenario(
         "slow link (tbf)",
         "link",
@@ -137,10 +183,10 @@ class RealOutcome:
 
 # -- the machine's load ---------------------------------------------------------------
 @contextlib.contextmanager
-def cpu_burner(n: int | None = None) -> Iterator[list[int]]:
-    """Busy-loop processes, one per core, stopped by their PIDs on exit."""
+def cpu_burner(n: int | None = None, *, nice: int = 0) -> Iterator[list[int]]:
+    """Busy-loop processes, one per core (at niceness ``nice``), stopped by their PIDs on exit."""
     procs = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL)
+        subprocess.Popen([*_niced(nice), sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL)
         for _ in range(n or os.cpu_count() or 2)
     ]
     try:
@@ -149,6 +195,43 @@ def cpu_burner(n: int | None = None) -> Iterator[list[int]]:
         for p in procs:
             p.kill()
             p.wait()
+
+
+def _niced(nice: int) -> list[str]:
+    """A command prefix that runs at niceness ``nice`` (nothing for 0)."""
+    return ["nice", "-n", str(nice)] if nice else []
+
+
+@contextlib.contextmanager
+def _session_niceness(nice: int) -> Iterator[None]:
+    """The niceness of this process' scheduler autogroup, for the ``with`` block.
+
+    With ``kernel.sched_autogroup_enabled`` (the default on most distributions) the CPU is
+    shared fairly between sessions first and niceness only orders the processes within
+    one, so other sessions' work (other test runs, builds) takes its share from the
+    scenario whatever the niceness of its processes. The scenario's processes are
+    children of this one, in its session: raising the session's own weight is what keeps
+    their share steady. Where there are no autogroups the per-process niceness does it.
+    """
+    path = "/proc/self/autogroup"
+    before: str | None = None
+    if nice and os.path.exists(path):
+        with open(path) as f:
+            before = f.read().split()[-1]  # "/autogroup-103 nice 0"
+        with open(path, "w") as f:
+            f.write(str(nice))
+    try:
+        yield
+    finally:
+        if before is not None:
+            with open(path, "w") as f:
+                f.write(before)
+
+
+def _renice(pid: int, nice: int) -> None:
+    """Every thread of a running process to niceness ``nice`` (Linux sets it per thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.setpriority(os.PRIO_PROCESS, int(tid), nice)
 
 
 # -- network namespaces -----------------------------------------------------------------
@@ -226,10 +309,12 @@ def _start_ranks(
         cmd += ["--steps", str(steps), "--fault", s.fault, "--fault-ranks", ",".join(map(str, s.fault_ranks))]
         cmd += ["--fault-from", str(fault_from), "--size", str(s.size), "--comm-mb", str(s.comm_mb)]
         cmd += ["--profile-every", str(profile_every), "--out", os.path.join(work, "rank{rank}.json")]
+        cmd += ["--bucket-cap-mb", str(s.bucket_cap_mb), "--warmup-steps", str(s.warmup_steps)]
         if s.hosts:
             cmd += ["--host", s.hosts[r]]
         if record:
             cmd += ["--record", os.path.join(record, "rank{rank}.json")]
+        cmd = [*_niced(s.nice), *cmd]
         if netns:
             cmd = ["ip", "netns", "exec", netns[r], *cmd]
         with open(os.path.join(work, f"rank{r}.log"), "wb") as log:
@@ -248,6 +333,8 @@ def _score(
     s: RealScenario, events: list[dict[str, Any]], window_steps: int, fault_from: int
 ) -> tuple[bool, bool, int | None]:
     fault_window = (fault_from - 1) // window_steps
+    if s.expect_key is not None and s.expect_key.startswith("regression:"):
+        return _score_regression(s, events, fault_window)
     # Consequences of the fault, not false flags: the job slows (a regression).
     related = ("regression:",)
     flagged = right = False
@@ -276,6 +363,28 @@ def _never_entered(event: dict[str, Any]) -> list[int] | None:
     return None if stuck is None else list(stuck.get("never_entered", ()))
 
 
+def _score_regression(
+    s: RealScenario, events: list[dict[str, Any]], fault_window: int
+) -> tuple[bool, bool, int | None]:
+    """A job-wide fault: flagged when a regression opened, right when it is the expected
+    metric's and its attribution names the expected part; any other flag is false."""
+    flagged = right = False
+    delay: int | None = None
+    for e in events:
+        if e["kind"] != "regression":
+            e["_false"] = True
+            continue
+        flagged = True
+        moved = {k[len("delta_") :]: v for k, v in e["evidence"].items() if k.startswith("delta_")}
+        top = max(moved, key=lambda c: moved[c]) if moved else None
+        if e["key"] == s.expect_key and top == s.expect_component:
+            right = True
+            opened = e["evidence"].get("opened_window")
+            if opened is not None:
+                delay = int(opened) - fault_window
+    return flagged, right, delay
+
+
 def run_scenario(
     s: RealScenario,
     *,
@@ -293,19 +402,24 @@ def run_scenario(
             s, steps=steps, fault_from=fault_from, profile_every=profile_every, burn=burn, record=record
         )
     t0 = time.monotonic()
+    steps = s.steps or steps
+    fault_from = s.fault_from or fault_from
     netns = json.loads(os.environ.get("STEPWATCH_REAL_NETNS", "null"))
     run = "real-" + _slug(s.name)
     diagnosed = [0.0]
     first_diagnosed: list[bool | None] = [None]
     with tempfile.TemporaryDirectory(prefix="stepwatch-real-") as work:
-        env = dict(COLLECTOR_ENV)
+        env = {**COLLECTOR_ENV, **dict(s.env)}
         if netns:
             env["STEPWATCH_HOST"] = "0.0.0.0"
         burner: contextlib.AbstractContextManager[list[int]] = (
-            cpu_burner() if burn else contextlib.nullcontext([])
+            cpu_burner(nice=s.nice + s.burner_nice) if burn else contextlib.nullcontext([])
         )
         db = f"sqlite:///{os.path.join(work, 'real.db')}"
-        with launch.collector(db, log_path=os.path.join(work, "collector.log"), env=env) as col, burner:
+        log = os.path.join(work, "collector.log")
+        with _session_niceness(s.nice), launch.collector(db, log_path=log, env=env) as col, burner:
+            if s.nice:
+                _renice(col.process.pid, s.nice)
             url = col.url.replace("127.0.0.1", BRIDGE_IP) if netns else col.url
             procs = _start_ranks(
                 s,

@@ -8,7 +8,10 @@ step ``--fault-from`` on the ranks in ``--fault-ranks``. Faults are real, not si
 ``compute``
     Extra matmuls in forward: a loop whose iteration count is calibrated at the onset to
     ``--size`` of the step time measured just before it (CPU work that competes for cores,
-    as a throttled device takes longer).
+    as a throttled device takes longer). When every rank is faulty (a job-wide slowdown)
+    the loop's cost is measured in CPU time (``--size`` of the step in real work) and the
+    ranks use the mean of their counts, so each does the same extra work and none becomes
+    a straggler by the noise of its own calibration.
 ``host_stall``
     A ``time.sleep`` of ``--size`` of the step in forward: the host stalls, no work is done.
 ``loader``
@@ -78,6 +81,14 @@ def _per_matmul_s() -> float:
     t0 = time.perf_counter()
     _matmuls(200)
     return (time.perf_counter() - t0) / 200
+
+
+def _per_matmul_cpu_s() -> float:
+    """The matmul's CPU time, over enough of them to be exact: on a busy host the wall
+    time of a short loop counts the time it waited for a core as well."""
+    t0 = time.thread_time()
+    _matmuls(2000)
+    return (time.thread_time() - t0) / 2000
 
 
 def _batches(
@@ -160,6 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             base = statistics.median(durations[-8:])
             if args.fault == "compute":
                 extra["matmuls"] = max(1, round(args.size * base / _per_matmul_s()))
+                if len(fault_list) == world:  # job-wide: the same extra work on every rank
+                    extra["matmuls"] = max(1, round(args.size * base / _per_matmul_cpu_s()))
+                    count = torch.tensor([float(extra["matmuls"])])
+                    dist.all_reduce(count)
+                    extra["matmuls"] = max(1, round(float(count.item()) / world))
             elif args.fault == "host_stall":
                 extra["sleep_s"] = args.size * base
             elif args.fault == "loader":

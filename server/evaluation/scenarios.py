@@ -21,9 +21,13 @@ SMALL = Topology(hosts=2, ranks_per_host=8)
 ONE_HOST = Topology(hosts=1, ranks_per_host=8)
 THREE_D = Topology(hosts=8, ranks_per_host=8, tp=4, pp=2)
 
-#: Goals of the issue: windows to open a straggler flag, to find a 5% MFU drop.
+#: Goals of the issue: windows to open a straggler flag, to find a 5% MFU drop, to find a
+#: sustained job-wide change of 10% in step time (after the baseline formed).
 STRAGGLER_GOAL_WINDOWS = 3
 MFU_GOAL_WINDOWS = 10
+REGRESSION_GOAL_WINDOWS = 5
+#: A job-wide fault of this MFU drop makes every step 10% longer: 1 / (1 - 1/11) = 1.1.
+PLUS_TEN_PERCENT = 1.0 / 11.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,25 @@ def fault_scenarios(*, fast: bool = False) -> list[Scenario]:
             _straggler("slow host", DP, "host", 2, 0.2, 6, 12),
             _straggler("slow host", THREE_D, "host", 5, 0.2, 6, 12),
         ]
+    # The baseline forms over the 12 windows after warm-up; the change starts after it.
+    for component, word in (("compute_s", "compute"), ("comm_exposed_s", "comm"), ("data_wait_s", "data")):
+        if fast and component != "compute_s":
+            continue
+        out.append(
+            Scenario(
+                f"job-wide +10% ({word})",
+                ONE_HOST if fast else SMALL,
+                24 if fast else 30,
+                (Fault("mfu", at=16 if fast else 20, mag=PLUS_TEN_PERCENT, component=component),),
+                Expectation(
+                    "regression:step_time",
+                    "regression",
+                    component=component,
+                    goal_windows=REGRESSION_GOAL_WINDOWS,
+                    related=("regression:mfu",),
+                ),
+            )
+        )
     drop_at, total = (36, 46) if fast else (45, 60)
     out.append(
         Scenario(
@@ -159,16 +182,27 @@ def clean_scenarios(*, fast: bool = False) -> list[Scenario]:
     return [
         Scenario("clean", DP, 60, noise=noisy),
         Scenario("clean", THREE_D, 40, noise=noisy),
+        Scenario("clean, untagged checkpoints", SMALL, 60, noise=_untagged(noisy)),
     ]
+
+
+def _untagged(noise: Noise) -> Noise:
+    """The same noise with checkpoints nobody tagged: a few long steps in the series."""
+    return replace(noise, untagged_checkpoints=True)
 
 
 def direct_clean_scenarios(*, fast: bool = False) -> list[Scenario]:
     """Long clean runs fed straight into the detectors (same model, no HTTP): the large count."""
     noisy = Noise(checkpoint_every=1000, eval_every=4000, eval_steps=16)
     if fast:
-        return [Scenario("clean", SMALL, 400, noise=noisy), Scenario("clean", THREE_D, 100, noise=noisy)]
+        return [
+            Scenario("clean", SMALL, 400, noise=noisy),
+            Scenario("clean", THREE_D, 100, noise=noisy),
+            Scenario("clean, untagged checkpoints", ONE_HOST, 400, noise=_untagged(noisy)),
+        ]
     return [
         Scenario("clean", DP, 800, noise=noisy),
         Scenario("clean", THREE_D, 600, noise=noisy),
         Scenario("clean (long)", Topology(hosts=1, ranks_per_host=8), 10_000, noise=noisy),
+        Scenario("clean, untagged checkpoints (long)", ONE_HOST, 10_000, noise=_untagged(noisy)),
     ]

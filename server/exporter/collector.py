@@ -22,13 +22,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from ..reads.runs import RunInfo
 from ..reads.status import DEFAULT_RULE, RunStatus, StatusRule, run_states
 from ..settings import Settings
 from . import read, state
@@ -70,7 +71,7 @@ class ExporterConfig:
 
 @dataclass
 class _Memory:
-    baseline: state.Baseline | None = None
+    baseline: state.RunBaseline | None = None
     baseline_frozen: bool = False
     tokens_through: int = -1
     tokens_total: float = 0.0
@@ -116,7 +117,7 @@ class RunStateCollector(Collector):
             runs = self._runs(conn, chosen) if chosen else []
         return state.Snapshot(runs=runs, runs_active=active, ok=True)
 
-    def _runs(self, conn: Connection, heads: list[read.RunHead]) -> list[state.RunSnapshot]:
+    def _runs(self, conn: Connection, heads: list[RunInfo]) -> list[state.RunSnapshot]:
         """Batched reads for all exported runs, then one snapshot per run."""
         cfg = self.config
         ids = [h.id for h in heads]
@@ -136,14 +137,7 @@ class RunStateCollector(Collector):
             if (t := tail[h.id]).last_step is not None
         }
         added = read.token_sums(conn, spans)
-        windows = {}
-        for h in heads:
-            t = tail[h.id]
-            windows[h.id] = set(state.windows_in_view(t.last_step, h.window_steps))
-            if t.last_profiled_window is not None:
-                windows[h.id].add(t.last_profiled_window)
-        rank_rows = read.rank_rows(conn, windows)
-        events = read.open_events(conn, ids)
+        ranks = _read_ranks(conn, heads, tail, read.open_events(conn, ids), cfg)
         totals = read.event_totals(conn, ids)
 
         views = []
@@ -155,14 +149,11 @@ class RunStateCollector(Collector):
             m.longest_tagged_s = max(m.longest_tagged_s, state.longest_tagged_step(steps[h.id]))
             if not m.baseline_frozen:
                 self._update_baseline(conn, h, m, tail[h.id].last_step)
-            views.append(_view(h, tail[h.id], rank_rows[h.id], events[h.id], cfg, states[h.id].status))
+            views.append(replace(ranks[h.id], status=states[h.id].status))
         identity = read.rank_identity(conn, {v.head.id: v.selected for v in views})
-        return [
-            _snapshot(v, mem[v.head.id], steps[v.head.id], events[v.head.id], totals[v.head.id], identity)
-            for v in views
-        ]
+        return [_snapshot(v, mem[v.head.id], steps[v.head.id], totals[v.head.id], identity) for v in views]
 
-    def _update_baseline(self, conn: Connection, h: read.RunHead, m: _Memory, last_step: int | None) -> None:
+    def _update_baseline(self, conn: Connection, h: RunInfo, m: _Memory, last_step: int | None) -> None:
         rows = read.first_untagged_steps(conn, h.id, self.config.baseline_steps)
         m.baseline = state.baseline_of(rows, h.dp_size)
         b = m.baseline
@@ -191,41 +182,117 @@ class RunStateCollector(Collector):
 class _View:
     """One run's per-rank picture, before the selected ranks' identities are read."""
 
-    head: read.RunHead
+    head: RunInfo
     tail: read.RunTail
     reporting: int
+    #: Per-rank values of the selected ranks only.
     values: dict[int, dict[str, float]]
+    distributions: dict[str, state.Distribution]
+    events: list[state.EventRow]
     flagged: list[tuple[int, str, state.EventRow]]
     selected: list[int]
     breakdown: dict[str, float] | None
     overlap: float | None
-    status: RunStatus
+    status: RunStatus = "live"
 
 
-def _view(
-    h: read.RunHead,
-    tail: read.RunTail,
-    rows: list[state.RankRow],
-    events: list[state.EventRow],
+def _read_ranks(
+    conn: Connection,
+    heads: list[RunInfo],
+    tail: dict[int, read.RunTail],
+    events: dict[int, list[state.EventRow]],
     cfg: ExporterConfig,
-    status: RunStatus,
-) -> _View:
-    _, newest = state.windows_in_view(tail.last_step, h.window_steps)
-    complete, reporting = state.complete_window(rows, newest)
-    p = tail.last_profiled_window
-    profiled = {r.rank: r for r in rows if p is not None and r.window == p}
-    values = state.rank_values(complete, profiled)
-    flagged = state.flagged_ranks(events, cfg.max_flagged)
-    selected = list(dict.fromkeys([r for r, _, _ in flagged] + state.slowest(values, cfg.top_k)))
-    breakdown, overlap = state.breakdown_of(profiled.values())
-    return _View(h, tail, reporting, values, flagged, selected, breakdown, overlap, status)
+) -> dict[int, _View]:
+    """Each run's ranks as the database summarises them: which window is complete, the
+    quantiles across ranks, the breakdown means and the top-K, then the rows of the
+    selected (flagged and slowest) ranks only."""
+    newest = {h.id: state.windows_in_view(tail[h.id].last_step, h.window_steps)[1] for h in heads}
+    prev = {i: max(0, w - 1) for i, w in newest.items()}
+    census = read.window_census(conn, {i: (prev[i], w) for i, w in newest.items()})
+    ws = {h.id: h.window_steps for h in heads}
+    reporting = read.reporting_ranks(conn, {i: w * ws[i] + (1 if w else 0) for i, w in prev.items()})
+    complete = {
+        i: state.complete_window({w: c.ranks for w, c in census[i].items()}, w) for i, w in newest.items()
+    }
+    profiled_at = {h.id: w for h in heads if (w := tail[h.id].last_profiled_window) is not None}
+    profiled = read.profiled_summary(conn, profiled_at)
+    # Per run and quantity: (values, total, quantiles if the database computed them, window).
+    dists: dict[int, dict[str, tuple[int, float, read.Quantiles | None, int | None]]] = {}
+    none: tuple[int, float, read.Quantiles | None, int | None] = (0, 0.0, None, None)
+    for h in heads:
+        done, p_at = complete[h.id], profiled_at.get(h.id)
+        c = census[h.id].get(done) if done is not None else None
+        ps = profiled.get(h.id)
+        cq, pq = (c.quantiles if c else None) or {}, (ps.quantiles if ps else None) or {}
+        dists[h.id] = {
+            "step_time": (c.ranks, c.step_time_total, cq.get("step_time"), done) if c else none,
+            "data_wait": (c.ranks, c.data_wait_total, cq.get("data_wait"), done) if c else none,
+            "compute": (ps.ranks, ps.compute_total, pq.get("compute"), p_at) if ps else none,
+            "comm_wait": (ps.comm_wait_ranks, ps.comm_wait_total, pq.get("comm_wait"), p_at) if ps else none,
+        }
+    # Where the database did not interpolate the quantiles (SQLite), it returns the
+    # order statistics they need.
+    wanted = {
+        h.id: {
+            q: (w, state.order_positions(n))
+            for q, (n, _, qs, w) in dists[h.id].items()
+            if n and qs is None and w is not None
+        }
+        for h in heads
+    }
+    stats = read.order_statistics(conn, {i: q for i, q in wanted.items() if q})
+    key = {i: "compute" if d["compute"][0] else "step_time" for i, d in dists.items()}
+    top_at = {
+        i: (key[i], d[key[i]][3]) for i, d in dists.items() if d[key[i]][0] and d[key[i]][3] is not None
+    }
+    top = (
+        read.top_ranks(conn, {i: (q, w) for i, (q, w) in top_at.items() if w is not None}, cfg.top_k)
+        if cfg.top_k > 0
+        else {}
+    )
+    flagged = {h.id: state.flagged_ranks(events[h.id], cfg.max_flagged) for h in heads}
+    selected = {}
+    for h in heads:
+        candidates = {rank: {key[h.id]: v} for rank, v in top.get(h.id, [])}
+        slowest = state.slowest(candidates, cfg.top_k)
+        selected[h.id] = list(dict.fromkeys([r for r, _, _ in flagged[h.id]] + slowest))
+    rows = read.rank_rows(
+        conn,
+        {
+            h.id: ({w for w in (complete[h.id], profiled_at.get(h.id)) if w is not None}, selected[h.id])
+            for h in heads
+        },
+    )
+    views = {}
+    for h in heads:
+        chosen = {r.rank: r for r in rows[h.id] if r.window == complete[h.id]}
+        prof = {r.rank: r for r in rows[h.id] if r.window == profiled_at.get(h.id)}
+        distributions = {}
+        for q, (n, total, qs, _) in dists[h.id].items():
+            if n:
+                quantiles = qs if qs is not None else state.interpolate(n, stats.get(h.id, {}).get(q, {}))
+                distributions[q] = state.Distribution(quantiles=quantiles, count=n, total=total)
+        summary = profiled.get(h.id)
+        parts, overlap = state.breakdown(summary.means if summary else None)
+        views[h.id] = _View(
+            head=h,
+            tail=tail[h.id],
+            reporting=reporting[h.id],
+            values=state.rank_values(chosen, prof),
+            distributions=distributions,
+            events=events[h.id],
+            flagged=flagged[h.id],
+            selected=selected[h.id],
+            breakdown=parts,
+            overlap=overlap,
+        )
+    return views
 
 
 def _snapshot(
     v: _View,
     m: _Memory,
-    steps: list[state.StepRow],
-    events: list[state.EventRow],
+    steps: list[state.JobStepSums],
     totals: dict[str, int],
     identity: dict[tuple[int, int], tuple[str, int]],
 ) -> state.RunSnapshot:
@@ -256,7 +323,7 @@ def _snapshot(
         name=h.name,
         world_size=h.world_size,
         convention=state.convention_of(h.convention, h.world_size),
-        last_report_ts=h.last_report_ts,
+        last_report_ts=h.last_report_ts or 0.0,
         ranks_reporting=v.reporting,
         last_step=v.tail.last_step,
         last_step_ts=v.tail.last_step_ts,
@@ -268,9 +335,9 @@ def _snapshot(
         tagged=state.tagged_counts(steps),
         breakdown=v.breakdown,
         overlap_ratio=v.overlap,
-        distributions=state.distributions(v.values),
+        distributions=v.distributions,
         ranks=ranks,
         flagged=flagged,
-        events_open=state.open_event_counts(events),
+        events_open=state.open_event_counts(v.events),
         events_total=totals,
     )

@@ -1,22 +1,43 @@
 """The bounded reads behind one scrape, each returning plain rows.
 
-Every query is either an index probe per run (``max`` over a primary-key or index prefix)
-or a range of a run's newest rows, so a scrape costs O(runs exported x ranks) whatever
-the length of the runs' history. The one exception is the first token sum of a run after
-the collector starts (see ``collector.py``), which reads the run's steps once.
+Every query is an index probe per run (``max`` over a primary-key or index prefix), a
+range of a run's newest rows, or an aggregate over the rows of one or two windows of a
+run, so a scrape costs O(runs exported) round trips whatever the length of the runs'
+history, and returns O(runs x (top-K + quantiles)) rows whatever their rank count: the
+quantiles across ranks, the slowest ranks and the breakdown means are computed by the
+database (:func:`window_census`, :func:`profiled_summary`, :func:`order_statistics`),
+and only the selected ranks' rows are fetched (:func:`rank_rows`). Fetching every rank's
+rows of the newest windows into objects and sorting them in Python was 85% of a scrape at
+16,384 ranks. The one exception is the first token sum of a run after the collector
+starts (see ``collector.py``), which reads the run's steps once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Float, and_, cast, func, or_, select
+from sqlalchemy import (
+    ARRAY,
+    Connection,
+    Float,
+    and_,
+    case,
+    cast,
+    false,
+    func,
+    literal,
+    or_,
+    select,
+    union_all,
+)
+from sqlalchemy.sql.elements import ColumnElement
 
-from ..storage.models import Event, JobStep, Rank, RankWindow, Run, unix
-from .state import EventRow, RankRow, StepRow
+from ..reads.runs import RunInfo, run_info
+from ..storage.models import Event, JobStep, Rank, RankWindow, Run
+from .state import QUANTILES, RANK_QUANTITIES, EventRow, JobStepSums, RankWindowSums
 
 RUNS = Run.__table__
 JS = JobStep.__table__
@@ -26,24 +47,13 @@ RANKS = Rank.__table__
 
 
 @dataclass(frozen=True, slots=True)
-class RunHead:
-    id: int
-    name: str
-    world_size: int
-    dp_size: int
-    window_steps: int
-    convention: Mapping[str, Any] | None
-    last_report_ts: float
-
-
-@dataclass(frozen=True, slots=True)
 class RunTail:
     last_step: int | None
     last_step_ts: float | None
     last_profiled_window: int | None
 
 
-def reporting_runs(conn: Connection, *, since: float, limit: int) -> tuple[list[RunHead], int]:
+def reporting_runs(conn: Connection, *, since: float, limit: int) -> tuple[list[RunInfo], int]:
     """The ``limit`` runs that reported most recently, if at or after ``since`` (collector
     clock, Unix s), newest first; and how many reported since then.
 
@@ -53,33 +63,10 @@ def reporting_runs(conn: Connection, *, since: float, limit: int) -> tuple[list[
     recent = RUNS.c.last_report_at >= cutoff
     active = conn.execute(select(func.count()).select_from(RUNS).where(recent)).scalar_one()
     rows = conn.execute(
-        select(
-            RUNS.c.id,
-            RUNS.c.name,
-            RUNS.c.world_size,
-            RUNS.c.dp_size,
-            RUNS.c.window_steps,
-            RUNS.c.convention,
-            RUNS.c.last_report_at,
-        )
-        .where(recent)
-        .order_by(RUNS.c.last_report_at.desc(), RUNS.c.name)
-        .limit(limit)
+        select(RUNS).where(recent).order_by(RUNS.c.last_report_at.desc(), RUNS.c.name).limit(limit)
     ).all()
-    heads = [
-        RunHead(
-            id=r.id,
-            name=r.name,
-            world_size=r.world_size,
-            dp_size=r.dp_size,
-            window_steps=r.window_steps,
-            convention=r.convention,
-            last_report_ts=ts,
-        )
-        for r in rows
-        if (ts := unix(r.last_report_at)) is not None
-    ]
-    return heads, int(active)
+    runs = [run_info(r) for r in rows]
+    return [r for r in runs if r.last_report_ts is not None], int(active)
 
 
 def tails(conn: Connection, ids: Iterable[int]) -> dict[int, RunTail]:
@@ -108,8 +95,8 @@ def tails(conn: Connection, ids: Iterable[int]) -> dict[int, RunTail]:
     return {r.id: RunTail(r.s, r.w, r.p) for r in rows}
 
 
-def _step_row(r: Any) -> StepRow:
-    return StepRow(
+def _step_row(r: Any) -> JobStepSums:
+    return JobStepSums(
         step=r.step,
         ranks=r.ranks,
         token_ranks=r.token_ranks,
@@ -134,9 +121,9 @@ _STEP_COLS = (
 )
 
 
-def recent_steps(conn: Connection, after: Mapping[int, int]) -> dict[int, list[StepRow]]:
+def recent_steps(conn: Connection, after: Mapping[int, int]) -> dict[int, list[JobStepSums]]:
     """Job steps newer than ``after[run_id]``, per run (a primary-key range each)."""
-    out: dict[int, list[StepRow]] = {run_id: [] for run_id in after}
+    out: dict[int, list[JobStepSums]] = {run_id: [] for run_id in after}
     if not after:
         return out
     cond = or_(*(and_(JS.c.run_id == run_id, JS.c.step > step) for run_id, step in after.items()))
@@ -145,7 +132,7 @@ def recent_steps(conn: Connection, after: Mapping[int, int]) -> dict[int, list[S
     return out
 
 
-def first_untagged_steps(conn: Connection, run_id: int, limit: int) -> list[StepRow]:
+def first_untagged_steps(conn: Connection, run_id: int, limit: int) -> list[JobStepSums]:
     """The run's first ``limit`` untagged steps (its baseline after warm-up)."""
     q = select(*_STEP_COLS).where(JS.c.run_id == run_id, JS.c.tag == 0).order_by(JS.c.step).limit(limit)
     return [_step_row(r) for r in conn.execute(q)]
@@ -173,14 +160,229 @@ def token_sums(conn: Connection, spans: Mapping[int, tuple[int, int]]) -> dict[i
     return out
 
 
-def rank_rows(conn: Connection, windows: Mapping[int, Iterable[int]]) -> dict[int, list[RankRow]]:
-    """Every rank's row of the given windows, per run (index ``(run_id, window)``)."""
-    wanted = {run_id: sorted(set(ws)) for run_id, ws in windows.items()}
-    out: dict[int, list[RankRow]] = {run_id: [] for run_id in wanted}
-    wanted = {k: v for k, v in wanted.items() if v}
-    if not wanted:
+# -- across ranks, computed by the database -------------------------------------------
+
+#: Per-step means of a window row, as :class:`RankWindowSums` computes them.
+_STEP_TIME = case((RW.c.n_steps > 0, RW.c.step_time_sum / RW.c.n_steps), else_=0.0)
+_DATA_WAIT = case((RW.c.n_steps > 0, RW.c.data_wait_sum / RW.c.n_steps), else_=0.0)
+#: A row of a profiled window whose breakdown is known (``RankWindowSums.profiled``).
+_PROFILED = and_(RW.c.profiled_steps.is_not(None), RW.c.compute_s.is_not(None))
+
+
+def _in_windows(windows: Mapping[int, Collection[int]]) -> ColumnElement[bool]:
+    return or_(
+        false(),
+        *(and_(RW.c.run_id == run_id, RW.c.window.in_(sorted(ws))) for run_id, ws in windows.items() if ws),
+    )
+
+
+Quantiles = tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WindowCensus:
+    """One window of a run: how many ranks stored a row, their values' totals and, where
+    the database computes them in the same pass (PostgreSQL), the values' quantiles."""
+
+    ranks: int
+    step_time_total: float
+    data_wait_total: float
+    quantiles: Mapping[str, Quantiles] | None = None
+
+
+def _is_pg(conn: Connection) -> bool:
+    return conn.dialect.name == "postgresql"
+
+
+def _percentiles(value: ColumnElement[Any]) -> Any:
+    """PostgreSQL's ``percentile_cont`` at every exported quantile: the same linear
+    interpolation between order statistics as ``state.quantiles``."""
+    return func.percentile_cont(literal(list(QUANTILES), ARRAY(Float))).within_group(cast(value, Float))
+
+
+def _quantiles_of(values: Any) -> Quantiles:
+    return tuple((q, float(v)) for q, v in zip(QUANTILES, values or (), strict=False))
+
+
+def window_census(
+    conn: Connection, windows: Mapping[int, tuple[int, int]]
+) -> dict[int, dict[int, WindowCensus]]:
+    """Per run and each of its two given windows (``windows[run_id] = (previous,
+    newest)``): the rank count and totals, one pass over their rows (index ``(run_id,
+    window)``); on PostgreSQL also the quantiles of step time and data wait in the
+    previous window (None for the newest: the caller asks ``order_statistics``)."""
+    out: dict[int, dict[int, WindowCensus]] = {run_id: {} for run_id in windows}
+    if not windows:
         return out
-    cond = or_(*(and_(RW.c.run_id == run_id, RW.c.window.in_(ws)) for run_id, ws in wanted.items()))
+    pg = _is_pg(conn)
+    # Quantiles of the previous window only: it is the complete one unless it has no
+    # row (a run's first window), and a sort of the newest would be wasted.
+    previous = RW.c.window == case({r: w[0] for r, w in windows.items()}, value=RW.c.run_id)
+    extra = (
+        (_percentiles(_STEP_TIME).filter(previous), _percentiles(_DATA_WAIT).filter(previous)) if pg else ()
+    )
+    q = (
+        select(RW.c.run_id, RW.c.window, func.count(), func.sum(_STEP_TIME), func.sum(_DATA_WAIT), *extra)
+        .where(_in_windows({r: set(w) for r, w in windows.items()}))
+        .group_by(RW.c.run_id, RW.c.window)
+    )
+    for run_id, window, n, st, dw, *qs in conn.execute(q):
+        quantiles = None
+        if pg and window == windows[run_id][0]:
+            quantiles = {"step_time": _quantiles_of(qs[0]), "data_wait": _quantiles_of(qs[1])}
+        out[run_id][window] = WindowCensus(int(n), float(st or 0.0), float(dw or 0.0), quantiles)
+    return out
+
+
+def reporting_ranks(conn: Connection, since_step: Mapping[int, int]) -> dict[int, int]:
+    """Per run, the ranks whose newest step is at or after ``since_step[run_id]`` (those
+    with a row in the windows from there on): a count over ``ranks``, not a distinct
+    count over the windows' rows."""
+    out = dict.fromkeys(since_step, 0)
+    if not since_step:
+        return out
+    cond = or_(*(and_(RANKS.c.run_id == r, RANKS.c.last_step >= s) for r, s in since_step.items()))
+    for run_id, n in conn.execute(select(RANKS.c.run_id, func.count()).where(cond).group_by(RANKS.c.run_id)):
+        out[run_id] = int(n)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ProfiledSummary:
+    """The profiled rows of a run's newest profiled window: counts, totals, means and,
+    on PostgreSQL, the quantiles of compute and collective wait."""
+
+    ranks: int
+    compute_total: float
+    comm_wait_ranks: int
+    comm_wait_total: float
+    #: Mean over the profiled ranks of each part of the step (``state.PHASES``).
+    means: Mapping[str, float]
+    quantiles: Mapping[str, Quantiles] | None = None
+
+
+def profiled_summary(conn: Connection, windows: Mapping[int, int]) -> dict[int, ProfiledSummary]:
+    """Per run, the breakdown of its given profiled window (runs without one: absent)."""
+    if not windows:
+        return {}
+    cond = and_(_PROFILED, _in_windows({r: [w] for r, w in windows.items()}))
+    parts = {
+        "compute": func.coalesce(RW.c.compute_s, 0.0),
+        "comm_overlapped": func.coalesce(RW.c.comm_overlapped_s, 0.0),
+        "comm_exposed": func.coalesce(RW.c.comm_exposed_s, 0.0),
+        "data_wait": _DATA_WAIT,
+        "idle": func.coalesce(RW.c.idle_s, 0.0),
+    }
+    pg = _is_pg(conn)
+    extra = (
+        (_percentiles(RW.c.compute_s), _percentiles(RW.c.comm_wait_s).filter(RW.c.comm_wait_s.is_not(None)))
+        if pg
+        else ()
+    )
+    q = (
+        select(
+            RW.c.run_id,
+            func.count(),
+            func.sum(RW.c.compute_s),
+            func.count(RW.c.comm_wait_s),
+            func.sum(RW.c.comm_wait_s),
+            *(func.avg(v) for v in parts.values()),
+            *extra,
+        )
+        .where(cond)
+        .group_by(RW.c.run_id)
+    )
+    out = {}
+    for run_id, n, compute, n_wait, wait, *rest in conn.execute(q):
+        means, qs = rest[: len(parts)], rest[len(parts) :]
+        out[run_id] = ProfiledSummary(
+            ranks=int(n),
+            compute_total=float(compute or 0.0),
+            comm_wait_ranks=int(n_wait),
+            comm_wait_total=float(wait or 0.0),
+            means={k: float(m) for k, m in zip(parts, means, strict=True)},
+            quantiles={"compute": _quantiles_of(qs[0]), "comm_wait": _quantiles_of(qs[1])} if pg else None,
+        )
+    return out
+
+
+def _source(quantity: str, window: int) -> tuple[ColumnElement[Any], list[ColumnElement[bool]]]:
+    """The value of ``quantity`` per rank row and the rows it is read from."""
+    if quantity in ("step_time", "data_wait"):
+        return (_STEP_TIME if quantity == "step_time" else _DATA_WAIT), [RW.c.window == window]
+    if quantity == "compute":
+        return RW.c.compute_s, [RW.c.window == window, _PROFILED]
+    return RW.c.comm_wait_s, [RW.c.window == window, _PROFILED, RW.c.comm_wait_s.is_not(None)]
+
+
+def top_ranks(
+    conn: Connection, wanted: Mapping[int, tuple[str, int]], k: int
+) -> dict[int, list[tuple[int, float]]]:
+    """Per run, the ``k`` largest values of one quantity in one window (``wanted[run_id]
+    = (quantity, window)``), largest first, ties to the lower rank: a top-N sort."""
+    out: dict[int, list[tuple[int, float]]] = {run_id: [] for run_id in wanted}
+    for run_id, (quantity, window) in wanted.items():
+        value, conds = _source(quantity, window)
+        v = cast(value, Float).label("v")
+        q = select(RW.c.rank, v).where(RW.c.run_id == run_id, *conds).order_by(v.desc(), RW.c.rank).limit(k)
+        out[run_id] = [(int(r), float(x)) for r, x in conn.execute(q)]
+    return out
+
+
+def order_statistics(
+    conn: Connection, wanted: Mapping[int, Mapping[str, tuple[int, Collection[int]]]]
+) -> dict[int, dict[str, dict[int, float]]]:
+    """Where the database has no ``percentile_cont`` (SQLite): chosen order statistics
+    of each quantity across a run's ranks, ``wanted[run_id][quantity] = (window,
+    positions)``, in one query ranking the rows (``row_number``): only the wanted
+    positions come back."""
+    out: dict[int, dict[str, dict[int, float]]] = {run_id: {} for run_id in wanted}
+    sources, picks = [], []
+    for run_id, quantities in wanted.items():
+        for quantity, (window, _) in quantities.items():
+            value, conds = _source(quantity, window)
+            code = literal(_QUANTITY_CODE[quantity]).label("q")
+            sources.append(
+                select(RW.c.run_id, code, RW.c.rank, cast(value, Float).label("v")).where(
+                    RW.c.run_id == run_id, *conds
+                )
+            )
+    if not sources:
+        return out
+    u = union_all(*sources).subquery()
+    i = (func.row_number().over(partition_by=(u.c.run_id, u.c.q), order_by=(u.c.v, u.c.rank)) - 1).label("i")
+    ordered = select(u.c.run_id, u.c.q, u.c.v, i).subquery()
+    for run_id, quantities in wanted.items():
+        for quantity, (_, positions) in quantities.items():
+            picks.append(
+                and_(
+                    ordered.c.run_id == run_id,
+                    ordered.c.q == _QUANTITY_CODE[quantity],
+                    ordered.c.i.in_(sorted(positions)),
+                )
+            )
+    q = select(ordered.c.run_id, ordered.c.q, ordered.c.i, ordered.c.v).where(or_(false(), *picks))
+    for run_id, code, pos, v in conn.execute(q):
+        out[run_id].setdefault(RANK_QUANTITIES[code], {})[int(pos)] = float(v)
+    return out
+
+
+_QUANTITY_CODE = {q: i for i, q in enumerate(RANK_QUANTITIES)}
+
+
+def rank_rows(
+    conn: Connection, wanted: Mapping[int, tuple[Collection[int], Collection[int]]]
+) -> dict[int, list[RankWindowSums]]:
+    """The rows of the given ranks in the given windows, per run: ``wanted[run_id] =
+    (windows, ranks)`` (primary-key probes: the selected ranks only)."""
+    out: dict[int, list[RankWindowSums]] = {run_id: [] for run_id in wanted}
+    conds = [
+        and_(RW.c.run_id == run_id, RW.c.window.in_(sorted(ws)), RW.c.rank.in_(sorted(rs)))
+        for run_id, (ws, rs) in wanted.items()
+        if ws and rs
+    ]
+    if not conds:
+        return out
     q = select(
         RW.c.run_id,
         RW.c.rank,
@@ -194,10 +396,10 @@ def rank_rows(conn: Connection, windows: Mapping[int, Iterable[int]]) -> dict[in
         RW.c.comm_exposed_s,
         RW.c.idle_s,
         RW.c.comm_wait_s,
-    ).where(cond)
+    ).where(or_(*conds))
     for r in conn.execute(q):
         out[r.run_id].append(
-            RankRow(
+            RankWindowSums(
                 rank=r.rank,
                 window=r.window,
                 n_steps=r.n_steps,

@@ -3,7 +3,13 @@
 The reader (``read.py``) turns a few bounded SQL queries into the row types below; these
 functions turn the rows into a :class:`RunSnapshot`, and ``families.py`` turns snapshots
 into Prometheus families. Nothing here touches a database or a registry, so every number
-can be checked on hand-made rows.
+can be checked on hand-made rows. Across ranks, the database ranks the values and
+returns only the order statistics the quantiles interpolate between
+(:func:`order_positions`, :func:`interpolate`) and the largest values (the top-K
+candidates :func:`slowest` picks from), so a scrape does not grow with the ranks.
+
+The row types are named for the stored rows they carry (sums over ranks or steps), apart
+from the analysis' own ``JobStepSums``, ``RankWindowSums`` and ``RunBaseline``.
 
 Definitions match the REST overview (``reads/queries.py``): a step's time is the mean over the
 ranks that reported it, its global tokens are the reporting data-parallel replicas'
@@ -51,7 +57,7 @@ TAGGED_STEP_SLACK = 1.5
 
 
 @dataclass(frozen=True, slots=True)
-class StepRow:
+class JobStepSums:
     """One ``job_steps`` row (additive over the ranks that reported the step)."""
 
     step: int
@@ -76,7 +82,7 @@ class StepRow:
 
 
 @dataclass(frozen=True, slots=True)
-class RankRow:
+class RankWindowSums:
     """One ``rank_windows`` row: means per step of one rank over one window."""
 
     rank: int
@@ -126,7 +132,7 @@ class Rates:
 
 
 @dataclass(frozen=True, slots=True)
-class Baseline:
+class RunBaseline:
     """The run's own reference: its first untagged steps after warm-up."""
 
     step_time_s: float
@@ -190,7 +196,7 @@ class RunSnapshot:
     tokens_total: float | None = None
     status: RunStatus = "live"
     rates: Rates | None = None
-    baseline: Baseline | None = None
+    baseline: RunBaseline | None = None
     hang_threshold_s: float | None = None
     tagged: Mapping[str, int] = field(default_factory=dict)
     breakdown: Mapping[str, float] | None = None
@@ -228,7 +234,7 @@ def convention_of(conv: Mapping[str, Any] | None, world_size: int) -> Convention
     )
 
 
-def current_rates(rows: Iterable[StepRow], dp_size: int, latest: int = LATEST_STEPS) -> Rates | None:
+def current_rates(rows: Iterable[JobStepSums], dp_size: int, latest: int = LATEST_STEPS) -> Rates | None:
     """Step time, tokens/s, data wait and padding over the newest ``latest`` untagged steps."""
     picked = sorted((r for r in rows if r.tag == 0 and r.usable), key=lambda r: r.step, reverse=True)[:latest]
     if not picked:
@@ -249,13 +255,13 @@ def current_rates(rows: Iterable[StepRow], dp_size: int, latest: int = LATEST_ST
     )
 
 
-def baseline_of(rows: Iterable[StepRow], dp_size: int) -> Baseline | None:
+def baseline_of(rows: Iterable[JobStepSums], dp_size: int) -> RunBaseline | None:
     """Median step time and mean tokens/s of the given (first, untagged) steps."""
     picked = [r for r in rows if r.tag == 0 and r.usable]
     if not picked:
         return None
     seconds = sum(r.step_time_s for r in picked)
-    return Baseline(
+    return RunBaseline(
         step_time_s=median([r.step_time_s for r in picked]),
         tokens_per_s=sum(r.tokens_est(dp_size) for r in picked) / seconds,
         steps=len(picked),
@@ -263,7 +269,7 @@ def baseline_of(rows: Iterable[StepRow], dp_size: int) -> Baseline | None:
     )
 
 
-def tagged_counts(rows: Iterable[StepRow]) -> dict[str, int]:
+def tagged_counts(rows: Iterable[JobStepSums]) -> dict[str, int]:
     """How many of the given steps carry each tag (every tag present, zeros included)."""
     counts = dict.fromkeys(TAGS, 0)
     for r in rows:
@@ -272,13 +278,13 @@ def tagged_counts(rows: Iterable[StepRow]) -> dict[str, int]:
     return counts
 
 
-def longest_tagged_step(rows: Iterable[StepRow]) -> float:
+def longest_tagged_step(rows: Iterable[JobStepSums]) -> float:
     """Longest checkpoint or evaluation step among the rows (0 when none)."""
     return max((r.step_time_s for r in rows if r.tag in (2, 3)), default=0.0)
 
 
 def hang_threshold(
-    rows: Iterable[StepRow], longest_tagged_s: float, *, k: float = 10.0, floor_s: float = 60.0
+    rows: Iterable[JobStepSums], longest_tagged_s: float, *, k: float = 10.0, floor_s: float = 60.0
 ) -> float:
     """The analysis' hang threshold (``max(k x median step, floor)``), widened so that a
     checkpoint or evaluation as long as the longest one seen is not taken for a hang."""
@@ -299,10 +305,21 @@ def settled_through(last_step: int, window_steps: int, *, done: bool = False) ->
 # -- across ranks --------------------------------------------------------------------
 
 
-def quantiles(values: Sequence[float], qs: Sequence[float] = QUANTILES) -> tuple[tuple[float, float], ...]:
-    """Exact quantiles by linear interpolation between order statistics."""
-    ordered = sorted(values)
-    n = len(ordered)
+def order_positions(n: int, qs: Sequence[float] = QUANTILES) -> set[int]:
+    """The 0-based positions, in ascending order of ``n`` values, that the quantiles
+    ``qs`` interpolate between."""
+    out: set[int] = set()
+    for q in qs:
+        lo = math.floor(q * (n - 1))
+        out.update((lo, min(lo + 1, n - 1)))
+    return out if n > 0 else set()
+
+
+def interpolate(
+    n: int, at: Mapping[int, float], qs: Sequence[float] = QUANTILES
+) -> tuple[tuple[float, float], ...]:
+    """Exact quantiles by linear interpolation between order statistics, from the values
+    ``at`` the :func:`order_positions` of ``n`` values."""
     if n == 0:
         return ()
     out = []
@@ -310,14 +327,20 @@ def quantiles(values: Sequence[float], qs: Sequence[float] = QUANTILES) -> tuple
         pos = q * (n - 1)
         lo = math.floor(pos)
         hi = min(lo + 1, n - 1)
-        out.append((q, ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)))
+        out.append((q, at[lo] + (at[hi] - at[lo]) * (pos - lo)))
     return tuple(out)
 
 
-def distribution(values: Sequence[float]) -> Distribution | None:
-    if not values:
+def quantiles(values: Sequence[float], qs: Sequence[float] = QUANTILES) -> tuple[tuple[float, float], ...]:
+    """Exact quantiles of ``values`` (what the database's ordering gives :func:`interpolate`)."""
+    ordered = sorted(values)
+    return interpolate(len(ordered), dict(enumerate(ordered)), qs)
+
+
+def distribution(n: int, at: Mapping[int, float], total: float) -> Distribution | None:
+    if n == 0:
         return None
-    return Distribution(quantiles=quantiles(values), count=len(values), total=math.fsum(values))
+    return Distribution(quantiles=interpolate(n, at), count=n, total=total)
 
 
 def windows_in_view(last_step: int | None, window_steps: int) -> tuple[int, int]:
@@ -328,42 +351,27 @@ def windows_in_view(last_step: int | None, window_steps: int) -> tuple[int, int]
     return (max(0, newest - 1), newest)
 
 
-def complete_window(rows: Iterable[RankRow], newest: int) -> tuple[dict[int, RankRow], int]:
-    """Rows of the newest window that most ranks finished, and how many ranks reported
-    either of the two newest windows.
-
-    The window before the newest is complete for every live rank; the newest one is used
-    only while it is the run's first."""
-    by_window: dict[int, dict[int, RankRow]] = {}
-    reporting: set[int] = set()
-    for r in rows:
-        if r.window in (newest - 1, newest):
-            by_window.setdefault(r.window, {})[r.rank] = r
-            reporting.add(r.rank)
-    chosen = by_window.get(newest - 1) or by_window.get(newest) or {}
-    return chosen, len(reporting)
+def complete_window(ranks_per_window: Mapping[int, int], newest: int) -> int | None:
+    """The newest window most ranks finished, given how many ranks stored each window:
+    the window before the newest is complete for every live rank; the newest one is used
+    only while it is the run's first (None: neither has a row)."""
+    if ranks_per_window.get(newest - 1):
+        return newest - 1
+    return newest if ranks_per_window.get(newest) else None
 
 
-def breakdown_of(rows: Iterable[RankRow]) -> tuple[dict[str, float] | None, float | None]:
-    """Mean over ranks of each part of the step, and the overlap ratio
-    (overlapped communication / all communication), from profiled rows."""
-    profiled = [r for r in rows if r.profiled]
-    if not profiled:
+def breakdown(means: Mapping[str, float] | None) -> tuple[dict[str, float] | None, float | None]:
+    """The parts of the step (means over the profiled ranks) and the overlap ratio
+    (overlapped communication / all communication)."""
+    if not means:
         return None, None
-    n = len(profiled)
-    parts = {
-        "compute": sum(r.compute_s or 0.0 for r in profiled) / n,
-        "comm_overlapped": sum(r.comm_overlapped_s or 0.0 for r in profiled) / n,
-        "comm_exposed": sum(r.comm_exposed_s or 0.0 for r in profiled) / n,
-        "data_wait": sum(r.data_wait_s for r in profiled) / n,
-        "idle": sum(r.idle_s or 0.0 for r in profiled) / n,
-    }
+    parts = {p: float(means[p]) for p in PHASES}
     comm = parts["comm_overlapped"] + parts["comm_exposed"]
     return parts, (parts["comm_overlapped"] / comm if comm > 0 else None)
 
 
 def rank_values(
-    complete: Mapping[int, RankRow], profiled: Mapping[int, RankRow]
+    complete: Mapping[int, RankWindowSums], profiled: Mapping[int, RankWindowSums]
 ) -> dict[int, dict[str, float]]:
     """Per rank: step time and data wait from the complete window, compute and
     collective wait from the newest profiled window (when there is one)."""
@@ -377,15 +385,6 @@ def rank_values(
         values["compute"] = float(r.compute_s or 0.0)
         if r.comm_wait_s is not None:
             values["comm_wait"] = float(r.comm_wait_s)
-    return out
-
-
-def distributions(values: Mapping[int, Mapping[str, float]]) -> dict[str, Distribution]:
-    out = {}
-    for q in RANK_QUANTITIES:
-        d = distribution([v[q] for v in values.values() if q in v])
-        if d is not None:
-            out[q] = d
     return out
 
 

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from sqlalchemy import Connection, Float, Select, and_, case, cast, exists, func, or_, select
+from sqlalchemy import Connection, and_, exists, func, literal, or_, select, true
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..errors import NotFoundError
 from ..schemas.responses import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
-from ..storage.models import Event, JobStep, Rank, RankWindow, Run, unix
+from ..storage import rollups
+from ..storage.columns import JOB_STEP_BUCKETS, aggregate
+from ..storage.models import Event, JobStep, JobStepBucket, Rank, RankWindow, Run, unix
 from . import progress
 from .buckets import buckets
 from .profiles import BREAKDOWN_METRICS, rank_profiles, window_series
@@ -31,6 +33,7 @@ RUNS = Run.__table__
 RANKS = Rank.__table__
 RW = RankWindow.__table__
 EV = Event.__table__
+JB = JobStepBucket.__table__
 
 
 class NoSeriesError(Exception):
@@ -38,15 +41,15 @@ class NoSeriesError(Exception):
 
 
 def _step_time() -> ColumnElement[Any]:
-    return JS.c.step_time_sum / JS.c.ranks
+    return rollups.step_time()
 
 
 def _tokens_est(run: RunInfo) -> ColumnElement[Any]:
-    return cast(JS.c.tokens, Float) * run.dp_size / JS.c.token_ranks
+    return rollups.tokens_est(run.dp_size)
 
 
 def _valid() -> ColumnElement[bool]:
-    return and_(JS.c.token_ranks > 0, JS.c.step_time_sum > 0)
+    return rollups.usable()
 
 
 #: Runs listed per page by default, and at most.
@@ -142,24 +145,24 @@ def overview(conn: Connection, name: str, *, rule: StatusRule = DEFAULT_RULE) ->
     state = run_states(conn, [run.id], rule=rule)[run.id]
     where_run = JS.c.run_id == run.id
     st, tok = _step_time(), _tokens_est(run)
-    # One pass over the run's steps for the totals and the untagged (steady) means: at
-    # 30 days of 10 s steps this scan is most of the overview's time.
-    untagged = JS.c.tag == 0
+    # Totals and the untagged (steady) means from the run's bucket rows (rollups.py):
+    # one row per 64 steps, not a scan of every step.
     row = conn.execute(
         select(
-            func.count(),
-            func.min(JS.c.step),
-            func.max(JS.c.step),
-            func.coalesce(func.sum(tok), 0.0),
-            # As floats: a sum of saturated BIGINTs must not overflow (SQLite's sum() raises).
-            func.sum(cast(JS.c.tokens, Float)),
-            func.sum(cast(JS.c.padded_tokens, Float)),
-            func.sum(case((untagged, st))),
-            func.count(case((untagged, 1))),
-            func.sum(case((untagged, tok))),
-            func.avg(case((untagged, JS.c.data_wait_max))),
-        ).where(where_run, _valid())
+            func.coalesce(func.sum(JB.c.n_steps), 0),
+            func.min(JB.c.first_step),
+            func.max(JB.c.last_step),
+            func.coalesce(func.sum(JB.c.tokens_est), 0.0),
+            func.sum(JB.c.tokens),
+            func.sum(JB.c.padded_tokens),
+            func.sum(JB.c.untagged_step_time),
+            func.coalesce(func.sum(JB.c.untagged_steps), 0),
+            func.sum(JB.c.untagged_tokens_est),
+            func.sum(JB.c.untagged_data_wait),
+        ).where(JB.c.run_id == run.id)
     ).one()
+    # The untagged data wait as a mean; no untagged step: no steady means.
+    row = (*row[:9], row[9] / row[7]) if row[7] else (*row[:6], None, 0, None, None)
     totals, steady = row[:6], row[6:]
     recent_q = (
         select(st.label("st"), tok.label("tok"), JS.c.data_wait_max.label("dw"))
@@ -201,7 +204,7 @@ def overview(conn: Connection, name: str, *, rule: StatusRule = DEFAULT_RULE) ->
         tokens_total=round(totals[3]),
         step_time_s=Stat(
             latest=recent[0] / recent[1] if recent[1] else None,
-            mean=steady[0] / steady[1] if steady[1] else None,
+            mean=steady[0] / steady[1] if steady[1] and steady[0] is not None else None,
         ),
         tokens_per_s=tps,
         mfu=mfu,
@@ -217,80 +220,166 @@ def _f(v: Any) -> float | None:
     return None if v is None else float(v)
 
 
-#: Series metrics: name -> (unit, builder of the per-step SQL expression).
-def _metric_expr(run: RunInfo, metric: str) -> tuple[str, ColumnElement[Any]]:
-    st = _step_time()
-    if metric == "step_time_s":
-        return "s", st
-    if metric == "step_time_max_s":
-        return "s", JS.c.step_time_max
-    if metric == "data_wait_s":
-        return "s", JS.c.data_wait_max
-    if metric == "tokens_per_s":
-        return "tokens/s", _tokens_est(run) / st
+#: Series metrics: name -> (unit, the per-step value of ``rollups.VALUES``).
+_SERIES: dict[str, tuple[str, str]] = {
+    "step_time_s": ("s", "step_time"),
+    "step_time_max_s": ("s", "slowest"),
+    "data_wait_s": ("s", "data_wait"),
+    "tokens_per_s": ("tokens/s", "tokens_per_s"),
+    "mfu": ("ratio", "tokens_per_s"),
+    "ranks_reporting": ("ranks", "ranks"),
+}
+
+
+def _metric(run: RunInfo, metric: str) -> tuple[str, str, float]:
+    """Unit, per-step value and its scale (MFU is tokens/s times the run's MFU rate)."""
+    if metric not in _SERIES:
+        raise NotFoundError(f"unknown metric {metric!r}; one of {', '.join(SERIES_METRICS)}")
+    unit, value = _SERIES[metric]
+    scale = 1.0
     if metric == "mfu":
-        scale = run.mfu_per_token_rate
-        if scale is None:
+        rate = run.mfu_per_token_rate
+        if rate is None:
             raise NoSeriesError(mfu_unavailable(run.convention, run.world_size) or "no MFU")
-        return "ratio", _tokens_est(run) / st * scale
-    if metric == "ranks_reporting":
-        return "ranks", cast(JS.c.ranks, Float)
-    raise NotFoundError(f"unknown metric {metric!r}; one of {', '.join(SERIES_METRICS)}")
+        scale = rate
+    return unit, value, scale
 
 
-SERIES_METRICS = (
-    "step_time_s",
-    "step_time_max_s",
-    "tokens_per_s",
-    "mfu",
-    "data_wait_s",
-    "ranks_reporting",
-    *BREAKDOWN_METRICS,
-)
+SERIES_METRICS = (*_SERIES, *BREAKDOWN_METRICS)
+
+B = rollups.BUCKET_STEPS
+
+
+def _bucket_first(b: int) -> int:
+    """First step of bucket ``b`` (bucket 0 also holds step 0, as window 0 does)."""
+    return 0 if b == 0 else b * B + 1
+
+
+def _step_range(conn: Connection, run_id: int) -> tuple[int | None, int | None]:
+    """First and last usable step: the run's first and last bucket (primary-key probes)."""
+    where = JB.c.run_id == run_id
+    lo = conn.execute(select(JB.c.first_step).where(where).order_by(JB.c.bucket).limit(1)).scalar()
+    hi = conn.execute(select(JB.c.last_step).where(where).order_by(JB.c.bucket.desc()).limit(1)).scalar()
+    return lo, hi
 
 
 def series(
     conn: Connection, name: str, metric: str, *, from_step: int | None, to_step: int | None, max_points: int
 ) -> Series:
     """Per-step metric downsampled into at most ``max_points`` buckets of equal step
-    width, each with min, mean and max of the steps inside it (not of a sample)."""
+    width, each with min, mean and max of the steps inside it (not of a sample).
+
+    Points narrower than a stored bucket (``rollups.BUCKET_STEPS`` steps) are read from
+    the steps, the others from the bucket rows plus the raw steps at the range's two
+    ends: at most ``2 x BUCKET_STEPS`` steps and one row per bucket, whatever the run's
+    length. Points at least a bucket wide are aligned to multiples of their width."""
     run = get_run(conn, name)
     if metric in BREAKDOWN_METRICS:  # per rank window, mean over ranks (profiles.py)
         return window_series(
             conn, run.id, name, metric, from_step=from_step, to_step=to_step, max_points=max_points
         )
     try:
-        unit, value = _metric_expr(run, metric)
+        unit, value_name, scale = _metric(run, metric)
     except NoSeriesError as e:
         return Series(run=name, metric=metric, unit="ratio", points=[], reason=str(e))
-    cond = [JS.c.run_id == run.id, _valid()]
     lo = hi = None
     if from_step is None or to_step is None:
-        lo, hi = conn.execute(select(func.min(JS.c.step), func.max(JS.c.step)).where(*cond)).one()
+        lo, hi = _step_range(conn, run.id)
     span = buckets(lo, hi, from_step, to_step, max_points)
     if span is None:
         return Series(run=name, metric=metric, unit=unit, points=[])
     from_step, to_step, width = span
-    bucket = ((JS.c.step - from_step) // width).label("bucket")
-    q: Select[Any] = (
+    value = rollups.VALUES[value_name](run.dp_size)
+    if width < B:
+        group = (JS.c.step - from_step) // width
+        parts = [_raw_points(conn, run.id, value, group, from_step, to_step)]
+    else:
+        n = to_step - from_step + 1
+        wide = -(-n // (max_points - 1)) if max_points > 1 else n
+        width = B * -(-wide // B)
+        one = max_points == 1
+        b_lo = 0 if from_step == 0 else max(1, -(-(from_step - 1) // B))
+        b_hi = to_step // B - 1
+        raw_group = literal(0) if one else (JS.c.step - 1) // width
+        if b_lo > b_hi:
+            parts = [_raw_points(conn, run.id, value, raw_group, from_step, to_step)]
+        else:
+            parts = [
+                _raw_points(conn, run.id, value, raw_group, from_step, _bucket_first(b_lo) - 1),
+                _bucket_points(
+                    conn, run.id, value_name, literal(0) if one else (JB.c.bucket * B) // width, b_lo, b_hi
+                ),
+                _raw_points(conn, run.id, value, raw_group, (b_hi + 1) * B + 1, to_step),
+            ]
+    merged: dict[int, list[Any]] = {}
+    for rows in parts:
+        for g, first, last, count, total, low, high in rows:
+            m = merged.get(g)
+            if m is None:
+                merged[g] = [first, last, count, total, low, high]
+            else:
+                m[0], m[1] = min(m[0], first), max(m[1], last)
+                m[2] += count
+                m[3] += total
+                m[4], m[5] = min(m[4], low), max(m[5], high)
+    points = [
+        SeriesPoint(
+            step_from=m[0],
+            step_to=m[1],
+            count=m[2],
+            min=_f(m[4] * scale),
+            mean=_f(m[3] / m[2] * scale),
+            max=_f(m[5] * scale),
+        )
+        for _, m in sorted(merged.items())
+    ]
+    return Series(run=name, metric=metric, unit=unit, points=points)
+
+
+Point = tuple[int, int, int, int, float, float, float]
+
+
+def _raw_points(
+    conn: Connection, run_id: int, value: ColumnElement[Any], group: ColumnElement[Any], lo: int, hi: int
+) -> list[Point]:
+    """(group, first step, last step, steps, sum, min, max) of the usable steps in [lo, hi]."""
+    if hi < lo:
+        return []
+    g = group.label("g")
+    q = (
         select(
-            bucket,
+            g,
             func.min(JS.c.step),
             func.max(JS.c.step),
             func.count(),
+            func.sum(value),
             func.min(value),
-            func.avg(value),
             func.max(value),
         )
-        .where(*cond, JS.c.step >= from_step, JS.c.step <= to_step)
-        .group_by(bucket)
-        .order_by(bucket)
+        .where(JS.c.run_id == run_id, _valid(), JS.c.step >= lo, JS.c.step <= hi)
+        .group_by(g)
     )
-    points = [
-        SeriesPoint(step_from=r[1], step_to=r[2], count=r[3], min=_f(r[4]), mean=_f(r[5]), max=_f(r[6]))
-        for r in conn.execute(q)
+    return [tuple(r) for r in conn.execute(q)]
+
+
+def _bucket_points(
+    conn: Connection, run_id: int, value: str, group: ColumnElement[Any], b_lo: int, b_hi: int
+) -> list[Point]:
+    """The same from the bucket rows ``b_lo..b_hi``, merged by the columns' rules."""
+    g = group.label("g")
+    t = JOB_STEP_BUCKETS
+    cols = [
+        JB.c.first_step,
+        JB.c.last_step,
+        JB.c.n_steps,
+        *(JB.c[f"{value}_{p}"] for p in ("sum", "min", "max")),
     ]
-    return Series(run=name, metric=metric, unit=unit, points=points)
+    q = (
+        select(g, *(aggregate(t.column(c.name).rule, c) for c in cols))
+        .where(JB.c.run_id == run_id, JB.c.bucket >= b_lo, JB.c.bucket <= b_hi)
+        .group_by(g)
+    )
+    return [tuple(r) for r in conn.execute(q)]
 
 
 def ranks(conn: Connection, name: str, *, profile_windows: int = 1) -> list[RankSummary]:
@@ -298,54 +387,87 @@ def ranks(conn: Connection, name: str, *, profile_windows: int = 1) -> list[Rank
     collectives merged over the newest ``profile_windows`` profiled windows."""
     run = get_run(conn, name)
     profiles = rank_profiles(conn, run.id, profile_windows)
-    # The latest window of each rank by a per-rank lookup on the primary key (run, rank,
-    # window), not a GROUP BY over every window the run ever stored.
-    latest = (
-        select(func.max(RW.c.window))
-        .where(RW.c.run_id == RANKS.c.run_id, RW.c.rank == RANKS.c.rank)
-        .scalar_subquery()
-    )
+    # The latest window of each rank is the window of its last step: one primary-key
+    # probe per rank (a max() over each rank's windows cost 60 us per rank), and rows as
+    # named tuples (a mapping lookup by column object cost more than the query).
     win = RW.alias("win")
-    rows = conn.execute(
-        select(RANKS, win)
-        .select_from(
-            RANKS.outerjoin(
-                win, and_(win.c.run_id == RANKS.c.run_id, win.c.rank == RANKS.c.rank, win.c.window == latest)
-            )
+    cols = (
+        *(RANKS.c[n] for n in _RANK_COLS),
+        *(win.c[n].label(f"w_{n}") for n in _WINDOW_COLS),
+    )
+
+    def query(cond: ColumnElement[bool], window: ColumnElement[Any]) -> Any:
+        on = and_(win.c.run_id == RANKS.c.run_id, win.c.rank == RANKS.c.rank, win.c.window == window)
+        return conn.execute(
+            select(*cols)
+            .select_from(RANKS.outerjoin(win, on))
+            .where(RANKS.c.run_id == run.id, cond)
+            .order_by(RANKS.c.rank)
+        ).all()
+
+    rows = query(true(), (RANKS.c.last_step - 1) // run.window_steps)
+    missing = [r.rank for r in rows if r.w_window is None]
+    if missing:  # a final batch without steps moved last_step past the stored windows
+        latest = (
+            select(func.max(RW.c.window))
+            .where(RW.c.run_id == RANKS.c.run_id, RW.c.rank == RANKS.c.rank)
+            .scalar_subquery()
         )
-        .where(RANKS.c.run_id == run.id)
-        .order_by(RANKS.c.rank)
-    ).mappings()
+        found = {r.rank: r for r in query(RANKS.c.rank.in_(missing), latest)}
+        rows = [found.get(r.rank, r) for r in rows]
     out = []
     for r in rows:
-        n = r[win.c.n_steps]
-        st_sum = r[win.c.step_time_sum]
-        prof, skipped, colls = profiles.get(r[RANKS.c.rank], (None, None, []))
+        n, st_sum = r.w_n_steps, r.w_step_time_sum
+        prof, skipped, colls = profiles.get(r.rank, (None, None, []))
         out.append(
             RankSummary(
-                rank=r[RANKS.c.rank],
-                host=r[RANKS.c.host],
-                local_rank=r[RANKS.c.local_rank],
-                coords=r[RANKS.c.coords],
-                last_step=r[RANKS.c.last_step],
-                last_seen=unix(r[RANKS.c.last_seen]) or 0.0,
-                clock=r[RANKS.c.clock],
-                dropped_windows=r[RANKS.c.dropped_windows],
-                dropped_steps=r[RANKS.c.dropped_steps],
-                hot_path_mean_s=r[RANKS.c.hot_path_mean_s],
-                window=r[win.c.window],
-                window_first_step=r[win.c.first_step],
-                window_last_step=r[win.c.last_step],
+                rank=r.rank,
+                host=r.host,
+                local_rank=r.local_rank,
+                coords=r.coords,
+                last_step=r.last_step,
+                last_seen=unix(r.last_seen) or 0.0,
+                clock=r.clock,
+                dropped_windows=r.dropped_windows,
+                dropped_steps=r.dropped_steps,
+                hot_path_mean_s=r.hot_path_mean_s,
+                window=r.w_window,
+                window_first_step=r.w_first_step,
+                window_last_step=r.w_last_step,
                 step_time_s=st_sum / n if n else None,
-                step_time_max_s=r[win.c.step_time_max],
-                data_wait_s=r[win.c.data_wait_sum] / n if n else None,
-                tokens_per_s=r[win.c.tokens_sum] / st_sum if n and st_sum else None,
+                step_time_max_s=r.w_step_time_max,
+                data_wait_s=r.w_data_wait_sum / n if n else None,
+                tokens_per_s=r.w_tokens_sum / st_sum if n and st_sum else None,
                 profile=prof,
                 profile_skipped=skipped,
                 collectives=colls,
             )
         )
     return out
+
+
+_RANK_COLS = (
+    "rank",
+    "host",
+    "local_rank",
+    "coords",
+    "last_step",
+    "last_seen",
+    "clock",
+    "dropped_windows",
+    "dropped_steps",
+    "hot_path_mean_s",
+)
+_WINDOW_COLS = (
+    "window",
+    "first_step",
+    "last_step",
+    "n_steps",
+    "step_time_sum",
+    "step_time_max",
+    "data_wait_sum",
+    "tokens_sum",
+)
 
 
 def events(

@@ -1,4 +1,5 @@
-"""A stored run as every reader sees it: the API, the web page and the analysis worker.
+"""A stored run as every reader sees it: the API, the web page, the analysis worker and
+``/metrics``.
 
 One row -> value mapping (:func:`run_info`), so a column added to ``runs`` is read in
 one place.
@@ -15,7 +16,7 @@ from sqlalchemy import Connection, select
 from stepwatch.flops import per_token_rate
 
 from ..errors import NotFoundError
-from ..storage.models import Run
+from ..storage.models import Run, unix
 
 RUNS = Run.__table__
 
@@ -31,6 +32,8 @@ class RunInfo:
     window_steps: int
     config_fingerprint: str | None
     baseline_run: str | None
+    #: Collector-clock time of the run's newest stored batch (Unix s; None: never stamped).
+    last_report_ts: float | None = None
 
     @property
     def mfu_per_token_rate(self) -> float | None:
@@ -50,6 +53,7 @@ def run_info(row: Any) -> RunInfo:
         window_steps=row.window_steps,
         config_fingerprint=row.config_fingerprint,
         baseline_run=row.baseline_run,
+        last_report_ts=unix(row.last_report_at),
     )
 
 

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from sqlalchemy import BigInteger, Integer, Table, bindparam, func
 from sqlalchemy.sql.elements import ColumnElement
 
-from .models import INT32_MAX, INT64_MAX, JobStep, Rank, RankGroup, RankWindow, StepTiming
+from .models import INT32_MAX, INT64_MAX, JobStep, JobStepBucket, Rank, RankGroup, RankWindow, StepTiming
 
 
 class Rule(enum.Enum):
@@ -146,6 +146,23 @@ RANK_GROUPS = Summed(
         *_cols(Rule.KEY, "run_id", "rank", "group_name"),
         *_cols(Rule.MAX, "entered", "completed", "sampled_at"),
         *_cols(Rule.LAST, "op", "since", "heartbeat", "idle_s"),
+#: ``job_steps`` rolled up per run and bucket of steps (``rollups.py``): each column is
+#: its rule applied to one per-step value over the bucket's usable steps, and buckets
+#: merge into coarser ones (series points, the run's totals) by the same rule.
+JOB_STEP_BUCKETS = Summed(
+    JobStepBucket.__table__,  # type: ignore[arg-type]
+    (
+        *_cols(Rule.KEY, "run_id", "bucket"),
+        *_cols(Rule.SUM, "n_steps", "tokens_est", "tokens"),
+        Column("first_step", Rule.MIN),
+        Column("last_step", Rule.MAX),
+        *(
+            Column(f"{value}_{part}", rule)
+            for value in ("step_time", "slowest", "data_wait", "tokens_per_s", "ranks")
+            for part, rule in (("sum", Rule.SUM), ("min", Rule.MIN), ("max", Rule.MAX))
+        ),
+        Column("padded_tokens", Rule.NULLABLE_SUM),
+        *_cols(Rule.SUM, "untagged_steps", "untagged_step_time", "untagged_tokens_est", "untagged_data_wait"),
     ),
 )
 
@@ -316,6 +333,18 @@ def aggregate_sql(table: Summed, name: str) -> str:
         w = quote(col.weight)
         return f"sum({c} * {w}) / nullif(sum(CASE WHEN {c} IS NULL THEN 0 ELSE {w} END), 0)"
     raise ValueError(f"{name} has no aggregate ({col.rule})")
+
+
+def aggregate(rule: Rule, value: ColumnElement[Any]) -> ColumnElement[Any]:
+    """:func:`aggregate_sql` as a SQLAlchemy expression over any ``value`` (the rollups
+    aggregate expressions over steps, not stored columns)."""
+    if rule in (Rule.SUM, Rule.NULLABLE_SUM):
+        return func.sum(value)
+    if rule is Rule.MIN:
+        return func.min(value)
+    if rule is Rule.MAX:
+        return func.max(value)
+    raise ValueError(f"no aggregate for {rule}")
 
 
 def running_means(

@@ -273,6 +273,50 @@ class JobStep(Base):
     wall_end: Mapped[float] = mapped_column(Float)
 
 
+class JobStepBucket(Base):
+    """``job_steps`` rolled up per run into buckets of ``rollups.BUCKET_STEPS`` steps.
+
+    Ingest recomputes the buckets a group touched from their steps in the same
+    transaction (``storage/rollups.py``), so the overview and a long series read one row
+    per bucket instead of one per step (a month of 10 s steps is 259,200 steps, 4,050
+    buckets). Only usable steps count (tokens reported, positive step time), as in the
+    readers. Per series value: the sum, minimum and maximum over the bucket's steps.
+    Retention keeps ``job_steps``, so buckets are never rolled up or pruned.
+    """
+
+    __tablename__ = "job_step_buckets"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    n_steps: Mapped[int] = mapped_column(Integer)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    step_time_sum: Mapped[float] = mapped_column(Float)
+    step_time_min: Mapped[float] = mapped_column(Float)
+    step_time_max: Mapped[float] = mapped_column(Float)
+    slowest_sum: Mapped[float] = mapped_column(Float)
+    slowest_min: Mapped[float] = mapped_column(Float)
+    slowest_max: Mapped[float] = mapped_column(Float)
+    data_wait_sum: Mapped[float] = mapped_column(Float)
+    data_wait_min: Mapped[float] = mapped_column(Float)
+    data_wait_max: Mapped[float] = mapped_column(Float)
+    tokens_per_s_sum: Mapped[float] = mapped_column(Float)
+    tokens_per_s_min: Mapped[float] = mapped_column(Float)
+    tokens_per_s_max: Mapped[float] = mapped_column(Float)
+    ranks_sum: Mapped[float] = mapped_column(Float)
+    ranks_min: Mapped[float] = mapped_column(Float)
+    ranks_max: Mapped[float] = mapped_column(Float)
+    #: Global tokens estimated per step (scaled to all replicas), summed.
+    tokens_est: Mapped[float] = mapped_column(Float)
+    tokens: Mapped[float] = mapped_column(Float)
+    padded_tokens: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: The same over the untagged (steady) steps only: the overview's means.
+    untagged_steps: Mapped[int] = mapped_column(Integer)
+    untagged_step_time: Mapped[float] = mapped_column(Float)
+    untagged_tokens_est: Mapped[float] = mapped_column(Float)
+    untagged_data_wait: Mapped[float] = mapped_column(Float)
+
+
 class StepTiming(Base):
     """Staging of the always-on collective timing (the agent's ``comm`` section), one row
     per rank and step, until the worker has analysed the step's window: the late-arrival

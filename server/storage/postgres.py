@@ -38,7 +38,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeEngine
 
 from ..schemas.ingest import IngestPayload
-from . import columns, pg_arrays
+from . import columns, pg_arrays, rollups
 from .columns import Columns, Rows, Summed
 
 _CLAIM = """
@@ -49,6 +49,14 @@ _CLAIM = """
     ORDER BY 2, 1
     ON CONFLICT (run_id, batch_id) DO NOTHING
     RETURNING run_id, batch_id
+    """
+
+#: Bucket locks, in key order (two writers cannot wait for each other): the two-key form,
+#: a key space apart from the analysis locks' single key.
+_BUCKET_LOCKS = """
+    SELECT pg_advisory_xact_lock(CAST(mod(r, 2147483647) AS int), CAST(mod(b, 2147483647) AS int))
+    FROM (SELECT r, b FROM unnest(CAST(%(run)s AS bigint[]), CAST(%(bucket)s AS bigint[])) AS u(r, b)
+          ORDER BY r, b OFFSET 0) AS s
     """
 
 #: Analysis locks: the run id in the low bits of a PostgreSQL advisory lock key.
@@ -80,8 +88,19 @@ class PostgresStorage:
 
     def write(self, conn: Connection, rows: Rows) -> None:
         for table, cols in rows.tables():
-            if cols:
-                conn.exec_driver_sql(self._upsert(table, tuple(cols)), _params(table, cols))
+            if not cols:
+                continue
+            buckets = rollups.touched(cols["run_id"], cols["step"]) if table is columns.JOB_STEPS else []
+            if buckets:
+                # Writers of a bucket take turns from here to their commit, so each
+                # recompute below sees every step committed before it (rollups.py).
+                conn.exec_driver_sql(
+                    _BUCKET_LOCKS,
+                    {"run": _literal([r for r, _ in buckets]), "bucket": _literal([b for _, b in buckets])},
+                )
+            conn.exec_driver_sql(self._upsert(table, tuple(cols)), _params(table, cols))
+            if buckets:
+                rollups.refresh(conn, self.insert, buckets)
 
     def lock_run(self, conn: Connection, run_id: int) -> bool:
         key = _LOCK_NAMESPACE | run_id

@@ -15,7 +15,7 @@ from sqlalchemy import Connection, Engine, Table, literal_column
 from sqlalchemy.dialects import sqlite
 
 from ..schemas.ingest import IngestPayload
-from . import columns
+from . import columns, rollups
 from .columns import Rows, Summed
 from .models import IngestedBatch
 
@@ -54,6 +54,8 @@ class SqliteStorage:
                 values = [v.tolist() if hasattr(v, "tolist") else v for v in cols.values()]
                 params = [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
                 conn.execute(self._upsert(table, names), params)
+            if table is columns.JOB_STEPS and cols:
+                rollups.refresh(conn, self.insert, rollups.touched(cols["run_id"], cols["step"]))
 
     def _upsert(self, table: Summed, names: tuple[str, ...]) -> Any:
         key = (table.name, names)

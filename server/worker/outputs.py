@@ -16,7 +16,7 @@ and its transaction (events included) rolls back.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -96,22 +96,76 @@ def save_state(
         raise StateConflictError(f"analysis state of run id {run_id} changed under this pass")
 
 
-def _merge(
-    changes: Sequence[Change], open_now: Iterable[Finding]
-) -> dict[tuple[str, int], tuple[Finding, int | None, int | None]]:
-    """Latest version of every flag touched in this pass, with the window/step it opened at."""
-    out: dict[tuple[str, int], tuple[Finding, int | None, int | None]] = {}
+Touched = dict[tuple[str, int, str], tuple[Finding, int | None, int | None]]
+
+
+def _merge(changes: Sequence[Change], open_now: Iterable[Finding]) -> Touched:
+    """Latest version of every flag touched in this pass, per detector, with the
+    window/step it opened at."""
+    out: Touched = {}
     for ch in changes:
-        ident = (ch.finding.key, ch.finding.first_step)
+        ident = (ch.finding.key, ch.finding.first_step, ch.finding.source)
         opened = out.get(ident, (None, None, None))
         if ch.finding.status == "open":
             out[ident] = (ch.finding, ch.window, ch.finding.last_step)
         else:
             out[ident] = (ch.finding, opened[1], opened[2])
     for f in open_now:
-        ident = (f.key, f.first_step)
+        ident = (f.key, f.first_step, f.source)
         _, window, step = out.get(ident, (None, None, None))
         out[ident] = (f, window, step)
+    return out
+
+
+#: How an event's text names the detector whose evidence was added to it.
+SOURCE_WORDS = {"window": "the window detector", "arrivals": "the always-on late-arrival timing"}
+
+
+def _one_per_key(
+    merged: Touched, open_rows: Mapping[str, int]
+) -> dict[tuple[str, int], tuple[Finding, int | None, int | None]]:
+    """One straggler event per key (rank or host, and cause) however many detectors flag it.
+
+    The per-window detector and the always-on late-arrival detector can both flag
+    ``straggler:compute:rank=2``, each from its own first step; two open events for one
+    problem would be counted, alerted and read twice. So the findings of one key become
+    one: the event already open for the key (``open_rows``: key -> its first step), else the
+    earliest one opening now. It stays open while any detector holds it open and closes
+    when the last one closes it (``open_now`` is every open flag of the pass, so a closing
+    finding with another one still open for its key leaves the event open). The findings
+    it is not made from add their evidence under their detector's name (``arrivals.*``).
+    (A flag one detector closes and opens again within one pass, a backlog of many
+    windows, stays one event.)
+    """
+    by_key: dict[str, list[tuple[int, tuple[Finding, int | None, int | None]]]] = {}
+    out: dict[tuple[str, int], tuple[Finding, int | None, int | None]] = {}
+    for (key, first, _), entry in merged.items():
+        if entry[0].kind == "straggler":
+            by_key.setdefault(key, []).append((first, entry))
+        else:
+            out[(key, first)] = entry
+    for key, entries in by_key.items():
+        entries.sort(key=lambda e: (e[1][0].status != "open", e[0]))
+        lead_first, (lead, window, step) = entries[0]
+        anchor = open_rows.get(key, lead_first if lead.status == "open" else None)
+        if anchor is None or (len(entries) == 1 and anchor == lead_first):
+            out[(key, lead_first)] = entries[0][1]
+            continue
+        evidence = dict(lead.evidence)
+        sources = {lead.source}
+        for _, (other, _, _) in entries[1:]:
+            if other.source == lead.source:
+                continue
+            sources.add(other.source)
+            evidence.update({f"{other.source}.{k}": v for k, v in other.evidence.items()})
+        message = lead.message
+        extra = sorted(sources - {lead.source})
+        if extra:
+            evidence["detectors"] = float(len(sources))
+            message += " Also found by " + " and ".join(SOURCE_WORDS.get(x, x) for x in extra) + "."
+        # An existing event keeps its opened_window; a new one opens with the lead's.
+        merged_finding = replace(lead, first_step=anchor, evidence=evidence, message=message)
+        out[(key, anchor)] = (merged_finding, window, step)
     return out
 
 
@@ -122,21 +176,27 @@ def write_findings(
     open_now: Iterable[Finding],
     now: datetime,
 ) -> list[Transition]:
-    """Upsert the flags touched in this pass; return those created or that changed status."""
+    """Upsert the flags touched in this pass (one event per straggler key, see
+    :func:`_one_per_key`); return those created or that changed status."""
     merged = _merge(changes, open_now)
     if not merged:
         return []
-    keys = sorted({k for k, _ in merged})
-    existing = {
-        (r.key, r.first_step): r
-        for r in conn.execute(
+    keys = sorted({k for k, _, _ in merged})
+    rows = list(
+        conn.execute(
             select(EV.c.id, EV.c.key, EV.c.first_step, EV.c.status, EV.c.evidence).where(
                 EV.c.run_id == run_id, EV.c.key.in_(keys)
             )
         )
-    }
+    )
+    open_rows: dict[str, int] = {}
+    for r in sorted(rows, key=lambda r: r.first_step, reverse=True):
+        if r.status == "open":
+            open_rows[r.key] = r.first_step  # the earliest open one, should there be two
+    events = _one_per_key(merged, open_rows)
+    existing = {(r.key, r.first_step): r for r in rows}
     transitions: list[Transition] = []
-    for ident, (finding, window, step) in sorted(merged.items()):
+    for ident, (finding, window, step) in sorted(events.items()):
         row = existing.get(ident)
         evidence: dict[str, Any] = dict(finding.evidence)
         if finding.collective is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import agent_overhead, ingest, loadgen, profiler_window, query, run_listing
+from benchmarks import agent_overhead, ingest, loadgen, metrics_scrape, profiler_window, query, run_listing
 from benchmarks.__main__ import discover
 from stepwatch_server.schemas.ingest import IngestPayload
 
@@ -17,6 +17,7 @@ def test_every_benchmark_is_discovered() -> None:
         "comm_timing",
         "hot_path",
         "ingest",
+        "metrics_scrape",
         "profiler_window",
         "query",
         "run_listing",
@@ -36,8 +37,9 @@ def test_load_generator_payloads_are_valid_batches() -> None:
         (ingest, ["--ranks", "32", "--steps-per-window", "8", "--windows", "1", "--rounds", "1"], "ratio"),
         (query, ["--days", "1", "--ranks", "16"], "run overview"),
         (run_listing, ["--runs", "120"], "scrape_s"),
+        (metrics_scrape, ["--ranks", "8,16", "--scrapes", "1", "--rounds", "1"], "ratio"),
     ],
-    ids=["ingest", "query", "run_listing"],
+    ids=["ingest", "query", "run_listing", "metrics_scrape"],
 )
 def test_benchmark_runs(
     bench: object, args: list[str], says: str, capsys: pytest.CaptureFixture[str]
@@ -86,3 +88,14 @@ def test_profiler_self_estimate_is_checked_against_the_in_run_excess() -> None:
     assert any("under by 4.3x" in line and "MISSED" in line for line in profiler_window.report(figures))
     figures["self_measured_ratio"] = 0.025
     assert any("within 2x): met" in line for line in profiler_window.report(figures))
+
+
+def test_read_budgets_can_be_missed() -> None:
+    """The query and scrape verdicts fail a figure over its absolute budget or more than
+    2x its same-run baseline (and pass one within both)."""
+    assert query.verdict(0.030, 0.050) == (pytest.approx(50 / 30), True)
+    assert not query.verdict(0.030, 0.070)[1]  # 2.3x the 1-day figure
+    assert not query.verdict(0.090, 0.120)[1]  # over 100 ms
+    assert metrics_scrape.verdict(0.040, 0.070)[1]
+    assert not metrics_scrape.verdict(0.040, 0.090)[1]
+    assert not metrics_scrape.verdict(0.150, 0.210)[1]

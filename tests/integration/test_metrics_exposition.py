@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 
 from stepwatch_server.app import create_app
-from stepwatch_server.exporter import ExporterConfig, RunStateCollector
+from stepwatch_server.exporter import ExporterConfig, RunStateCollector, state
 from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.backend import open_storage
@@ -149,3 +149,27 @@ def test_database_down_keeps_the_endpoint_up() -> None:
         assert reg.get_sample_value("stepwatch_metrics_runs", {"state": "exported"}) == 0
     finally:
         engine.dispose()
+
+
+def test_quantiles_and_top_k_across_ranks_come_from_the_database(engine: Engine, ingestor: Ingestor) -> None:
+    """Without a profiler the slowest ranks are picked by step time, ties to the lower
+    rank, and the quantiles are those of every rank's value (the database returns only
+    the order statistics they interpolate between)."""
+    times = {r: 0.25 + (r * 7 % 11) / 64 for r in range(40)}  # ties: ranks r and r + 11
+    for w in range(3):
+        feed(ingestor, run="q", world=40, first=1 + 4 * w, steps=4, step_time=lambda r: times[r])
+    reg = registry(engine, top_k=3)
+    v = reg.get_sample_value
+    exported = {
+        int(s.labels["rank"])
+        for fam in reg.collect()
+        if fam.name == "stepwatch_rank_step_time_seconds"
+        for s in fam.samples
+    }
+    expected = sorted(times, key=lambda r: (-times[r], r))[:3]
+    assert exported == set(expected) and len(set(times[r] for r in expected)) < 3  # a tie broken
+    for q, want in state.quantiles(list(times.values())):
+        got = v("stepwatch_run_rank_step_time_seconds", {"run": "q", "quantile": str(q)})
+        assert got == pytest.approx(want)
+    assert v("stepwatch_run_rank_step_time_seconds_count", {"run": "q"}) == 40
+    assert v("stepwatch_run_rank_step_time_seconds_sum", {"run": "q"}) == pytest.approx(sum(times.values()))

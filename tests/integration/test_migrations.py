@@ -21,6 +21,7 @@ TABLES = {
     "profile_pending",
     "profile_arrivals",
     "step_timings",
+    "job_step_buckets",
 }
 
 

@@ -26,9 +26,10 @@ from sqlalchemy import Engine, select
 
 from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.schemas.ingest import IngestPayload
-from stepwatch_server.storage import migrate
+from stepwatch_server.storage import migrate, rollups
 from stepwatch_server.storage.backend import Storage, open_storage
 from stepwatch_server.storage.columns import (
+    JOB_STEP_BUCKETS,
     JOB_STEPS,
     RANK_GROUPS,
     RANK_WINDOWS,
@@ -68,6 +69,7 @@ def runs(draw: st.DrawFn) -> Run_:
     name = f"rules-{uuid.uuid4().hex[:12]}"
     world = draw(st.integers(1, 3))
     n = draw(st.integers(1, 24))
+    base = draw(st.sampled_from([0, 50, 120]))  # runs across the job-step buckets' edges
     sixty4ths = st.integers(16, 64).map(lambda k: k / 64)
     steps: list[dict[str, Any]] = []
     per_step: dict[int, list[float]] = {}
@@ -95,7 +97,7 @@ def runs(draw: st.DrawFn) -> Run_:
                     run=name,
                     rank=rank,
                     world=world,
-                    first=lo,
+                    first=base + lo,
                     times=times,
                     waits=[t / 4 for t in times],
                     tokens=tokens,
@@ -106,7 +108,7 @@ def runs(draw: st.DrawFn) -> Run_:
                 )
             )
             for j, t in enumerate(times):
-                per_step.setdefault(lo + j, []).append(t)
+                per_step.setdefault(base + lo + j, []).append(t)
     # Profiled windows: the same steps on every rank (as the agent aligns them).
     profiled = sorted(draw(st.sets(st.integers(1, n), max_size=3)))
     finals = []
@@ -118,7 +120,7 @@ def runs(draw: st.DrawFn) -> Run_:
             enter = [float(j) + draw(st.integers(0, 8)) / 64 for j in range(k)]
             entries.append(
                 profile_entry(
-                    first_step=first,
+                    first_step=base + first,
                     enter=enter,
                     end=[e + 1 / 64 for e in enter],
                     compute=compute,
@@ -131,7 +133,7 @@ def runs(draw: st.DrawFn) -> Run_:
                 run=name,
                 rank=rank,
                 world=world,
-                first=n + 1,
+                first=base + n + 1,
                 times=[],
                 final=True,
                 profiles=entries or None,
@@ -150,7 +152,7 @@ def _rows(storage: Storage, run: str) -> dict[str, list[dict[str, Any]]]:
     with storage.engine.connect() as conn:
         run_id = conn.execute(select(Run.id).where(Run.name == run)).scalar_one()
         out = {}
-        for table in (RANKS, RANK_WINDOWS, JOB_STEPS, RANK_GROUPS):
+        for table in (RANKS, RANK_WINDOWS, JOB_STEPS, JOB_STEP_BUCKETS, RANK_GROUPS):
             t = table.table
             q = select(t).where(t.c.run_id == run_id).order_by(*(t.c[k] for k in table.keys))
             out[table.name] = [_plain(dict(r._mapping)) for r in conn.execute(q)]
@@ -218,6 +220,18 @@ def test_random_groups_give_the_same_rows_on_both_backends_and_after_rollup(
         assert {(g["rank"], g["group_name"]): g["entered"] for g in groups} == {
             (r, name): e for r, by in counters.items() for name, e in by.items()
         }
+        # The buckets ingest kept are the buckets recomputed from the stored steps.
+        buckets = sqlite["job_step_buckets"]
+        usable = [j for j in jobs if j["token_ranks"] > 0 and j["step_time_sum"] > 0]
+        assert [b["bucket"] for b in buckets] == sorted({(j["step"] - 1) // 64 for j in usable})
+        assert sum(b["n_steps"] for b in buckets) == len(usable)
+        st_sum = sum(j["step_time_sum"] / j["ranks"] for j in usable)
+        assert sum(b["step_time_sum"] for b in buckets) == pytest.approx(st_sum, rel=1e-9)
+        for storage in storages:
+            with storage.engine.begin() as conn:
+                rollups.rebuild(conn, storage.insert)
+        _same(sqlite, _rows(storages[0], name))
+        _same(postgres, _rows(storages[1], name))
 
         sums = ("n_steps", "step_time_sum", "tokens_sum", "padded_tokens_sum", "profiled_steps", "skew_steps")
         before = _totals(sqlite["rank_windows"], *sums)
@@ -226,12 +240,13 @@ def test_random_groups_give_the_same_rows_on_both_backends_and_after_rollup(
         sqlite, postgres = (_rows(s, name) for s in storages)
         _same(sqlite, postgres)
         assert _totals(sqlite["rank_windows"], *sums) == before
+        assert sqlite["job_step_buckets"] == buckets  # retention keeps the buckets
 
     check()
 
 
 def test_every_column_of_the_summed_tables_has_a_rule() -> None:
-    tables: tuple[Summed, ...] = (RANKS, RANK_WINDOWS, JOB_STEPS, STEP_TIMINGS, RANK_GROUPS)
+    tables: tuple[Summed, ...] = (RANKS, RANK_WINDOWS, JOB_STEPS, JOB_STEP_BUCKETS, STEP_TIMINGS, RANK_GROUPS)
     for table in tables:
         assert {c.name for c in table.table.columns} == {c.name for c in table.columns}, table.name
         assert set(table.keys) == {c.name for c in table.table.primary_key}, table.name

@@ -89,7 +89,18 @@ def test_state_round_trip_continues_exactly_where_it_stopped() -> None:
     resumed = RunAnalysis.from_state("r", json.loads(json.dumps(first.to_state())))
     part += _feed(resumed, stream[17:])
     assert part == whole
-    assert whole == [(12, "straggler:compute:rank=45", "open"), (27, "straggler:compute:rank=45", "closed")]
+    stragglers = [c for c in whole if c[1].startswith("straggler:")]
+    assert stragglers == [
+        (12, "straggler:compute:rank=45", "open"),
+        (27, "straggler:compute:rank=45", "closed"),
+    ]
+    # The straggler holds the whole synchronous job back by ~20%: a job-wide regression
+    # of both metrics, opened after the fault began and closed after it ended.
+    regressions = [c for c in whole if c[1].startswith("regression:")]
+    assert {k for _, k, _ in regressions} == {"regression:mfu", "regression:step_time"}
+    assert all(10 < w <= 15 for w, _, st in regressions if st == "open"), regressions
+    assert all(25 < w <= 35 for w, _, st in regressions if st == "closed"), regressions
+    assert [st for _, k, st in regressions if k == "regression:mfu"] == ["open", "closed"]
     assert resumed.imbalance is not None and resumed.imbalance.slowest_stage == 1  # the heavier last stage
     assert resumed.progress.steps == 40 * 20
 

@@ -17,7 +17,7 @@ from stepwatch_server.analysis import (
     build_baseline,
     compare_runs,
 )
-from stepwatch_server.analysis.regressions import attribute
+from stepwatch_server.analysis.attribution import attribute
 
 from ..synthetic import job_series
 

@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 
 from stepwatch_server.exporter import state
 from stepwatch_server.exporter.catalog import FAMILIES, series_bound, series_per_run
-from stepwatch_server.exporter.state import EventRow, RankRow, StepRow
+from stepwatch_server.exporter.state import EventRow, JobStepSums, RankWindowSums
 
 
 def step(
     n: int, t: float = 0.5, tag: int = 0, ranks: int = 4, tokens: int = 4000, wait: float = 0.0
-) -> StepRow:
-    return StepRow(
+) -> JobStepSums:
+    return JobStepSums(
         step=n,
         ranks=ranks,
         token_ranks=ranks,
@@ -39,7 +39,7 @@ def test_current_rates_use_the_newest_untagged_steps_only() -> None:
 
 def test_tokens_scale_from_reporting_replicas_to_all() -> None:
     # 2 of 4 replicas reported 2,000 tokens: the step is estimated at 4,000.
-    half = StepRow(
+    half = JobStepSums(
         5, ranks=2, token_ranks=2, step_time_sum=1.0, data_wait_max=0, tokens=2000, padded_tokens=None, tag=0
     )
     assert half.tokens_est(4) == pytest.approx(4000)
@@ -97,10 +97,21 @@ def test_quantiles_are_monotone_and_within_range(values: list[float]) -> None:
     assert qs[0] == min(values) and qs[-1] == max(values)
 
 
+@given(st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=0, max_size=300))
+def test_quantiles_from_the_order_statistics_the_database_returns(values: list[float]) -> None:
+    """The exporter asks the database only for the positions ``order_positions`` names;
+    interpolating between them gives the quantiles of all the values."""
+    ordered = sorted(values)
+    wanted = state.order_positions(len(ordered))
+    assert len(wanted) <= 2 * len(state.QUANTILES) and all(0 <= i < len(ordered) for i in wanted)
+    at = {i: ordered[i] for i in wanted}
+    assert state.interpolate(len(ordered), at) == state.quantiles(values)
+
+
 def rank_row(
     rank: int, window: int, t: float = 0.5, compute: float | None = None, wait: float = 0.0
-) -> RankRow:
-    return RankRow(
+) -> RankWindowSums:
+    return RankWindowSums(
         rank=rank,
         window=window,
         n_steps=4,
@@ -116,12 +127,10 @@ def rank_row(
 
 
 def test_complete_window_is_the_one_before_the_newest() -> None:
-    rows = [rank_row(r, 6) for r in range(8)] + [rank_row(r, 7) for r in range(3)]
-    chosen, reporting = state.complete_window(rows, newest=7)
-    assert sorted(chosen) == list(range(8)) and {r.window for r in chosen.values()} == {6}
-    assert reporting == 8
-    first, _ = state.complete_window([rank_row(0, 0)], newest=0)  # a run's first window
-    assert list(first) == [0]
+    assert state.complete_window({6: 8, 7: 3}, newest=7) == 6
+    assert state.complete_window({0: 1}, newest=0) == 0  # a run's first window
+    assert state.complete_window({7: 3}, newest=7) == 7
+    assert state.complete_window({}, newest=7) is None
 
 
 def test_slowest_ranks_by_compute_when_profiled() -> None:
@@ -134,12 +143,13 @@ def test_slowest_ranks_by_compute_when_profiled() -> None:
     assert state.slowest(values, 0) == []
 
 
-def test_breakdown_and_overlap_from_profiled_rows() -> None:
-    parts, overlap = state.breakdown_of([rank_row(r, 5, compute=0.2, wait=0.04) for r in range(4)])
-    assert parts is not None
-    assert parts["compute"] == pytest.approx(0.2) and parts["data_wait"] == pytest.approx(0.04)
+def test_breakdown_and_overlap_from_the_profiled_means() -> None:
+    means = {"compute": 0.2, "comm_overlapped": 0.1, "comm_exposed": 0.05, "data_wait": 0.04, "idle": 0.01}
+    parts, overlap = state.breakdown(means)
+    assert parts == means
     assert overlap == pytest.approx(0.1 / 0.15)
-    assert state.breakdown_of([rank_row(0, 5)]) == (None, None)
+    assert state.breakdown(None) == (None, None)
+    assert state.breakdown({**means, "comm_overlapped": 0.0, "comm_exposed": 0.0})[1] is None
 
 
 def event(

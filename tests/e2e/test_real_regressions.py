@@ -1,0 +1,49 @@
+"""Real training: a job-wide slowdown is a regression within 5 windows; a steady run raises none.
+
+Four gloo ranks of the evaluation harness (:mod:`stepwatch_server.evaluation.real`: a tiny
+GPT under DDP, the real agent with its communication hook, a real ``stepwatch serve``, a
+CPU burner on every core started and stopped by PID), profiler off. From step 161 every
+rank does 10% of its step time more real compute (a matmul loop in forward). The
+collector's regression detector must open ``regression:step_time`` within 5 windows of the
+onset (16-step windows, the baseline formed over the 8 windows after the tagged warm-up),
+attributed to compute; the same run without the fault must open no regression. The
+scenarios' processes run at a raised niceness of their session, so that the load they see
+is their own burner, not whatever else the machine runs (which would change the whole
+job's speed mid-run: a real change of its step time).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from stepwatch_server.evaluation import real
+
+
+def _scenario(name: str) -> real.RealScenario:
+    return next(s for s in real.SCENARIOS if s.name == name)
+
+
+def _keys(o: real.RealOutcome, kind: str) -> list[str]:
+    return sorted(e["key"] for e in o.events if e["kind"] == kind)
+
+
+@pytest.mark.e2e
+def test_a_job_wide_ten_percent_slowdown_is_a_regression_within_five_windows() -> None:
+    s = _scenario("job-wide +10%")
+    o = real.run_scenario(s)
+    assert s.steps is not None and o.analysed_through_step >= s.steps, "the analysis did not reach the end"
+    assert "regression:step_time" in _keys(o, "regression"), _keys(o, "straggler")
+    assert o.right, [e["message"] for e in o.events if e["kind"] == "regression"]  # attributed to compute
+    assert o.windows_to_flag is not None and 1 <= o.windows_to_flag <= 5, o.windows_to_flag
+    (ev,) = [e for e in o.events if e["key"] == "regression:step_time"]
+    # Its start is the CUSUM change point: the onset's window, give or take one.
+    assert abs(ev["first_step"] - s.fault_from) <= o.window_steps, ev["first_step"]
+    assert ev["evidence"]["change_ratio"] >= 0.05 and "compute +" in ev["message"]
+
+
+@pytest.mark.e2e
+def test_a_steady_run_raises_no_regression() -> None:
+    s = _scenario("clean, steady load")
+    o = real.run_scenario(s)
+    assert s.steps is not None and o.analysed_through_step >= s.steps, "the analysis did not reach the end"
+    assert _keys(o, "regression") == [], [e["message"] for e in o.events]
