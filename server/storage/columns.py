@@ -146,6 +146,9 @@ RANK_GROUPS = Summed(
         *_cols(Rule.KEY, "run_id", "rank", "group_name"),
         *_cols(Rule.MAX, "entered", "completed", "sampled_at"),
         *_cols(Rule.LAST, "op", "since", "heartbeat", "idle_s"),
+    ),
+)
+
 #: ``job_steps`` rolled up per run and bucket of steps (``rollups.py``): each column is
 #: its rule applied to one per-step value over the bucket's usable steps, and buckets
 #: merge into coarser ones (series points, the run's totals) by the same rule.
