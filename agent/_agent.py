@@ -16,6 +16,7 @@ import atexit
 import logging
 import operator
 import time
+import urllib.parse
 import warnings
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
@@ -26,6 +27,7 @@ from . import __version__
 from ._comm_timing import CommTiming, comm_hook
 from ._device_clock import CudaEventClock
 from ._env import RankInfo
+from ._links import LinkSampler
 from ._payload import build_payload, encode, new_batch_id
 from ._sender import Sender, SenderStats, WindowSink
 from ._window import Window
@@ -44,6 +46,15 @@ _UNSET = -1
 #: as often while none closes): sooner than any hang threshold the collector uses (its
 #: floor is several send intervals), later than a window that is merely a step late.
 HEARTBEAT_INTERVALS = 1.5
+
+
+def _url_ports(url: str) -> tuple[int, ...]:
+    """The collector's port (its connections are not links of the job)."""
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        return (parsed.port or (443 if parsed.scheme == "https" else 80),)
+    except ValueError:
+        return ()
 
 
 class Stepwatch:
@@ -102,6 +113,8 @@ class Stepwatch:
         self._dev = device_clock
         #: Always-on collective timing, filled by the communication hook (``watch``).
         self.comm_timing = CommTiming(cap, self._position)
+        #: Per-connection link timing (TCP_INFO), sampled with each timed window.
+        self._links = LinkSampler(exclude_ports=_url_ports(config.url))
         # Profiler window: the hot path compares its slot with the next edge's slot only.
         self._pw = profiler
         self._prof_at = profiler.next_start(start_step) if profiler is not None else NEVER
@@ -408,6 +421,9 @@ class Stepwatch:
             window.comm_section = self.comm_timing.summarise(
                 window.comm, window.first_step, window.step_time_s, window.perf_end
             )
+            links = self._links.sample()
+            if links:
+                window.comm_section["links"] = links
             window.comm = None
         step_times = None
         if window.device_events is not None:

@@ -49,3 +49,9 @@ Dim = Literal["tp", "cp", "dp", "pp"]
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 #: A training configuration's fingerprint (regressions compare runs that share one).
 FINGERPRINT_PATTERN = r"^[A-Za-z0-9._:/+=-]{1,128}$"
+
+#: Connections per window in the ``comm`` section's ``links`` (the busiest by bytes).
+MAX_LINKS = 16
+#: Endpoint ids in ``links`` are hashes of ``address:port`` below this bound (they fit
+#: a signed 64-bit column).
+ENDPOINT_ID_BOUND = 2**63

@@ -10,6 +10,13 @@ of its own, so the keys (``straggler:compute:rank=2``, ``straggler:host:host=nod
 messages, costs and JSON state are those of the profiler-based detector, and the
 findings/events path (API, page, ``/metrics``, webhook) carries them unchanged.
 
+Links (the agent's per-connection timing, :mod:`.links`) add two things: a rank whose
+every data connection is slow opens ``straggler:link:rank=R`` (a slow link shows on the
+links, not in the arrivals: the ring moves at its pace for every rank), and a late rank
+with no extra CPU that sent far more bytes than its peers is named ``link`` instead of
+``host_stall`` (it spent the time communicating: extra collectives on its own link). A
+rank named for its link in a window is not also named for compute or a host stall in it.
+
 A late rank opens a flag after ``OPEN_AFTER`` (2) consecutive late windows, the
 persistence of :func:`.arrivals.persistent`: the sign test already needs most steps of a
 window, and one late window (a GC pause, a scheduler hiccup) opens nothing.
@@ -21,8 +28,11 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from . import _format as fmt
-from .arrivals import Config, HostFinding, LateRank, RankSteps, late_ranks, line_up, slow_hosts
+from .arrivals import Aligned, Config, HostFinding, LateRank, RankSteps, late_ranks, line_up, slow_hosts
+from .links import LinkConfig, LinkSample, SlowLink, extra_bytes, slow_links
 from .peers import Hit, StragglerConfig, WindowVerdict, host_key, rank_key
 from .stragglers import StragglerDetector
 from .types import Cause, Finding
@@ -33,22 +43,27 @@ CLOSE_AFTER = 3
 #: The per-rank causes this detector flags. A late rank whose loader wait explains it is
 #: left to the window detector (``peers.py``), which sees loader wait on every step and
 #: names it as ``straggler:data:rank=N`` already: two detectors would open the same key.
-CAUSES: tuple[Cause, ...] = ("compute", "host_stall")
+CAUSES: tuple[Cause, ...] = ("compute", "host_stall", "link")
 
 
 class ArrivalDetector:
     """Late-arrival straggler flags of one run (see the module docstring)."""
 
-    def __init__(self, run: str, config: Config | None = None) -> None:
+    def __init__(self, run: str, config: Config | None = None, links: LinkConfig | None = None) -> None:
         self.config = config or Config()
+        self.link_config = links or LinkConfig()
         self.flags = StragglerDetector(run, StragglerConfig(open_after=OPEN_AFTER, close_after=CLOSE_AFTER))
 
-    def update(self, window: int, groups: Sequence[Sequence[RankSteps]]) -> list[Finding]:
+    def update(
+        self, window: int, groups: Sequence[Sequence[RankSteps]], links: Sequence[LinkSample] = ()
+    ) -> list[Finding]:
         """One window's timing, per peer group (ranks doing the same work, e.g. the
-        replicas of one pipeline stage); returns the flags that opened or closed."""
+        replicas of one pipeline stage), and its link samples; returns the flags that
+        opened or closed."""
         hits: dict[str, Hit] = {}
         observed: set[str] = set()
         first = last = 0
+        heavy = extra_bytes(links, self.link_config) if links else {}
         for group in groups:
             if len(group) < 2:
                 continue
@@ -59,13 +74,17 @@ class ArrivalDetector:
             last = max(last, aligned.steps[-1])
             span = (aligned.steps[0], aligned.steps[-1])
             for r, h in zip(aligned.ranks, aligned.hosts, strict=True):
-                observed.update(rank_key(c, r) for c in CAUSES)
+                observed.update(rank_key(c, r) for c in CAUSES if c != "link" or links)
                 observed.add(host_key(h))
+            slow = self._slow_links(aligned, links, span) if links else {}
+            hits.update({h.key: h for h in slow.values()})
             late = late_ranks(aligned, self.config)
             for x in late:
                 if x.cause == "data":
                     continue  # the window detector's: loader wait is measured on every step
-                hit = _rank_hit(x, span)
+                if x.rank in slow:
+                    continue  # its link explains it
+                hit = _rank_hit(x, span, heavy.get(x.rank) if x.cause == "host_stall" else None)
                 hits[hit.key] = hit
             for host in slow_hosts(aligned, late, self.config):
                 hit = _host_hit(host, late, span)
@@ -73,6 +92,18 @@ class ArrivalDetector:
         if not observed:
             return []  # no timing in this window: it neither advances nor resets a flag
         return self.flags.apply(WindowVerdict(window, first, last, hits, frozenset(observed)))
+
+    def _slow_links(
+        self, aligned: Aligned, links: Sequence[LinkSample], span: tuple[int, int]
+    ) -> dict[int, Hit]:
+        """Link hits of one peer group's ranks, by rank."""
+        step_ref = float(np.nanmedian(aligned.step_time)) if aligned.step_time.size else 0.0
+        members = set(aligned.ranks)
+        mine = [s for s in links if s.rank in members]
+        found = slow_links(mine, step_time_s=step_ref, cfg=self.link_config)
+        return {
+            x.rank: _link_hit(x, aligned.hosts[aligned.ranks.index(x.rank)], span, step_ref) for x in found
+        }
 
     def open_findings(self) -> list[Finding]:
         return self.flags.open_findings()
@@ -102,22 +133,54 @@ def _why(x: LateRank) -> str:
     return "no extra CPU or loader wait: the host stalled (a sleep, a slow callback, a pause)"
 
 
-def _rank_hit(x: LateRank, span: tuple[int, int]) -> Hit:
+def _rank_hit(x: LateRank, span: tuple[int, int], sent: tuple[float, float] | None = None) -> Hit:
+    """A late rank's hit; with ``sent`` (its bytes and its peers' median in the window)
+    a host stall is named for what it did instead: communication on its link."""
+    why = _why(x)
+    cause: Cause = x.cause
+    evidence = _evidence(x)
+    if sent is not None:
+        cause = "link"
+        why = (
+            f"no extra CPU, but it sent {sent[0] / 1e6:.1f} MB against its peers' "
+            f"{sent[1] / 1e6:.1f} MB: extra communication on its link"
+        )
+        evidence.update({"sent_mb": sent[0] / 1e6, "peer_sent_mb": sent[1] / 1e6})
     detail = (
         f"its peers waited for it at the gradient all-reduce on {x.late_steps} of {x.steps} steps, "
         f"{fmt.secs(x.lateness_s)} per step ({fmt.pct(x.share)} of the step, sign test p={x.p_value:.3f}); "
-        + _why(x)
+        + why
     )
     return Hit(
-        key=rank_key(x.cause, x.rank),
-        cause=x.cause,
+        key=rank_key(cause, x.rank),
+        cause=cause,
         ranks=(x.rank,),
         hosts=(x.host,),
         first_step=span[0],
         last_step=span[1],
         cost_seconds=x.lateness_s,
         step_time_s=x.evidence["step_time_s"],
-        evidence=_evidence(x),
+        evidence=evidence,
+        detail=detail,
+    )
+
+
+def _link_hit(x: SlowLink, host: str, span: tuple[int, int], step_time_s: float) -> Hit:
+    detail = (
+        f"every connection carrying its data delivered at most {x.rate / 1e6:.1f} MB/s while busy, "
+        f"against {x.peer_rate / 1e6:.1f} MB/s on the job's other connections; "
+        f"{fmt.secs(x.lost_s)} per step lost on its link ({fmt.pct(x.share)} of the step)"
+    )
+    return Hit(
+        key=rank_key("link", x.rank),
+        cause="link",
+        ranks=(x.rank,),
+        hosts=(host,),
+        first_step=span[0],
+        last_step=span[1],
+        cost_seconds=x.lost_s,
+        step_time_s=step_time_s,
+        evidence=dict(x.evidence),
         detail=detail,
     )
 

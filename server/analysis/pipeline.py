@@ -30,6 +30,7 @@ from typing import Any, cast
 from .arrivals import RankSteps
 from .efficiency import StageImbalance, stage_imbalance
 from .late_arrivals import ArrivalDetector
+from .links import LinkSample
 from .peers import StragglerConfig
 from .progress import ThroughputWindow
 from .regressions import Baseline, RegressionConfig, RegressionDetector
@@ -252,16 +253,18 @@ class RunAnalysis:
         last_step: int,
         mfu_per_token_rate: float | None,
         timing: Sequence[Sequence[RankSteps]] = (),
+        links: Sequence[LinkSample] = (),
     ) -> list[Change]:
         """Analyse one complete window (steps ``first_step..last_step``); return the flags
         that opened or closed in it. ``timing``: the window's per-step collective timing,
-        one list of ranks per peer group (empty without the agent's communication hook)."""
+        one list of ranks per peer group (empty without the agent's communication hook);
+        ``links``: its per-connection link samples."""
         changes: list[Change] = []
         if ranks:
             changes += [Change(replace(f, source="window"), window) for f in self.stragglers.update(ranks)]
             self.imbalance = stage_imbalance(ranks) or self.imbalance
         if timing:
-            found = self.arrivals.update(window, timing)
+            found = self.arrivals.update(window, timing, links)
             changes += [Change(replace(f, source="arrivals"), window) for f in found]
         # The always-on timing covers every window, the profiler only some: when a run has
         # the former, every window's breakdown comes from it, so that they compare.

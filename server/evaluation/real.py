@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -89,6 +90,12 @@ class RealScenario:
     #: DDP bucket size (MB): small buckets give a step many collectives to time, each a
     #: hop through the scheduler on a loaded host; a job-wide scenario uses large ones.
     bucket_cap_mb: float = 0.05
+    #: Ranks in network namespaces joined by a bridge (always so with ``link_rate``).
+    netns: bool = False
+
+    @property
+    def in_namespaces(self) -> bool:
+        return self.netns or self.link_rate is not None
 
 
 #: The job-wide regression scenarios: windows of about 5 s (16 steps here), a warm-up of
@@ -108,6 +115,7 @@ STEADY = RealScenario(
 
 SCENARIOS: tuple[RealScenario, ...] = (
     RealScenario("clean"),
+    RealScenario("clean (namespaces)", netns=True),
     RealScenario(
         "compute +20%", "compute", (2,), 0.2, expect_key="straggler:compute:rank=2", expect_ranks=(2,)
     ),
@@ -131,8 +139,15 @@ SCENARIOS: tuple[RealScenario, ...] = (
         expect_key="straggler:host:host=node-b",
         expect_ranks=(2, 3),
     ),
+    # Ranks 1 and 2 all-reduce 16 MiB more per step on a group of their own: both move
+    # the extra bytes (one rank cannot communicate alone), so both are right to flag.
     RealScenario(
-        "extra comm (pair 1-2)", "comm", (1,), expect_key="straggler:link:rank=1", expect_ranks=(1,)
+        "extra comm (pair 1-2)",
+        "comm",
+        (1,),
+        expect_key="straggler:link:rank=1",
+        expect_ranks=(1, 2),
+        comm_mb=16.0,
     ),
     # The whole run stops: one run-level flag naming rank 2 as the one that never
     # entered the all-reduce its peers wait in.
@@ -239,10 +254,17 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+def _tc(ns: str, dev: str, shape: Sequence[str]) -> None:
+    subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *shape], check=True)
+
+
 @contextlib.contextmanager
-def namespaces(n: int, *, slow_rank: int, rate: str) -> Iterator[tuple[str, list[str]]]:
+def namespaces(
+    n: int, *, slow_rank: int | None = None, rate: str | None = None
+) -> Iterator[tuple[str, list[str]]]:
     """A bridge namespace and ``n`` rank namespaces joined by veth pairs; the veth of
-    ``slow_rank`` is shaped by ``tbf`` in both directions. Yields (bridge ns, rank nss)."""
+    ``slow_rank`` (if any) is shaped by ``tbf`` at ``rate`` in both directions. Yields
+    (bridge ns, rank nss)."""
     tag = f"sw{os.getpid() % 100000}"
     br = f"{tag}br"
     ranks = [f"{tag}r{i}" for i in range(n)]
@@ -262,13 +284,10 @@ def namespaces(n: int, *, slow_rank: int, rate: str) -> Iterator[tuple[str, list
             _ip("-n", br, "link", "set", f"v{i}", "up")
             _ip("-n", ns, "addr", "add", f"{NET}.{i + 1}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
-        shape = ["root", "tbf", "rate", rate, "burst", "32kb", "latency", "100ms"]
-        subprocess.run(
-            ["ip", "netns", "exec", ranks[slow_rank], "tc", "qdisc", "add", "dev", "eth0", *shape], check=True
-        )
-        subprocess.run(
-            ["ip", "netns", "exec", br, "tc", "qdisc", "add", "dev", f"v{slow_rank}", *shape], check=True
-        )
+        if slow_rank is not None and rate is not None:
+            shape = ["root", "tbf", "rate", rate, "burst", "32kb", "latency", "100ms"]
+            _tc(ranks[slow_rank], "eth0", shape)
+            _tc(br, f"v{slow_rank}", shape)
         yield br, ranks
     finally:
         for ns in reversed(made):
@@ -397,9 +416,15 @@ def run_scenario(
 ) -> RealOutcome:
     """Run one scenario end to end and score it (see the module docstring); with
     ``record``, every rank also writes the payloads it sent into that folder."""
-    if s.link_rate is not None and not os.environ.get("STEPWATCH_REAL_INSIDE"):
+    if s.in_namespaces and not os.environ.get("STEPWATCH_REAL_INSIDE"):
         return _run_in_namespaces(
-            s, steps=steps, fault_from=fault_from, profile_every=profile_every, burn=burn, record=record
+            s,
+            steps=steps,
+            fault_from=fault_from,
+            profile_every=profile_every,
+            burn=burn,
+            record=record,
+            timeout_s=timeout_s,
         )
     t0 = time.monotonic()
     steps = s.steps or steps
@@ -547,20 +572,39 @@ def _wait(
 
 
 def _run_in_namespaces(
-    s: RealScenario, *, steps: int, fault_from: int, profile_every: int, burn: bool, record: str | None
+    s: RealScenario,
+    *,
+    steps: int,
+    fault_from: int,
+    profile_every: int,
+    burn: bool,
+    record: str | None,
+    timeout_s: float,
 ) -> RealOutcome:
     """Re-run this scenario inside the bridge namespace, ranks in their own namespaces."""
-    shaped = namespaces(RANKS, slow_rank=s.fault_ranks[0], rate=s.link_rate or "100mbit")
+    slow = s.fault_ranks[0] if s.link_rate is not None and s.fault_ranks else None
+    shaped = namespaces(RANKS, slow_rank=slow, rate=s.link_rate)
     with shaped as (br, ranks), tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         env = {**os.environ, "STEPWATCH_REAL_INSIDE": "1", "STEPWATCH_REAL_NETNS": json.dumps(ranks)}
         cmd = ["ip", "netns", "exec", br, sys.executable, "-m", "stepwatch_server.evaluation.real"]
         cmd += ["--scenario", s.name, "--steps", str(steps), "--fault-from", str(fault_from)]
         cmd += ["--profile-every", str(profile_every), "--json", out.name, "--runs", "1"]
+        cmd += ["--timeout", str(timeout_s)]
         if not burn:
             cmd.append("--no-burn")
         if record:
             cmd += ["--record", os.path.dirname(record)]
-        subprocess.run(cmd, check=True, env=env)
+        # The inner run keeps its own deadline; this one stops a stuck one, with its
+        # collector, ranks and burner (its own process group), before the namespaces go.
+        inner = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            rc = inner.wait(timeout=timeout_s + 60)
+        finally:
+            if inner.poll() is None:
+                os.killpg(inner.pid, signal.SIGKILL)
+                inner.wait()
+        if rc != 0:
+            raise subprocess.CalledProcessError(rc, cmd)
         (result,) = json.load(out)
         return RealOutcome(**result)
 
@@ -605,11 +649,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=144)
     p.add_argument("--fault-from", type=int, default=48)
     p.add_argument("--profile-every", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds per scenario run")
     p.add_argument("--no-burn", action="store_true", help="no CPU burner")
     p.add_argument("--json", default=None, help="write the outcomes here as JSON")
     p.add_argument("--record", default=None, help="folder: every rank's payloads, per scenario")
+    p.add_argument("--link-rate", default=None, help="tbf rate of the slowed link (e.g. 50mbit)")
     args = p.parse_args(argv)
     chosen = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
+    if args.link_rate:
+        chosen = [replace(s, link_rate=args.link_rate) if s.link_rate else s for s in chosen]
     outcomes = []
     for s in chosen:
         for _ in range(args.runs):
@@ -624,6 +672,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 profile_every=args.profile_every,
                 burn=not args.no_burn,
                 record=rec,
+                timeout_s=args.timeout,
             )
             outcomes.append(o)
             if not args.json:

@@ -40,12 +40,15 @@ def fold(payloads: Sequence[IngestPayload], run_ids: Sequence[int], window_steps
         )
     timed = [i for i in stepped if payloads[i].comm is not None]
     timings = _step_timings([payloads[i] for i in timed], [run_ids[i] for i in timed]) if timed else {}
+    linked = [i for i in timed if payloads[i].comm.links]  # type: ignore[union-attr]
+    links = _link_samples([payloads[i] for i in linked], [run_ids[i] for i in linked]) if linked else {}
     return Rows(
         ranks=_ranks(payloads, run_ids),
         windows=windows,
         job_steps=job_steps,
         step_timings=timings,
         rank_groups=_rank_groups(payloads, run_ids),
+        link_samples=links,
     )
 
 
@@ -77,6 +80,30 @@ def _rank_groups(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> C
             merged[key] = row
     rows = [merged[k] for k in sorted(merged)]
     return {k: [row[k] for row in rows] for k in rows[0]} if rows else {}
+
+
+def _link_samples(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:
+    """One ``link_samples`` row per (run, rank, batch's last step, connection); a key two
+    batches of the group both carry keeps the later one (LAST)."""
+    rows: dict[tuple[int, int, int, int, int], tuple[int, int, float, int]] = {}
+    for p, run_id in zip(payloads, run_ids, strict=True):
+        assert p.comm is not None
+        n = len(p.steps.time_s)
+        last = p.steps.first + n - 1
+        for x in p.comm.links:
+            rows[(run_id, p.rank.rank, last, x.local, x.peer)] = (x.bytes, x.received, x.busy_s, n)
+    keys = sorted(rows)
+    values = [rows[k] for k in keys]
+    return {
+        **{
+            name: np.array([k[i] for k in keys], dtype=np.int64)
+            for i, name in enumerate(("run_id", "rank", "step", "local_ep", "peer_ep"))
+        },
+        "bytes_sent": np.array([v[0] for v in values], dtype=np.int64),
+        "bytes_received": np.array([v[1] for v in values], dtype=np.int64),
+        "busy_s": np.array([v[2] for v in values], dtype=np.float64),
+        "steps": np.array([v[3] for v in values], dtype=np.int64),
+    }
 
 
 def _step_timings(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:

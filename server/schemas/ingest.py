@@ -325,6 +325,21 @@ class GroupSeqIn(_Strict):
         return self
 
 
+EndpointId = Annotated[int, Field(ge=0, lt=wire.ENDPOINT_ID_BOUND)]
+
+
+class LinkIn(_Strict):
+    """One TCP connection of this rank over the batch (``stepwatch._links``): endpoint ids
+    (hashes of ``address:port``, the same at both ends), bytes the peer acknowledged,
+    bytes received, and the seconds the connection was busy with data in flight."""
+
+    local: EndpointId
+    peer: EndpointId
+    bytes: Count
+    received: Count
+    busy_s: Seconds
+
+
 class CommIn(_Strict):
     """Always-on collective timing of this batch's steps (the agent's communication hook).
 
@@ -343,6 +358,8 @@ class CommIn(_Strict):
     cpu_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
     collectives: list[CollectiveIn] = Field(default_factory=list, max_length=16)
     groups: list[GroupSeqIn] = Field(default_factory=list, max_length=64)
+    #: Per-connection link timing (staged in ``link_samples`` for the link detector).
+    links: list[LinkIn] = Field(default_factory=list, max_length=wire.MAX_LINKS)
     #: A heartbeat's: seconds since the rank's last step ended when the counters were read.
     idle_s: Seconds | None = None
 

@@ -29,7 +29,17 @@ import numpy.typing as npt
 from sqlalchemy import BigInteger, Integer, Table, bindparam, func
 from sqlalchemy.sql.elements import ColumnElement
 
-from .models import INT32_MAX, INT64_MAX, JobStep, JobStepBucket, Rank, RankGroup, RankWindow, StepTiming
+from .models import (
+    INT32_MAX,
+    INT64_MAX,
+    JobStep,
+    JobStepBucket,
+    LinkSample,
+    Rank,
+    RankGroup,
+    RankWindow,
+    StepTiming,
+)
 
 
 class Rule(enum.Enum):
@@ -169,6 +179,14 @@ JOB_STEP_BUCKETS = Summed(
     ),
 )
 
+LINK_SAMPLES = Summed(
+    LinkSample.__table__,  # type: ignore[arg-type]
+    (
+        *_cols(Rule.KEY, "run_id", "rank", "step", "local_ep", "peer_ep"),
+        *_cols(Rule.LAST, "bytes_sent", "bytes_received", "busy_s", "steps"),
+    ),
+)
+
 #: The breakdown parts a profiler window measures per step, as ``rank_windows`` keeps them.
 BREAKDOWN = tuple(c.name for c in RANK_WINDOWS.columns if c.weight == "profiled_steps")
 #: The wait/transfer split, filled once all ranks reported a window.
@@ -182,12 +200,14 @@ Columns = dict[str, Any]
 class Rows:
     """Column-oriented rows for the summed tables, one row per key, sorted by key: numpy
     arrays for the step-derived tables (sent to PostgreSQL in binary), lists for ``ranks``.
-    ``step_timings`` and ``rank_groups`` are empty for batches without a ``comm`` section."""
+    ``step_timings``, ``link_samples`` and ``rank_groups`` are empty for batches without a
+    ``comm`` section (``link_samples`` also without its ``links``)."""
 
     ranks: Columns
     windows: Columns
     job_steps: Columns
     step_timings: Columns = field(default_factory=dict)
+    link_samples: Columns = field(default_factory=dict)
     rank_groups: Columns = field(default_factory=dict)
 
     def tables(self) -> tuple[tuple[Summed, Columns], ...]:
@@ -197,6 +217,7 @@ class Rows:
             (RANK_WINDOWS, self.windows),
             (JOB_STEPS, self.job_steps),
             (STEP_TIMINGS, self.step_timings),
+            (LINK_SAMPLES, self.link_samples),
             (RANK_GROUPS, self.rank_groups),
         )
 

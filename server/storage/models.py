@@ -360,6 +360,28 @@ class RankGroup(Base):
     idle_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
+class LinkSample(Base):
+    """Staging of the per-connection link timing (the ``comm`` section's ``links``), one
+    row per rank, batch (its last step) and connection, until the worker has analysed
+    the window: the link detector joins both ends of each connection across ranks. The
+    worker deletes the rows with the window's ``step_timings``."""
+
+    __tablename__ = "link_samples"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    #: Hashes of ``address:port`` of this end and the peer's end (the same at both ends).
+    local_ep: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    peer_ep: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    bytes_sent: Mapped[int] = mapped_column(BigInteger)
+    bytes_received: Mapped[int] = mapped_column(BigInteger)
+    #: Seconds with data in flight, not limited by the receiver's window.
+    busy_s: Mapped[float] = mapped_column(Float)
+    #: Steps of the batch (bytes per step compare connections of the same collective).
+    steps: Mapped[int] = mapped_column(Integer)
+
+
 class IngestedBatch(Base):
     """Batch ids already stored: a retried batch is acknowledged but not stored twice.
     Scoped by run: one run's writer cannot make another run's batch look like a retry."""

@@ -18,6 +18,7 @@ from sqlalchemy import Connection, exists, func, select
 from stepwatch import wire
 
 from ..analysis.arrivals import RankSteps
+from ..analysis.links import LinkSample
 from ..analysis.pipeline import StepRow, tag_of
 from ..analysis.robust import median
 from ..analysis.stuck_collectives import GroupCounters
@@ -26,6 +27,7 @@ from ..reads.runs import RunInfo, run_info
 from ..storage.columns import window_of
 from ..storage.models import IngestedBatch, Rank, RankGroup, Run, StepTiming, unix
 from ..storage.models import JobStep as JobStepRow
+from ..storage.models import LinkSample as LinkSampleRow
 from ..storage.models import RankWindow as RankWindowRow
 from .readiness import RankProgress
 
@@ -36,6 +38,7 @@ JS = JobStepRow.__table__
 BATCHES = IngestedBatch.__table__
 ST = StepTiming.__table__
 RG = RankGroup.__table__
+LS = LinkSampleRow.__table__
 #: Ranks per IN list: keeps the statement well under every backend's parameter limit.
 RANK_CHUNK = 2000
 
@@ -273,6 +276,37 @@ def step_timings(
             j = step - first_step
             step_time[j], wait[j], sync[j], cpu[j] = t, d, sy, c
         out.setdefault(w, []).append(RankSteps(rank, hosts[rank], first_step, step_time, wait, sync, cpu))
+    return out
+
+
+def link_samples(
+    conn: Connection, run: RunInfo, ranks: Sequence[RankRow], first: int, last: int
+) -> dict[int, list[LinkSample]]:
+    """Staged link samples of windows ``first..last``, by window index (a batch's sample
+    belongs to the window of the batch's last step); a seek per chunk of ranks."""
+    ws = run.window_steps
+    lo, hi = first * ws + 1, (last + 1) * ws
+    ids = sorted({r.rank for r in ranks})
+    out: dict[int, list[LinkSample]] = {}
+    for i in range(0, len(ids), RANK_CHUNK):
+        rows = conn.execute(
+            select(
+                LS.c.rank,
+                LS.c.step,
+                LS.c.local_ep,
+                LS.c.peer_ep,
+                LS.c.bytes_sent,
+                LS.c.bytes_received,
+                LS.c.busy_s,
+                LS.c.steps,
+            )
+            .where(LS.c.run_id == run.id, LS.c.rank.in_(ids[i : i + RANK_CHUNK]), LS.c.step.between(lo, hi))
+            .order_by(LS.c.rank, LS.c.step)
+        )
+        for r in rows:
+            out.setdefault(window_of(r.step, ws), []).append(
+                LinkSample(r.rank, r.local_ep, r.peer_ep, r.bytes_sent, r.bytes_received, r.busy_s, r.steps)
+            )
     return out
 
 

@@ -204,6 +204,7 @@ class AnalysisWorker:
                 windows = inputs.rank_windows(conn, run, ranks, first, last)
                 steps = inputs.job_steps(conn, run, first, last)
                 timing = inputs.step_timings(conn, run, ranks, first, last)
+                links = inputs.link_samples(conn, run, ranks, first, last)
                 peer_of = inputs.peer_groups(ranks)
                 ws = run.window_steps
                 for w in ready.windows:
@@ -215,6 +216,7 @@ class AnalysisWorker:
                         last_step=(w + 1) * ws,
                         mfu_per_token_rate=run.mfu_per_token_rate,
                         timing=inputs.by_group(timing.get(w, []), peer_of),
+                        links=links.get(w, ()),
                     )
                 next_window = last + 1
                 # Staged per-step timing is only needed until its window is analysed.

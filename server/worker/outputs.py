@@ -24,7 +24,7 @@ from sqlalchemy import Connection, delete, insert, select, update
 
 from ..analysis.pipeline import Change
 from ..analysis.types import Finding
-from ..storage.models import AnalysisState, Event, StepTiming
+from ..storage.models import AnalysisState, Event, LinkSample, StepTiming
 
 EV = Event.__table__
 STATE = AnalysisState.__table__
@@ -281,18 +281,19 @@ def utcnow_from(unix_s: float) -> datetime:
 
 
 def drop_step_timings(conn: Connection, run_id: int, ranks: Sequence[int], through_step: int) -> int:
-    """Delete the staged timing of every step up to ``through_step`` (the last step of
-    the last window analysed), late rows of earlier windows included; a seek per rank.
-    Returns the rows deleted."""
+    """Delete the staged timing (``step_timings`` and ``link_samples``) of every step up
+    to ``through_step`` (the last step of the last window analysed), late rows of earlier
+    windows included; a seek per chunk of ranks. Returns the rows deleted."""
     deleted = 0
     ids = sorted(ranks)
-    for i in range(0, len(ids), 2000):
-        result = conn.execute(
-            delete(StepTiming).where(
-                StepTiming.run_id == run_id,
-                StepTiming.rank.in_(ids[i : i + 2000]),
-                StepTiming.step <= through_step,
+    for model in (StepTiming, LinkSample):
+        for i in range(0, len(ids), 2000):
+            result = conn.execute(
+                delete(model).where(
+                    model.run_id == run_id,
+                    model.rank.in_(ids[i : i + 2000]),
+                    model.step <= through_step,
+                )
             )
-        )
-        deleted += result.rowcount or 0
+            deleted += result.rowcount or 0
     return deleted

@@ -7,9 +7,18 @@ evidence is the always-on timing of every step. A rank given 20% more real compu
 matmul loop in forward) from mid-run must be flagged as a compute straggler, with its
 rank; a clean run must raise no straggler flag. The harness polls the collector's API
 until the ranks finished and the analysis passed the last step.
+
+The link tests run the ranks in network namespaces the harness creates (one per rank,
+veth pairs to a bridge, the collector in the bridge's namespace; root, as here and in
+CI): with rank 1's veth limited by ``tc tbf`` at 150 Mbit/s both ways, rank 1 must be
+named ``straggler:link:rank=1`` and not for compute or a host stall; the same namespaces
+unshaped raise no flag. Every namespace is removed afterwards, failed or not.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
 
 import pytest
 
@@ -45,3 +54,40 @@ def test_a_clean_run_raises_no_straggler_flag() -> None:
     o = real.run_scenario(_scenario("clean"), steps=STEPS, fault_from=FAULT_FROM, profile_every=0)
     assert o.analysed_through_step >= STEPS, "the analysis did not reach the last step"
     assert _stragglers(o) == []
+
+
+#: The link tests: 64 steps (4 windows of 16) are enough, the tbf link is shaped from step 1.
+LINK_STEPS = 64
+
+
+def _namespaces_left() -> list[str]:
+    """This process's namespaces still present (the harness names them sw<pid>...)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    tag = f"sw{os.getpid() % 100000}"
+    return [line.split()[0] for line in out.splitlines() if line.startswith(tag)]
+
+
+@pytest.mark.e2e
+def test_a_slowed_link_is_named_as_link_and_not_as_compute() -> None:
+    try:
+        o = real.run_scenario(_scenario("slow link (tbf)"), steps=LINK_STEPS, profile_every=0)
+    finally:
+        assert _namespaces_left() == []
+    assert o.analysed_through_step >= LINK_STEPS, "the analysis did not reach the last step"
+    assert o.right, f"expected straggler:link:rank=1, got {_stragglers(o)} ({o.note})"
+    (ev,) = [e for e in o.events if e["key"] == "straggler:link:rank=1"]
+    assert ev["ranks"] == [1] and ev["cause"] == "link"
+    assert ev["evidence"]["peer_rate_mb_s"] >= 3 * ev["evidence"]["rate_mb_s"] > 0
+    assert ev["cost_seconds"] > 0
+    assert [k for k in _stragglers(o) if k.endswith("rank=1")] == ["straggler:link:rank=1"]
+    assert o.false_flags == 0, _stragglers(o)
+
+
+@pytest.mark.e2e
+def test_a_clean_run_in_namespaces_raises_no_flag() -> None:
+    try:
+        o = real.run_scenario(_scenario("clean (namespaces)"), steps=LINK_STEPS, profile_every=0)
+    finally:
+        assert _namespaces_left() == []
+    assert o.analysed_through_step >= LINK_STEPS, "the analysis did not reach the last step"
+    assert [e["key"] for e in o.events] == []

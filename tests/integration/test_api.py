@@ -90,6 +90,16 @@ def test_retried_batch_is_stored_once(client: TestClient, engine: Engine) -> Non
             ),
             "comm.groups.0",
         ),
+        (
+            lambda p: p.__setitem__(
+                "comm",
+                {
+                    **comm_section(4),
+                    "links": [{"local": -1, "peer": 2, "bytes": 1, "received": 0, "busy_s": 0.1}],
+                },
+            ),
+            "comm.links.0.local",
+        ),
     ],
 )
 def test_bad_payload_rejected_whole_naming_the_field(

@@ -16,7 +16,7 @@ from sqlalchemy import Engine, func, select
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.backend import open_storage
-from stepwatch_server.storage.models import StepTiming
+from stepwatch_server.storage.models import LinkSample, StepTiming
 from stepwatch_server.worker import AnalysisWorker, WorkerConfig
 
 from ..payloads import payload
@@ -121,3 +121,78 @@ def test_ranks_arriving_together_raise_nothing(client: TestClient, engine: Engin
     assert len(staged(engine)) == W * STEPS
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(StepTiming)).scalar() == W * STEPS
+
+
+# -- links: the agent's per-connection timing ----------------------------------------
+MB = 1_000_000
+
+
+def ring_links(rank: int, *, slow_rank: int | None) -> list[dict[str, Any]]:
+    """This rank's two ring connections of one window (gloo's ring: r sends to r-1),
+    8 steps of 2.5 MB each way; the connections of ``slow_rank`` at 15 MB/s, others 100."""
+
+    def ep(a: int, b: int) -> int:
+        return 1000 + a * 10 + b
+
+    out = []
+    dst, src = (rank - 1) % W, (rank + 1) % W
+    rate = 15 * MB if slow_rank in (rank, dst) else 100 * MB
+    out.append(
+        {
+            "local": ep(rank, dst),
+            "peer": ep(dst, rank),
+            "bytes": 20 * MB,
+            "received": 40_000,
+            "busy_s": 20 * MB / rate,
+        }
+    )
+    out.append(
+        {"local": ep(rank, src), "peer": ep(src, rank), "bytes": 40_000, "received": 20 * MB, "busy_s": 0.01}
+    )
+    return out
+
+
+def send_links(client: TestClient, windows: range, *, slow_rank: int | None) -> None:
+    for w in windows:
+        for r in range(W):
+            c = comm(r, w, late_rank=None, extra_cpu=0.0)
+            c["links"] = ring_links(r, slow_rank=slow_rank)
+            body = payload(
+                rank=r, world=W, first=w * STEPS + 1, times=[0.5] * STEPS, waits=[0.001] * STEPS, comm=c
+            )
+            for _ in range(2 if w == 0 else 1):
+                assert client.post("/api/v1/ingest", json=body).status_code == 200
+
+
+def staged_links(engine: Engine) -> list[Any]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(LinkSample).order_by(LinkSample.rank, LinkSample.step)).all())
+
+
+def test_links_are_staged_once_per_batch_and_connection(client: TestClient, engine: Engine) -> None:
+    send_links(client, range(0, 2), slow_rank=1)
+    rows = staged_links(engine)
+    assert len(rows) == W * 2 * 2  # two connections per rank and batch; retries stored once
+    r = next(x for x in rows if x.rank == 1 and x.step == STEPS and x.bytes_sent == 20 * MB)
+    assert r.busy_s == pytest.approx(20 / 15) and r.steps == STEPS and r.peer_ep == 1000 + 0 * 10 + 1
+
+
+def test_a_rank_whose_every_connection_is_slow_is_a_link_straggler(
+    client: TestClient, engine: Engine
+) -> None:
+    send_links(client, range(0, 4), slow_rank=1)
+    [(_, opened)] = worker(engine).run_once().transitions
+    f = opened.finding
+    assert (f.key, f.cause, f.ranks) == ("straggler:link:rank=1", "link", (1,))
+    (ev,) = client.get("/api/v1/runs/test-run/events").json()
+    assert ev["evidence"]["rate_mb_s"] == pytest.approx(15) and ev["evidence"][
+        "peer_rate_mb_s"
+    ] == pytest.approx(100)
+    # 20 MB at 15 instead of 100 MB/s over 8 steps.
+    assert ev["cost_seconds"] == pytest.approx((20 / 15 - 0.2) / STEPS, rel=0.01)
+    assert {r.step for r in staged_links(engine)} == {4 * STEPS}  # analysed windows dropped
+
+
+def test_links_at_one_speed_raise_nothing(client: TestClient, engine: Engine) -> None:
+    send_links(client, range(0, 5), slow_rank=None)
+    assert worker(engine).run_once().transitions == []

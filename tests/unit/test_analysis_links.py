@@ -1,0 +1,170 @@
+"""The link detector (``analysis/links.py``): a rank whose every data connection is slow
+is named, a clean ring or one slow connection names nobody, a rank that sends far more
+bytes is found; and the same on payloads recorded from real gloo ranks in network
+namespaces (one veth limited by ``tc tbf`` at 150 Mbit/s, a CPU burner on every core)
+and on loopback with extra traffic between two ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stepwatch_server.analysis.arrivals import RankSteps, concat, window
+from stepwatch_server.analysis.late_arrivals import ArrivalDetector
+from stepwatch_server.analysis.links import LinkSample, edges, extra_bytes, merge, slow_links
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "realtrain"
+MB = 1_000_000
+
+
+def _ring(n: int, rates: dict[tuple[int, int], float], sent: float = 20 * MB) -> list[LinkSample]:
+    """A ring all-reduce's connections, rank r sending to r-1 (as gloo's ring does), at
+    ``rates`` bytes/s where given (100 MB/s elsewhere); both ends of each connection."""
+    out = []
+    for r in range(n):
+        dst = (r - 1) % n
+        rate = rates.get((r, dst), 100 * MB)
+        out.append(
+            LinkSample(r, 1000 + r * 10 + dst, 1000 + dst * 10 + r, int(sent), 40_000, sent / rate, 16)
+        )
+        out.append(LinkSample(dst, 1000 + dst * 10 + r, 1000 + r * 10 + dst, 40_000, int(sent), 0.01, 16))
+    return out
+
+
+def test_edges_join_both_ends_and_follow_the_data() -> None:
+    es = {(e.src, e.dst): e for e in edges(_ring(4, {}))}
+    assert set(es) >= {(1, 0), (2, 1), (3, 2), (0, 3)}
+    assert es[(1, 0)].bytes == 20 * MB and es[(1, 0)].rate == pytest.approx(100 * MB)
+
+
+def test_merge_sums_a_windows_batches() -> None:
+    s = LinkSample(0, 1, 2, 10, 5, 0.5)
+    (m,) = merge([s, s])
+    assert (m.bytes_sent, m.bytes_received, m.busy_s) == (20, 10, 1.0)
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_the_rank_behind_a_slow_link_is_named(n: int) -> None:
+    # Its link is slow both ways: what it sends (1 -> 0) and what it receives (2 -> 1).
+    samples = _ring(n, {(1, 0): 15 * MB, (2, 1): 16 * MB})
+    (x,) = slow_links(samples, step_time_s=0.4)
+    assert x.rank == 1
+    assert x.rate == pytest.approx(16 * MB) and x.peer_rate == pytest.approx(100 * MB)
+    # 20 MB at 15 MB/s instead of 100 MB/s: 1.13 s lost over 16 steps.
+    assert x.lost_s == pytest.approx((20 / 15 - 20 / 100) / 16)
+
+
+def test_a_clean_ring_and_one_slow_connection_name_nobody() -> None:
+    jitter = {(1, 0): 60 * MB, (2, 1): 130 * MB, (3, 2): 45 * MB}  # a loaded host's spread
+    assert slow_links(_ring(4, jitter), step_time_s=0.4) == []
+    # One direction only: either end could be at fault.
+    assert slow_links(_ring(4, {(2, 1): 10 * MB}), step_time_s=0.4) == []
+
+
+def test_a_slow_link_that_costs_nothing_is_not_named() -> None:
+    samples = _ring(4, {(1, 0): 15 * MB, (2, 1): 16 * MB}, sent=0.5 * MB)
+    assert slow_links(samples, step_time_s=0.4) == []  # under the data floor
+    samples = _ring(4, {(1, 0): 15 * MB, (2, 1): 16 * MB}, sent=2 * MB)
+    assert slow_links(samples, step_time_s=10.0) == []  # 7 ms a 10 s step
+
+
+def test_extra_bytes_names_the_ranks_that_sent_more() -> None:
+    samples = _ring(4, {})
+    # Ranks 1 and 2 all-reduce 30 MB more on a group of their own.
+    samples += [
+        LinkSample(1, 7, 8, 30 * MB, 30 * MB, 0.3, 16),
+        LinkSample(2, 8, 7, 30 * MB, 30 * MB, 0.3, 16),
+    ]
+    heavy = extra_bytes(samples)
+    assert set(heavy) == {1, 2}
+    assert heavy[1][0] == pytest.approx(50 * MB + 40_000)
+    assert extra_bytes(_ring(4, {})) == {}
+
+
+def test_a_late_rank_that_sent_more_is_named_link_not_host_stall() -> None:
+    det = ArrivalDetector("r")
+    extra = [LinkSample(1, 7, 8, 30 * MB, 30 * MB, 0.3, 8), LinkSample(2, 8, 7, 30 * MB, 30 * MB, 0.3, 8)]
+    keys: set[str] = set()
+    for w in range(3):
+        first = w * 8 + 1
+        ranks = [
+            # Rank 1 arrives 80 ms after its peers on every step, with the same CPU.
+            RankSteps(r, "h", first, [0.5] * 8, [0.0] * 8, [0.02 if r == 1 else 0.1] * 8, [0.2] * 8)
+            for r in range(4)
+        ]
+        keys |= {f.key for f in det.update(w, [ranks], _ring(4, {}) + extra)}
+    assert keys == {"straggler:link:rank=1"}
+    (f,) = det.open_findings()
+    assert f.cause == "link" and f.evidence["sent_mb"] > f.evidence["peer_sent_mb"]
+
+
+# -- recorded from real training ---------------------------------------------------------
+WINDOW = 16
+
+
+def _recorded(name: str) -> tuple[list[RankSteps], list[tuple[int, LinkSample]]]:
+    d = json.loads((FIXTURES / f"{name}.json").read_text())
+    series, links = [], []
+    for r in d["ranks"]:
+        batches = r["batches"]
+        series.append(
+            concat(
+                [
+                    RankSteps(
+                        r["rank"],
+                        r["host"],
+                        b["first"],
+                        b["time_s"],
+                        b["data_wait_s"],
+                        b["sync_s"],
+                        b["cpu_s"],
+                    )
+                    for b in batches
+                ]
+            )
+        )
+        for b in batches:
+            last = b["first"] + len(b["time_s"]) - 1
+            for x in b.get("links", []):
+                links.append(
+                    (
+                        last,
+                        LinkSample(
+                            r["rank"],
+                            x["local"],
+                            x["peer"],
+                            x["bytes"],
+                            x["received"],
+                            x["busy_s"],
+                            len(b["time_s"]),
+                        ),
+                    )
+                )
+    return series, links
+
+
+def _keys_by_window(name: str) -> list[set[str]]:
+    series, links = _recorded(name)
+    det = ArrivalDetector("r")
+    last = min(s.first_step + len(s.sync_s) - 1 for s in series)
+    out = []
+    for w, w0 in enumerate(range(1, last + 1, WINDOW)):
+        w1 = min(last, w0 + WINDOW - 1)
+        det.update(w, [[window(s, w0, w1) for s in series]], [x for step, x in links if w0 <= step <= w1])
+        out.append({f.key for f in det.open_findings()})
+    return out
+
+
+def test_recorded_slow_link_is_named_link_on_its_rank() -> None:
+    opened = _keys_by_window("slow-link--tbf")
+    assert opened[1:] and all(k == {"straggler:link:rank=1"} for k in opened[1:]), opened
+
+
+def test_recorded_side_group_traffic_makes_no_slow_link() -> None:
+    # Ranks 1 and 2 all-reduced 4 MiB per step on a group of their own (loopback): those
+    # connections' large messages ran 5-10x "faster" than the ring's small buckets, which
+    # once made the ring connections of ranks 0 and 3 look slow. Like is compared with like.
+    opened = _keys_by_window("extra-comm--pair-1-2")
+    assert all(not (k & {"straggler:link:rank=0", "straggler:link:rank=3"}) for k in opened), opened
