@@ -26,7 +26,8 @@ def pg_database(prefix: str = "stepwatch_bench") -> Iterator[str]:
         yield url
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 180.0) -> None:
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600.0) -> None:
+    # Generous: at load 30 on the shared 2 cores, importing the collector took 1-3 minutes.
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

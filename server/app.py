@@ -15,6 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import Engine, text
+from starlette.types import Receive, Scope, Send
 
 import stepwatch
 
@@ -22,6 +23,7 @@ from . import web
 from .analysis.regressions import RegressionConfig
 from .api import errors
 from .api.auth import Authenticator, require_read
+from .api.ingest_path import IngestPath, is_ingest
 from .api.limits import BodyLimit
 from .api.routes import INGEST_SCHEMAS, router
 from .exporter import ExporterConfig, RunStateCollector
@@ -48,6 +50,19 @@ def _worker_config(settings: Settings) -> WorkerConfig:
             baseline_max=max(RegressionConfig().baseline_max, settings.analysis_baseline_windows),
         ),
     )
+
+
+class CollectorApp(FastAPI):
+    """The collector's FastAPI app, with its ingest route answered before the middleware
+    chain and routing (``api/ingest_path.py``); every other request goes through them."""
+
+    ingest_path: IngestPath | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.ingest_path is not None and is_ingest(scope):
+            await self.ingest_path(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None, *, engine: Engine | None = None) -> FastAPI:
@@ -90,7 +105,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             if owns_engine:
                 engine.dispose()
 
-    app = FastAPI(
+    app = CollectorApp(
         title="stepwatch collector",
         version=stepwatch.__version__,
         description="Stores training-efficiency measurements from stepwatch agents and serves them.",
@@ -116,6 +131,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     # The built-in web page at / and its /static files; its pages read runs like the API.
     web.install(app, dependencies=[Depends(require_read)])
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.ingest_path = IngestPath(app, max_bytes=settings.max_body_bytes)
     origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
     if origins:  # off unless configured: the API is for agents, Grafana and scripts
         app.add_middleware(

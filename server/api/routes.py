@@ -51,8 +51,11 @@ async def _authorize(request: Request, credentials: Credentials) -> None:
     )
 
 
+PREFIX = "/api/v1"
+#: The ingest route's path (also answered by ``ingest_path.IngestPath``, outside routing).
+INGEST_PATH = f"{PREFIX}/ingest"
 router = APIRouter(
-    prefix="/api/v1",
+    prefix=PREFIX,
     dependencies=[Depends(_authorize)],
     responses={
         401: _ERRORS[401],
@@ -73,7 +76,7 @@ INGEST_SCHEMAS = {**INGEST_SCHEMAS.pop("$defs", {}), "IngestPayload": INGEST_SCH
 
 
 @router.post(
-    "/ingest",
+    INGEST_PATH.removeprefix(PREFIX),
     response_model=IngestResult,
     responses={
         401: _ERRORS[401],

@@ -45,6 +45,10 @@ class RunKey:
     owner: str | None = None
 
 
+_STAMP_EVERY = timedelta(seconds=1)
+_NEVER = datetime.min.replace(tzinfo=timezone.utc)
+
+
 class _LostRaceError(Exception):
     """Another writer created the run first (its quota increment is rolled back)."""
 
@@ -66,9 +70,8 @@ def _plan_key(target: Any, deadline: datetime | None, fingerprint: Any, baseline
     return (target, when, fingerprint, baseline)
 
 
-def _reported(conn: Connection, run_ids: list[int]) -> None:
+def _reported(conn: Connection, run_ids: list[int], now: datetime) -> None:
     """Stamp the runs' last report (collector clock), at most once a second per run."""
-    now = datetime.now(timezone.utc)
     conn.execute(
         update(Run)
         .where(
@@ -101,6 +104,9 @@ class Ingestor:
         self.engine = storage.engine
         self.window_seconds = window_seconds
         self._runs: OrderedDict[str, RunKey] = OrderedDict()
+        #: When this process last stamped each run's last report: a group within the same
+        #: second skips the statement (a round trip per group) that would change nothing.
+        self._stamped: dict[int, datetime] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
@@ -217,6 +223,17 @@ class Ingestor:
             owner=row.created_by,
         )
 
+    def _stamp(self, conn: Connection, run_ids: list[int]) -> None:
+        now = datetime.now(timezone.utc)
+        with self._lock:
+            due = [r for r in run_ids if now - self._stamped.get(r, _NEVER) >= _STAMP_EVERY]
+            if len(self._stamped) > 4 * self._cache_size:
+                self._stamped.clear()
+            for r in due:  # a group that rolls back leaves its stamp to a group a second later
+                self._stamped[r] = now
+        if due:
+            _reported(conn, due, now)
+
     # -- the batch -----------------------------------------------------------------
     def store(self, p: IngestPayload) -> bool:
         """Store one batch; False if its id was already stored. Raises on DB errors."""
@@ -240,7 +257,7 @@ class Ingestor:
             new = self.storage.claim(conn, unique, run_ids)
             fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if (k.id, p.batch_id) in new]
             if fresh:
-                _reported(conn, sorted({k.id for _, k in fresh}))
+                self._stamp(conn, sorted({k.id for _, k in fresh}))
                 rows = fold.fold(
                     [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
                 )

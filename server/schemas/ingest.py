@@ -28,14 +28,38 @@ NonNeg = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, le=2**53)]
 
 
+#: Below any clock's resolution: a duration under a nanosecond counts as 0.
+RESOLUTION_S = 1e-9
+
+
 def _resolvable(v: float) -> float:
-    return 0.0 if v < 1e-9 else v
+    return 0.0 if v < RESOLUTION_S else v
 
 
+def _resolved(values: list[float]) -> list[float]:
+    """A list of :data:`StepSeconds` with the values under :data:`RESOLUTION_S` as 0: one
+    C-level ``min`` per list, a Python pass only when some value needs it (an
+    ``AfterValidator`` per element was a Python call per step, a quarter of validation)."""
+    if values and min(values) < RESOLUTION_S:
+        return [0.0 if v < RESOLUTION_S else v for v in values]
+    return values
+
+
+def _resolved_or_none(values: list[float | None]) -> list[float | None]:
+    present = [v for v in values if v is not None]
+    if present and min(present) < RESOLUTION_S:
+        return [None if v is None else 0.0 if v < RESOLUTION_S else v for v in values]
+    return values
+
+
+_SECONDS_BOUNDS = Field(ge=0.0, le=1e6, allow_inf_nan=False)
 #: A step or wait longer than 11 days is a broken clock; one under a nanosecond is below
 #: any clock's resolution and counts as 0 (not a reason to refuse a batch). Both keep every
 #: sum and rate derived from them finite.
-Seconds = Annotated[float, Field(ge=0.0, le=1e6, allow_inf_nan=False), AfterValidator(_resolvable)]
+Seconds = Annotated[float, _SECONDS_BOUNDS, AfterValidator(_resolvable)]
+#: :data:`Seconds` inside a per-step list: the same bounds; the model that holds the list
+#: applies the resolution rule to the whole list (``_resolved``).
+StepSeconds = Annotated[float, _SECONDS_BOUNDS]
 #: Tokens of one step on one rank (2**40 is about 10**12): sums over a million ranks and
 #: a group of batches stay inside a 64-bit integer.
 Tokens = Annotated[int, Field(ge=0, le=2**40)]
@@ -128,8 +152,8 @@ class ConventionIn(BaseModel):
 class StepsIn(_Strict):
     first: int = Field(ge=0, le=2**53)
     #: Empty only in a rank's final batch (``final: true``), which may carry no step.
-    time_s: list[Seconds] = Field(max_length=MAX_STEPS)
-    data_wait_s: list[Seconds] = Field(max_length=MAX_STEPS)
+    time_s: list[StepSeconds] = Field(max_length=MAX_STEPS)
+    data_wait_s: list[StepSeconds] = Field(max_length=MAX_STEPS)
     tokens: list[Tokens] = Field(max_length=MAX_STEPS)
     padded_tokens: list[Tokens] | None = Field(default=None, max_length=MAX_STEPS)
     tags: list[Tag] | None = Field(default=None, max_length=MAX_STEPS)
@@ -142,6 +166,8 @@ class StepsIn(_Strict):
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"steps.{name} has {len(values)} values but steps.time_s has {n}")
+        self.time_s = _resolved(self.time_s)
+        self.data_wait_s = _resolved(self.data_wait_s)
         return self
 
 
@@ -352,10 +378,10 @@ class CommIn(_Strict):
 
     version: Literal[1]
     clock: Literal["host", "cuda_events"] = "host"
-    arrive_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
-    end_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
-    sync_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
-    cpu_s: list[Seconds | None] = Field(max_length=MAX_STEPS)
+    arrive_s: list[StepSeconds | None] = Field(max_length=MAX_STEPS)
+    end_s: list[StepSeconds | None] = Field(max_length=MAX_STEPS)
+    sync_s: list[StepSeconds | None] = Field(max_length=MAX_STEPS)
+    cpu_s: list[StepSeconds | None] = Field(max_length=MAX_STEPS)
     collectives: list[CollectiveIn] = Field(default_factory=list, max_length=16)
     groups: list[GroupSeqIn] = Field(default_factory=list, max_length=64)
     #: Per-connection link timing (staged in ``link_samples`` for the link detector).
@@ -369,6 +395,14 @@ class CommIn(_Strict):
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"groups names process group {dup!r} more than once")
+        return self
+
+    @model_validator(mode="after")
+    def _resolution(self) -> CommIn:
+        self.arrive_s = _resolved_or_none(self.arrive_s)
+        self.end_s = _resolved_or_none(self.end_s)
+        self.sync_s = _resolved_or_none(self.sync_s)
+        self.cpu_s = _resolved_or_none(self.cpu_s)
         return self
 
 

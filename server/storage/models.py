@@ -101,7 +101,6 @@ class Rank(Base):
     """Latest state of one rank of a run (updated by that rank's batches only)."""
 
     __tablename__ = "ranks"
-
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     host: Mapped[str] = mapped_column(String(255))
@@ -258,6 +257,10 @@ class JobStep(Base):
     """One optimizer step of the whole job, aggregated over the ranks that reported it."""
 
     __tablename__ = "job_steps"
+    # Merged by every group that carries the step: half of each page free for HOT
+    # updates, pruned as read (0012, ``storage/postgres.py``). An index on a column that
+    # ingest updates (wall_end, tokens, ...) would make every update non-HOT.
+    __table_args__ = ({"postgresql_with": {"fillfactor": 50}},)
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
