@@ -15,7 +15,11 @@ every data connection is slow opens ``straggler:link:rank=R`` (a slow link shows
 links, not in the arrivals: the ring moves at its pace for every rank), and a late rank
 with no extra CPU that sent far more bytes than its peers is named ``link`` instead of
 ``host_stall`` (it spent the time communicating: extra collectives on its own link). A
-rank named for its link in a window is not also named for compute or a host stall in it.
+rank named for its link in a window is not also named for compute or a host stall in it,
+and while a slow link holds up a group no rank of it is named a host stall: the rank that
+finishes the ring's all-reduce last starts its next step late, with no extra work, which is
+the slow link's doing (seen on real ranks in namespaces: the neighbour of a tbf-shaped rank
+flagged ``host_stall``). Extra work (``compute``) is still named: it is evidence of its own.
 
 A late rank opens a flag after ``OPEN_AFTER`` (2) consecutive late windows, the
 persistence of :func:`.arrivals.persistent`: the sign test already needs most steps of a
@@ -79,6 +83,8 @@ class ArrivalDetector:
             slow = self._slow_links(aligned, links, span) if links else {}
             hits.update({h.key: h for h in slow.values()})
             late = late_ranks(aligned, self.config)
+            if slow:  # lateness without extra work is the slow link's, on every rank of the ring
+                late = [x for x in late if x.cause != "host_stall"]
             for x in late:
                 if x.cause == "data":
                     continue  # the window detector's: loader wait is measured on every step

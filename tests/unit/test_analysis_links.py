@@ -100,6 +100,30 @@ def test_a_late_rank_that_sent_more_is_named_link_not_host_stall() -> None:
     assert f.cause == "link" and f.evidence["sent_mb"] > f.evidence["peer_sent_mb"]
 
 
+def test_a_late_rank_without_extra_work_beside_a_slow_link_is_not_a_host_stall() -> None:
+    # Rank 1's link is slow; rank 3, which finishes the ring's all-reduce last, starts its
+    # next step late with the same CPU as its peers: the slow link's doing, not a stall.
+    # Rank 2 is late with 50% more CPU: extra work, still named compute.
+    det = ArrivalDetector("r")
+    keys: set[str] = set()
+    for w in range(3):
+        first = w * 8 + 1
+        ranks = [
+            RankSteps(
+                r,
+                "h",
+                first,
+                [0.5] * 8,
+                [0.0] * 8,
+                [0.02 if r in (2, 3) else 0.1] * 8,
+                [0.3 if r == 2 else 0.2] * 8,
+            )
+            for r in range(4)
+        ]
+        keys |= {f.key for f in det.update(w, [ranks], _ring(4, {(1, 0): 15 * MB, (2, 1): 16 * MB}))}
+    assert keys == {"straggler:link:rank=1", "straggler:compute:rank=2"}, keys
+
+
 # -- recorded from real training ---------------------------------------------------------
 WINDOW = 16
 
