@@ -16,10 +16,13 @@ links, not in the arrivals: the ring moves at its pace for every rank), and a la
 with no extra CPU that sent far more bytes than its peers is named ``link`` instead of
 ``host_stall`` (it spent the time communicating: extra collectives on its own link). A
 rank named for its link in a window is not also named for compute or a host stall in it,
-and while a slow link holds up a group no rank of it is named a host stall: the rank that
-finishes the ring's all-reduce last starts its next step late, with no extra work, which is
-the slow link's doing (seen on real ranks in namespaces: the neighbour of a tbf-shaped rank
-flagged ``host_stall``). Extra work (``compute``) is still named: it is evidence of its own.
+and while a slow link holds up a group no rank of it is named a host stall, nor any rank
+at the other end of the slow rank's connections: the rank that finishes the ring's
+all-reduce last starts its next step late with no extra work, and the ranks that send
+through the slow link spend longer (and more CPU) in each transfer; both are the slow
+link's doing (seen on real ranks in namespaces: beside the right ``link:rank=1``, a tbf
+run flagged ``host_stall:rank=3`` and another ``compute:rank=2``, its ring neighbour). A
+real stall or extra work on such a rank is missed while the link is slow.
 
 A late rank opens a flag after ``OPEN_AFTER`` (2) consecutive late windows, the
 persistence of :func:`.arrivals.persistent`: the sign test already needs most steps of a
@@ -36,7 +39,7 @@ import numpy as np
 
 from . import _format as fmt
 from .arrivals import Aligned, Config, HostFinding, LateRank, RankSteps, late_ranks, line_up, slow_hosts
-from .links import LinkConfig, LinkSample, SlowLink, extra_bytes, slow_links
+from .links import LinkConfig, LinkSample, SlowLink, edges, extra_bytes, slow_links
 from .peers import Hit, StragglerConfig, WindowVerdict, host_key, rank_key
 from .stragglers import StragglerDetector
 from .types import Cause, Finding
@@ -83,8 +86,9 @@ class ArrivalDetector:
             slow = self._slow_links(aligned, links, span) if links else {}
             hits.update({h.key: h for h in slow.values()})
             late = late_ranks(aligned, self.config)
-            if slow:  # lateness without extra work is the slow link's, on every rank of the ring
-                late = [x for x in late if x.cause != "host_stall"]
+            if slow:  # see the module docstring: a slow link explains these ranks' lateness
+                near = _link_peers(links, set(slow))
+                late = [x for x in late if x.cause != "host_stall" and x.rank not in near]
             for x in late:
                 if x.cause == "data":
                     continue  # the window detector's: loader wait is measured on every step
@@ -169,6 +173,17 @@ def _rank_hit(x: LateRank, span: tuple[int, int], sent: tuple[float, float] | No
         evidence=evidence,
         detail=detail,
     )
+
+
+def _link_peers(links: Sequence[LinkSample], slow: set[int]) -> set[int]:
+    """Ranks at the other end of a connection of a slow-linked rank."""
+    out: set[int] = set()
+    for e in edges(links):
+        if e.src in slow:
+            out.add(e.dst)
+        if e.dst in slow:
+            out.add(e.src)
+    return out - slow
 
 
 def _link_hit(x: SlowLink, host: str, span: tuple[int, int], step_time_s: float) -> Hit:
