@@ -101,27 +101,35 @@ def test_a_late_rank_that_sent_more_is_named_link_not_host_stall() -> None:
 
 
 def test_a_late_rank_without_extra_work_beside_a_slow_link_is_not_a_host_stall() -> None:
-    # Rank 1's link is slow; rank 3, which finishes the ring's all-reduce last, starts its
-    # next step late with the same CPU as its peers: the slow link's doing, not a stall.
-    # Rank 2 sends through the slow link (2 -> 1) and is late with more CPU: also the link's.
-    det = ArrivalDetector("r")
-    keys: set[str] = set()
-    for w in range(3):
-        first = w * 8 + 1
-        ranks = [
-            RankSteps(
-                r,
-                "h",
-                first,
-                [0.5] * 8,
-                [0.0] * 8,
-                [0.02 if r in (2, 3) else 0.1] * 8,
-                [0.3 if r == 2 else 0.2] * 8,
-            )
-            for r in range(4)
-        ]
-        keys |= {f.key for f in det.update(w, [ranks], _ring(4, {(1, 0): 15 * MB, (2, 1): 16 * MB}))}
-    assert keys == {"straggler:link:rank=1"}, keys
+    # Rank 1's link is slow (about 71 ms lost per step); rank 3, which finishes the ring's
+    # all-reduce last, starts its next step 50 ms late with the same CPU as its peers, and
+    # rank 2, which sends through the slow link, 50 ms late with more CPU: the link's doing.
+    # Without the links both would be named; a rank later than the link can explain is.
+    def keys(sync_late: float, links: bool, sync_peers: float = 0.1) -> set[str]:
+        det = ArrivalDetector("r")
+        out: set[str] = set()
+        for w in range(3):
+            first = w * 8 + 1
+            ranks = [
+                RankSteps(
+                    r,
+                    "h",
+                    first,
+                    [0.5] * 8,
+                    [0.0] * 8,
+                    [sync_late if r in (2, 3) else sync_peers] * 8,
+                    [0.3 if r == 2 else 0.2] * 8,
+                )
+                for r in range(4)
+            ]
+            ring = _ring(4, {(1, 0): 15 * MB, (2, 1): 16 * MB}) if links else []
+            out |= {f.key for f in det.update(w, [ranks], ring)}
+        return out
+
+    assert keys(0.05, links=False) == {"straggler:host_stall:rank=3", "straggler:compute:rank=2"}
+    assert keys(0.05, links=True) == {"straggler:link:rank=1"}
+    # 0.4 s late per step: far more than the link loses, so still named.
+    assert keys(0.05, links=True, sync_peers=0.45) >= {"straggler:link:rank=1", "straggler:compute:rank=2"}
 
 
 # -- recorded from real training ---------------------------------------------------------
