@@ -97,7 +97,7 @@ class ArrivalDetector:
             for x in late:
                 if x.cause == "data":
                     continue  # the window detector's: loader wait is measured on every step
-                if x.rank in slow:
+                if x.rank in slow and x.lateness_s <= slow[x.rank].cost_seconds:
                     continue  # its link explains it
                 hit = _rank_hit(x, span, heavy.get(x.rank) if x.cause == "host_stall" else None)
                 hits[hit.key] = hit
