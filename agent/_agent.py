@@ -4,6 +4,10 @@
 clock, stores a few numbers into preallocated arrays and, once per window, copies them
 into a ``Window`` for the sender. It takes no lock, does no I/O, never synchronises a
 device and never raises: any internal error disables the agent with one warning.
+
+Longer than the usual module: the hot path, the window hand-off and the sender-side
+encoding (payload, heartbeats) all read the same preallocated slots and counters, which
+stay private to this class rather than becoming an interface between modules.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ _perf = time.perf_counter
 _OFF = float("-inf")
 #: Padded-token slot no step wrote (counts are >= 0).
 _UNSET = -1
+#: Send intervals without a window after which the sender sends a heartbeat (and again
+#: as often while none closes): sooner than any hang threshold the collector uses (its
+#: floor is several send intervals), later than a window that is merely a step late.
+HEARTBEAT_INTERVALS = 1.5
 
 
 def _url_ports(url: str) -> tuple[int, ...]:
@@ -94,6 +102,8 @@ class Stepwatch:
         self._last = now
         self._window_start = now
         self._close_at = now + self._interval
+        #: Wall time of the last closed window (a heartbeat's ``wall_end``).
+        self._last_wall_end = time.time()
         # Self-timing: the common step is timed one in 64 (a second clock read per
         # step was a quarter of its cost); edge and closing steps every time.
         self._hot_s = 0.0
@@ -126,6 +136,8 @@ class Stepwatch:
                 timeout_s=config.http_timeout_s,
                 max_attempts=config.max_attempts,
                 label=f"rank {rank.rank}",
+                heartbeat=self._heartbeat,
+                heartbeat_s=HEARTBEAT_INTERVALS * self._interval,
             )
             if self._enabled:  # here, not on the training thread at the first window close
                 sender.start()
@@ -232,6 +244,7 @@ class Stepwatch:
             for j in range(n):
                 if padded[j] == _UNSET:
                     padded[j] = self._tokens[j]
+        wall_end = self._last_wall_end = time.time()
         window = Window(
             first_step=first,
             step_time_s=self._time[:n],
@@ -239,7 +252,7 @@ class Stepwatch:
             tokens=self._tokens[:n],
             padded_tokens=padded if unset < n else None,
             tags=tags,
-            wall_end=time.time(),
+            wall_end=wall_end,
             device_events=self._dev.take(n) if self._dev is not None else None,
             final=final,
             comm=self.comm_timing.take(n),
@@ -376,9 +389,34 @@ class Stepwatch:
         }
 
     # -- sender thread -------------------------------------------------------------
+    def _heartbeat(self) -> Window | None:
+        """A step-free window carrying the collective counters (sender thread, while the
+        training thread has closed no window for a while). Reads two fields the training
+        thread writes (each one store); a window closing meanwhile only makes them a
+        window newer. None without counters (no communication hook) or once off."""
+        if not self._enabled or not self.comm_timing.seq:
+            return None
+        none_f, none_q = array("d"), array("q")
+        return Window(
+            first_step=self._first_step,
+            step_time_s=none_f,
+            data_wait_s=none_f,
+            tokens=none_q,
+            padded_tokens=None,
+            tags=None,
+            wall_end=self._last_wall_end,
+            heartbeat=True,
+            profiles=[],  # profiler entries ride on the batch of the steps they profiled
+        )
+
     def _encode(self, window: Window, stats: SenderStats) -> bytes:
         if not window.batch_id:
             window.batch_id = new_batch_id()
+        if window.heartbeat and window.comm_section is None:  # once: a retry sends the same body
+            # How long the training thread has not finished a step: the collector trusts
+            # these counters as where the rank is stuck once that exceeds a few steps.
+            idle = _perf() - self._last
+            window.comm_section = self.comm_timing.heartbeat_section(idle)
         if window.comm is not None:  # summarised once (host clock), so a retry sends the same body
             window.comm_section = self.comm_timing.summarise(
                 window.comm, window.first_step, window.step_time_s, window.perf_end

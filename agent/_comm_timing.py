@@ -23,6 +23,13 @@ CPU: host clock (``perf_counter``) and the training thread's CPU clock, which te
 a rank that computed longer (more CPU) from one that stalled (no CPU). CUDA: the host
 times are launch times; device events for arrival and end are the next step (see
 README: which parallelisms are covered live).
+
+Per process group the hook also counts the collectives entered and completed
+(:class:`GroupSeq`), with the op and entry time of the last :data:`SEQ_RING` of them in
+a preallocated ring. When a run stops, those counters name the collective it stopped
+in: the ranks that never entered it and the ranks waiting in it since when (the
+collector's hang diagnosis). The sender thread reads them for every batch and, while
+the training thread is stuck and closes no window, for its heartbeats.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .sketch import LogSketch
+from .wire import COLLECTIVE_OPS
 
 #: Buckets timed one by one per step; later ones share the last slot, which then holds
 #: the latest arrival (the last bucket's, so the step's sync time stays right).
@@ -43,7 +51,47 @@ MAX_BUCKETS = 16
 SKETCH_ALPHA = 0.01
 _perf = time.perf_counter
 _cpu = time.thread_time
+_wall = time.time
 _NONE = -1.0
+#: Process groups counted (the wire's limit); a further group is timed but not counted.
+MAX_GROUPS = 64
+#: Collectives per group whose op and entry time are kept: the oldest one still in
+#: flight is found among them while fewer than this many are in flight at once.
+SEQ_RING = 256
+#: Op codes: indexes into ``wire.COLLECTIVE_OPS``.
+OP_CODES = {op: i for i, op in enumerate(COLLECTIVE_OPS)}
+ALL_REDUCE = OP_CODES["all_reduce"]
+
+
+class GroupSeq:
+    """One process group's collective counters, allocated once at its first collective.
+
+    Written by the hook (``entered``, the ring) and by completions (``completed``), read
+    by the sender thread; each write is one store, and the ring slot of collective ``n``
+    is written before ``entered`` becomes ``n``, so a reader never sees an unwritten slot.
+    ``completed`` is the highest sequence number completed (collectives of one group
+    complete in order on every backend this hook serves)."""
+
+    __slots__ = ("completed", "entered", "ops", "times")
+
+    def __init__(self) -> None:
+        self.entered = 0
+        self.completed = 0
+        self.ops = array("b", bytes(SEQ_RING))
+        self.times = array("d", bytes(8 * SEQ_RING))
+
+    def state(self, group: str, wall_offset: float) -> dict[str, Any]:
+        """The wire entry: counters, and the op and entry time (Unix seconds: host clock
+        plus ``wall_offset``) of the collective the rank is in, the oldest one entered
+        and not completed, or of the last one entered when none is in flight."""
+        entered, completed = self.entered, self.completed
+        out: dict[str, Any] = {"group": group, "entered": entered, "completed": min(completed, entered)}
+        n = completed + 1 if entered > completed else entered
+        if n > 0 and entered - n < SEQ_RING:
+            k = n % SEQ_RING
+            out["op"] = COLLECTIVE_OPS[self.ops[k]]
+            out["since"] = round(self.times[k] + wall_offset, 3)
+        return out
 
 
 @dataclass
@@ -80,19 +128,33 @@ class CommTiming:
         self._cpu = array("d", bytes(8 * capacity))
         self._arrive = array("d", bytes(8 * capacity * MAX_BUCKETS))
         self._end = array("d", [_NONE]) * (capacity * MAX_BUCKETS)
-        #: Per process group: [collectives entered, collectives completed]; the last
-        #: sequence numbers a hang diagnosis needs (which rank never entered which one).
-        self.seq: dict[str, list[int]] = {}
+        #: Per process group: collectives entered and completed (see :class:`GroupSeq`);
+        #: the sequence numbers a hang diagnosis needs (which rank never entered which one).
+        self.seq: dict[str, GroupSeq] = {}
         self.used = False
         self._cpu_prev: float | None = None  # sender thread: CPU clock at the previous step
 
     # -- hook side (training thread; completions on the backend's threads) ----------
-    def arrive(self, group: str, bucket_index: int, nbytes: int) -> tuple[int, int] | None:
+    def arrive(
+        self, group: str, bucket_index: int, nbytes: int, op: int = ALL_REDUCE
+    ) -> tuple[int, int] | None:
         """A bucket is ready: record its arrival. Returns (its sequence number in
-        ``group``, the slot its end goes to), or None past the window's capacity."""
+        ``group``, the slot its end goes to; -1 past the window's capacity), or None when
+        nothing was recorded. ``op`` is an :data:`OP_CODES` value."""
+        now = _perf()
+        g = self.seq.get(group)
+        if g is None and len(self.seq) < MAX_GROUPS:
+            g = self.seq[group] = GroupSeq()
+        n = 0
+        if g is not None:  # counted even past the window's capacity: a hang needs them
+            n = g.entered + 1
+            k = n % SEQ_RING
+            g.ops[k] = op
+            g.times[k] = now
+            g.entered = n
         first, i = self._position()
         if i >= self._cap:
-            return None
+            return (n, -1) if g is not None else None
         step = first + i
         if self._step_of[i] != step:  # first collective of this step
             self._step_of[i] = step
@@ -102,25 +164,27 @@ class CommTiming:
                 self._end[k] = _NONE
         b = min(bucket_index, MAX_BUCKETS - 1)
         k = b * self._cap + i
-        self._arrive[k] = _perf()
+        self._arrive[k] = now
         self._cpu[i] = _cpu()
         self._n_buckets[i] = max(self._n_buckets[i], b + 1)
         self._bytes[i] += nbytes
-        seq = self.seq.get(group)
-        if seq is None:
-            seq = self.seq[group] = [0, 0]
-        seq[0] += 1
         self.used = True
-        return seq[0], k
+        return n, k
 
     def done(self, token: tuple[int, int] | None, group: str) -> None:
         """The collective of ``token`` completed (any thread: one slot, one store)."""
         if token is None:
             return
-        self._end[token[1]] = _perf()
-        seq = self.seq.get(group)
-        if seq is not None:
-            seq[1] = max(seq[1], token[0])
+        if token[1] >= 0:
+            self._end[token[1]] = _perf()
+        g = self.seq.get(group)
+        if g is not None and token[0] > g.completed:
+            g.completed = token[0]
+
+    def groups(self) -> list[dict[str, Any]]:
+        """Every counted group's wire entry, now (sender thread)."""
+        offset = _wall() - _perf()
+        return [g.state(name, offset) for name, g in sorted(self.seq.items())]
 
     # -- window hand-off (training thread, once per window) ---------------------------
     def take(self, n: int) -> TimingSlices | None:
@@ -149,10 +213,24 @@ class CommTiming:
             ends[i] = t
             t -= step_times[i]
         out, self._cpu_prev = summarise(s, first_step, ends, step_times, self._cpu_prev)
-        out["groups"] = [
-            {"group": g, "entered": v[0], "completed": v[1]} for g, v in sorted(self.seq.items())
-        ]
+        out["groups"] = self.groups()
         return out
+
+    def heartbeat_section(self, idle_s: float) -> dict[str, Any]:
+        """The ``comm`` section of a heartbeat: no step, the group counters as they are
+        now (the training thread may be stuck inside, or before, a collective), and
+        ``idle_s``: seconds since the rank's last step ended."""
+        return {
+            "idle_s": round(min(max(0.0, idle_s), 1e6), 3),
+            "version": 1,
+            "clock": "host",
+            "arrive_s": [],
+            "end_s": [],
+            "sync_s": [],
+            "cpu_s": [],
+            "collectives": [],
+            "groups": self.groups(),
+        }
 
 
 def _r(x: float) -> float:

@@ -51,7 +51,8 @@ def build_payload(
     Optional sections are left out when empty, so a collector that predates them still
     accepts the batch: ``plan`` (run-level: target tokens, deadline, config fingerprint,
     baseline run), ``profiles`` (the profiler windows finished since the last batch, see
-    :mod:`.profiler._entry`), ``final`` (the rank's last batch) and ``comm`` (the always-on
+    :mod:`.profiler._entry`), ``final`` (the rank's last batch), ``heartbeat`` (a batch
+    without steps sent while the training thread closes no window) and ``comm`` (the always-on
     collective timing of these steps, a section with its own ``version``; see
     ``_comm_timing.summarise``).
     """
@@ -84,6 +85,8 @@ def build_payload(
         payload["comm"] = dict(comm)
     if window.final:
         payload["final"] = True
+    if window.heartbeat:
+        payload["heartbeat"] = True
     return payload
 
 

@@ -16,6 +16,16 @@ thread. ``close()`` returns at its deadline even when a request hangs: the threa
 left behind (a daemon) rather than joined. A process forked from the training process
 (DataLoader workers) starts with an empty queue and no thread; one is started again if
 that process ever submits.
+
+Heartbeats: with ``heartbeat`` given, a thread that finds nothing to send for
+``heartbeat_s`` (no window submitted, no heartbeat sent in that time) asks it for a
+step-free window and sends that. A training thread blocked in a collective closes no
+window, but this thread still runs, so the collector still learns where the rank is
+(the collective counters of a hang's diagnosis).
+
+Longer than the usual module: the queue's bound, the retry loop, the heartbeats and the
+warnings share the sender thread's state; ``MemorySink`` sits beside the ``Sender`` it
+stands in for.
 """
 
 from __future__ import annotations
@@ -140,6 +150,8 @@ class Sender:
         warn_every_s: float = 60.0,
         label: str = "",
         clock: Callable[[], float] = time.monotonic,
+        heartbeat: Callable[[], Window | None] | None = None,
+        heartbeat_s: float = 15.0,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -177,6 +189,10 @@ class Sender:
         self._attempts = 0  # counted (5xx) attempts of the window in flight
         self._posting_since: float | None = None  # clock() when the POST on the wire began
         self._thread: threading.Thread | None = None
+        self._heartbeat = heartbeat
+        self._heartbeat_s = heartbeat_s
+        #: clock() of the last submit or heartbeat (written by both threads: one store each).
+        self._last_activity = clock()
         self._pid = os.getpid()
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _after_fork(ref))
@@ -205,6 +221,7 @@ class Sender:
         self._idle.clear()
         self._pushed_bytes += size
         q.append(window)
+        self._last_activity = self._clock()
         if self._thread is None:
             self.start()
 
@@ -299,6 +316,11 @@ class Sender:
                             continue
                         if self._closing():
                             return
+                        beat = self._due_heartbeat()
+                        if beat is not None:
+                            self._inflight = beat
+                            self._attempts = 0
+                            continue
                         self._wake.wait(self._poll_s)
                         self._wake.clear()
                         continue
@@ -319,6 +341,17 @@ class Sender:
                     wait = min(wait, left)
                 self._wake.wait(wait)
                 self._wake.clear()
+
+    def _due_heartbeat(self) -> Window | None:
+        """A heartbeat window when one is due (nothing sent for ``heartbeat_s``), else None."""
+        if self._heartbeat is None or self._clock() - self._last_activity < self._heartbeat_s:
+            return None
+        self._last_activity = self._clock()
+        try:
+            return self._heartbeat()
+        except Exception:  # a heartbeat is best effort: never the thread
+            log.exception("%s: could not build a heartbeat", self._who)
+            return None
 
     def _send(self, client: httpx.Client, window: Window) -> float | None:
         """POST one window. None when done with it; else seconds to wait before retrying."""
@@ -379,6 +412,9 @@ class Sender:
             log.warning("%s: delivering to the collector at %s again", self._who, self._endpoint)
 
     def _give_up(self, window: Window, why: str) -> None:
+        if window.heartbeat:  # no step lost: the next heartbeat says the same, newer
+            self.stats.last_error = why
+            return
         self.stats.rejected_batches += 1
         self.stats.rejected_steps += window.n_steps
         self.stats.last_error = why

@@ -10,7 +10,8 @@ be fed from the ingest path, the simulator or a test, and property-tested.
 - :mod:`.baseline` / :mod:`.regressions` / :mod:`.attribution` / :mod:`.compare`: a run's
   frozen baseline, CUSUM regressions of MFU and step time, the part of the step that
   moved, and comparison with a named baseline run.
-- :mod:`.hangs`: ``check_hang``.
+- :mod:`.hangs`: ``check_hang``; :mod:`.stuck_collectives`: which collective a stopped run
+  is stuck in, who never entered it and who waits in it.
 - :mod:`.progress`: tokens done, calendar efficiency, projected finish, required step time.
 - :mod:`.efficiency`: static pipeline-stage imbalance.
 - :mod:`.pipeline`: one run's analysis window by window (both detectors, the progress
@@ -35,6 +36,7 @@ from .progress import (
 from .regressions import RegressionConfig, RegressionDetector, build_baseline
 from .robust import RobustStats, robust_stats
 from .stragglers import StragglerDetector
+from .stuck_collectives import GroupCounters, StuckCollective, stuck_collectives
 from .types import EXCLUDED_TAGS, Cause, Finding, JobStep, Kind, RankWindow, Status, StepTag
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "Cause",
     "Finding",
     "FingerprintMismatchError",
+    "GroupCounters",
     "Hit",
     "JobStep",
     "Kind",
@@ -57,6 +60,7 @@ __all__ = [
     "StepTag",
     "StragglerConfig",
     "StragglerDetector",
+    "StuckCollective",
     "ThroughputWindow",
     "WindowVerdict",
     "build_baseline",
@@ -70,4 +74,5 @@ __all__ = [
     "required_step_time_s",
     "robust_stats",
     "stage_imbalance",
+    "stuck_collectives",
 ]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+
 
 def step(n: int) -> str:
     """A step number with thousands separators: ``41,200``."""
@@ -43,3 +46,15 @@ def duration(x: float) -> str:
     if x < 172800.0:
         return f"{x / 3600.0:.1f} h"
     return f"{x / 86400.0:.2f} days"
+
+
+def clock(unix_s: float) -> str:
+    """A moment as a person reads it in an alert: ``10:42:07 UTC``."""
+    return time.strftime("%H:%M:%S UTC", time.gmtime(unix_s))
+
+
+def ranks(rs: Sequence[int], limit: int = 8) -> str:
+    """``rank 5``, ``ranks 2, 5``, ``ranks 0, 1, ... (12)``: at most ``limit`` named."""
+    shown = ", ".join(str(r) for r in rs[:limit])
+    more = f", ... ({len(rs)})" if len(rs) > limit else ""
+    return f"rank{'s' if len(rs) != 1 else ''} {shown}{more}"

@@ -11,14 +11,26 @@ In synchronous training one stuck rank stops every rank at the next collective, 
 whole-run hang is reported once, naming the ranks that stopped first (those behind the
 others by step number when known, else by time): they are the likely cause, the rest are
 waiting for them. Per-rank flags are returned only while the run as a whole still makes
-progress (a rank, or its agent, went silent while the others step).
+progress (a rank, or its agent, went silent while the others step): some rank reported
+more than a threshold after the silent one went quiet. Ranks whose last reports are
+closer than that (windows close a send interval apart) stopped together: no per-rank
+flag for the first of them, which would name a rank that is only first to be late.
+
+With the ranks' collective counters (``collectives``, see :mod:`.stuck_collectives`)
+the run-level flag names the collective the run is stuck in, the ranks that never
+entered it (they are the flag's ranks) and the ranks waiting in it since when. The
+counters also settle a case the silence alone cannot: one rank silent past the
+threshold while its peers' last batches are younger is a hang of the whole run, not of
+that rank, when the peers' heartbeats show them waiting in a collective it never
+entered; it is reported as such at once, not as a silent rank of a run still stepping.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from . import _format as fmt
+from .stuck_collectives import GroupCounters, StuckCollective, describe, stuck_collectives
 from .types import Finding
 
 
@@ -39,11 +51,15 @@ def check_hang(
     run: str = "",
     host_by_rank: Mapping[int, str] | None = None,
     last_step_by_rank: Mapping[int, int] | None = None,
+    collectives: Sequence[GroupCounters] = (),
+    live_ranks: Sequence[int] | None = None,
 ) -> list[Finding]:
     """Flags for a hung run (one) or for silent ranks of a run still stepping.
 
     ``now`` and the last-step times are in the same clock (epoch seconds). A rank hangs
-    when ``now - last > threshold`` (strictly longer).
+    when ``now - last > threshold`` (strictly longer). ``collectives``: the ranks' latest
+    group counters (empty: no diagnosis); ``live_ranks``: the ranks that have not
+    finished (default: every rank given), the only ones that can be stuck.
     """
     if not last_step_time_by_rank:
         return []
@@ -58,10 +74,24 @@ def check_hang(
         "k": k,
         "floor_s": floor_s,
     }
-    if run_silent > threshold:
-        return [_run_hang(run, silent, run_silent, threshold, evidence_base, hosts, steps)]
+    live = set(silent) if live_ranks is None else set(live_ranks)
+    # Counters count once read half a threshold after the rank's last step (no healthy
+    # rank goes five median steps without finishing one).
+    stuck = stuck_collectives(collectives, sorted(silent), threshold / 2) if collectives else []
+    # A rank missing without a heartbeat may only not have sent it yet (heartbeats of
+    # one stop arrive over a few send intervals): named once the others have waited
+    # longer than the threshold, by which time a live agent has sent one.
+    stuck = [s for s in stuck if not s.unconfirmed or (s.since is not None and now - s.since > threshold)]
+    culprit = stuck[0] if stuck else None
+    # Every live rank is either missing from the stuck collective or waiting in it.
+    blocked = culprit is not None and live <= set(culprit.never_entered) | set(culprit.waiting)
+    if run_silent > threshold or (blocked and max(silent.values()) > threshold):
+        return [_run_hang(run, silent, run_silent, threshold, evidence_base, hosts, steps, stuck)]
     out = []
-    for rank in sorted(r for r, s in silent.items() if s > threshold):
+    # A rank is silent "while the run steps" when another rank reported more than a
+    # threshold after it went quiet; ranks that stopped within a threshold of each
+    # other stopped together, and the run-level verdict follows within a threshold.
+    for rank in sorted(r for r, s in silent.items() if s > threshold and s - run_silent > threshold):
         host = hosts.get(rank)
         last_step = steps.get(rank, 0)
         where = f" (host {host})" if host else ""
@@ -97,8 +127,12 @@ def _run_hang(
     evidence_base: Mapping[str, float],
     hosts: Mapping[int, str],
     steps: Mapping[int, int],
+    stuck: Sequence[StuckCollective] = (),
 ) -> Finding:
-    """One flag for the whole run, naming the ranks that stopped first."""
+    """One flag for the whole run, naming the ranks that never entered the collective the
+    others wait in, or else the ranks that stopped first."""
+    if stuck:
+        return _stuck_run_hang(run, silent, run_silent, threshold, evidence_base, hosts, steps, stuck)
     known = {r: steps[r] for r in silent if r in steps}
     if len(known) == len(silent):
         lowest = min(known.values())
@@ -138,4 +172,44 @@ def _run_hang(
             f"{name} has made no step for {fmt.duration(run_silent)} "
             f"(threshold {fmt.duration(threshold)}); {who}."
         ),
+    )
+
+
+def _stuck_run_hang(
+    run: str,
+    silent: Mapping[int, float],
+    run_silent: float,
+    threshold: float,
+    evidence_base: Mapping[str, float],
+    hosts: Mapping[int, str],
+    steps: Mapping[int, int],
+    stuck: Sequence[StuckCollective],
+) -> Finding:
+    """The run-level flag with its diagnosis: ``stuck[0]`` is the most telling group."""
+    s = stuck[0]
+    culprits = s.never_entered
+    name = f"Run {run}" if run else "The run"
+    return Finding(
+        kind="hang",
+        run=run,
+        key="hang:run",
+        cause=None,
+        ranks=culprits,
+        hosts=tuple(sorted({hosts[r] for r in culprits if r in hosts})),
+        first_step=min(steps.values()) if steps else 0,
+        last_step=max(steps.values()) if steps else 0,
+        status="open",
+        evidence={
+            **evidence_base,
+            "silent_s": run_silent,
+            "ranks_silent": float(len(silent)),
+            "stuck_groups": float(len(stuck)),
+        },
+        cost_seconds=max(silent.values()),
+        cost_ratio=1.0,
+        message=(
+            f"{name} has hung: {describe(s)}; no step for {fmt.duration(max(silent.values()))} "
+            f"(threshold {fmt.duration(threshold)})."
+        ),
+        collective=s.to_dict(),
     )

@@ -142,6 +142,9 @@ class Finding:
     cost_ratio: float
     message: str
     metric: str | None = None
+    #: A hang's stuck collective (``StuckCollective.to_dict``): structured, not a number,
+    #: so kept apart from ``evidence``; the event stores it as ``evidence.collective``.
+    collective: Mapping[str, Any] | None = None
     #: The detector that raised it (``window``: the per-window detector of :mod:`.peers`;
     #: ``arrivals``: the always-on late-arrival detector), so that the collector can keep
     #: one event when both flag the same key.
@@ -169,6 +172,7 @@ class Finding:
             "cost_ratio": self.cost_ratio,
             "message": self.message,
             "metric": self.metric,
+            "collective": dict(self.collective) if self.collective is not None else None,
             "source": self.source,
         }
 
@@ -190,5 +194,6 @@ class Finding:
             cost_ratio=float(data["cost_ratio"]),
             message=str(data["message"]),
             metric=None if data.get("metric") is None else str(data["metric"]),
+            collective=None if data.get("collective") is None else dict(data["collective"]),
             source=str(data.get("source", "")),
         )

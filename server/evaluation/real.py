@@ -17,6 +17,9 @@ removed on exit.
 
 Run: ``python -m stepwatch_server.evaluation.real [--scenario NAME ...] [--runs N]``;
 ``stepwatch evaluate --real [--scenario NAME ...] [--runs N]`` runs the same.
+
+Longer than the usual module: the scenarios, the namespaces, the run and its scoring
+and the table are one harness, read together when a row looks wrong.
 """
 
 from __future__ import annotations
@@ -146,7 +149,9 @@ SCENARIOS: tuple[RealScenario, ...] = (
         expect_ranks=(1, 2),
         comm_mb=16.0,
     ),
-    RealScenario("hang in all_reduce", "hang", (2,), expect_key="hang:rank=2", expect_ranks=(2,)),
+    # The whole run stops: one run-level flag naming rank 2 as the one that never
+    # entered the all-reduce its peers wait in.
+    RealScenario("hang in all_reduce", "hang", (2,), expect_key="hang:run", expect_ranks=(2,)),
     replace(
         STEADY,
         name="job-wide +10%",
@@ -182,6 +187,9 @@ class RealOutcome:
     note: str = ""
     #: How far the collector's analysis got (the scenario's steps when it finished in time).
     analysed_through_step: int = 0
+    #: A hang scenario: whether the first hang event read already named who never
+    #: entered the stuck collective (None: no hang event read).
+    first_hang_diagnosed: bool | None = None
 
     @property
     def false_flags(self) -> int:
@@ -346,8 +354,8 @@ def _score(
     fault_window = (fault_from - 1) // window_steps
     if s.expect_key is not None and s.expect_key.startswith("regression:"):
         return _score_regression(s, events, fault_window)
-    # Consequences of the fault, not false flags: the job slows, a hang stops the run.
-    related = ("regression:", "hang:run") if s.fault == "hang" else ("regression:",)
+    # Consequences of the fault, not false flags: the job slows (a regression).
+    related = ("regression:",)
     flagged = right = False
     delay: int | None = None
     for e in events:
@@ -357,7 +365,8 @@ def _score(
         )
         if s.expect_key is not None and names_fault and not key.startswith(related):
             flagged = True
-            if key == s.expect_key:
+            # A hang is right when its diagnosis names the faulty ranks as never entered.
+            if key == s.expect_key and (s.fault != "hang" or _never_entered(e) == list(s.expect_ranks)):
                 right = True
                 opened = e["evidence"].get("opened_window")
                 if opened is not None:
@@ -365,6 +374,12 @@ def _score(
         elif not (s.expect_key is not None and key.startswith(related)):
             e["_false"] = True
     return flagged, right, delay
+
+
+def _never_entered(event: dict[str, Any]) -> list[int] | None:
+    """The ranks a hang event's diagnosis says never entered the stuck collective."""
+    stuck = (event.get("evidence") or {}).get("collective")
+    return None if stuck is None else list(stuck.get("never_entered", ()))
 
 
 def _score_regression(
@@ -416,6 +431,8 @@ def run_scenario(
     fault_from = s.fault_from or fault_from
     netns = json.loads(os.environ.get("STEPWATCH_REAL_NETNS", "null"))
     run = "real-" + _slug(s.name)
+    diagnosed = [0.0]
+    first_diagnosed: list[bool | None] = [None]
     with tempfile.TemporaryDirectory(prefix="stepwatch-real-") as work:
         env = {**COLLECTOR_ENV, **dict(s.env)}
         if netns:
@@ -441,7 +458,17 @@ def run_scenario(
                 record=record,
             )
             try:
-                events, ov = _wait(s, procs, col.url, run, work, steps=steps, deadline=t0 + timeout_s)
+                events, ov = _wait(
+                    s,
+                    procs,
+                    col.url,
+                    run,
+                    work,
+                    steps=steps,
+                    deadline=t0 + timeout_s,
+                    diagnosed_at=diagnosed,
+                    first_seen_diagnosed=first_diagnosed,
+                )
             finally:
                 _stop_all(procs)
             onset = _onset(work, s, 2 if s.fault == "link" else fault_from)
@@ -451,7 +478,16 @@ def run_scenario(
     flagged, right, delay = _score(s, events, ws, onset_step)
     st = ((ov.get("step_time_s") or {}).get("mean")) or 0.0
     secs = None
-    if right and onset is not None:
+    note = ""
+    if right and s.fault == "hang":
+        # From the moment the peers entered the collective the faulty rank never entered
+        # to the first poll that read the diagnosis (the ranks never finish: no onset file).
+        ev = next(e for e in events if e["key"] == s.expect_key and _never_entered(e))
+        stuck = ev["evidence"]["collective"]
+        if stuck.get("since") is not None and diagnosed[0]:
+            secs = diagnosed[0] - float(stuck["since"])
+        note = f"threshold {ev['evidence'].get('threshold_s', 0.0):.1f} s: {ev['message']}"
+    elif right and onset is not None:
         opened = [float(e["opened_at"]) for e in events if e["key"] == s.expect_key]
         secs = min(opened) - onset if opened else None
     analysed = int((ov.get("analysis") or {}).get("analysed_through_step") or 0)
@@ -465,7 +501,9 @@ def run_scenario(
         ws,
         float(st),
         time.monotonic() - t0,
+        note=note,
         analysed_through_step=analysed,
+        first_hang_diagnosed=first_diagnosed[0],
     )
 
 
@@ -495,25 +533,36 @@ def _wait(
     *,
     steps: int,
     deadline: float,
+    diagnosed_at: list[float],
+    first_seen_diagnosed: list[bool | None],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Poll until the ranks finished and the analysis passed the last step (a hang: until
-    the hang event opened); returns the events and the run's overview."""
+    a hang event names the ranks that never entered the stuck collective, the wall time
+    of that poll going to ``diagnosed_at``, and whether the first hang event seen was
+    already diagnosed to ``first_seen_diagnosed``); returns the events and the overview."""
     events: list[dict[str, Any]] = []
     ov: dict[str, Any] = {}
     with httpx.Client(base_url=url, timeout=10.0) as c:
         while time.monotonic() < deadline:
             if s.fault != "hang":
                 launch.poll_all(procs, work)
+            got: list[dict[str, Any]] = []
             try:
                 r = c.get(f"/api/v1/runs/{run}")
                 if r.status_code == 200:
-                    ov = r.json()
-                    events = c.get(f"/api/v1/runs/{run}/events").raise_for_status().json()
-            except httpx.TransportError:  # a collector starved by the machine's load: ask again
+                    got = c.get(f"/api/v1/runs/{run}/events").raise_for_status().json()
+            except httpx.TransportError:  # a collector slow to answer on a loaded machine: poll again
                 time.sleep(0.5)
                 continue
             if r.status_code == 200:
-                if s.fault == "hang" and any(e["key"].startswith("hang:") for e in events):
+                ov, events = r.json(), got
+                # A hang: until an event names who never entered the stuck collective
+                # (noting whether the first hang event seen already did).
+                hangs = [e for e in events if e["kind"] == "hang"]
+                if s.fault == "hang" and hangs and first_seen_diagnosed[0] is None:
+                    first_seen_diagnosed[0] = any(_never_entered(e) for e in hangs)
+                if s.fault == "hang" and any(_never_entered(e) for e in hangs):
+                    diagnosed_at[0] = time.time()
                     break
                 done = all(p.poll() is not None for p in procs)
                 if done and (ov.get("analysis") or {}).get("analysed_through_step", 0) >= steps:
@@ -629,7 +678,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.json:
                 print(
                     f"# {o.scenario}: flagged={o.flagged} right={o.right} windows={o.windows_to_flag} "
-                    f"({o.seconds:.0f} s) {[e['key'] for e in o.events]}",
+                    f"({o.seconds:.0f} s) {[e['key'] for e in o.events]}"
+                    + (
+                        f" s_to_flag={o.seconds_to_flag:.1f} {o.note}"
+                        if o.seconds_to_flag is not None
+                        else ""
+                    ),
                     flush=True,
                 )
     if args.json:

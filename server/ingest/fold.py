@@ -47,8 +47,39 @@ def fold(payloads: Sequence[IngestPayload], run_ids: Sequence[int], window_steps
         windows=windows,
         job_steps=job_steps,
         step_timings=timings,
+        rank_groups=_rank_groups(payloads, run_ids),
         link_samples=links,
     )
+
+
+def _rank_groups(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:
+    """One ``rank_groups`` row per (run, rank, group) of the batches' ``comm.groups``;
+    batches of one rank in the group merge by the table's rules, in arrival order."""
+    table = columns.RANK_GROUPS
+    merged: dict[tuple[int, int, str], dict[str, Any]] = {}
+    for p, run_id in zip(payloads, run_ids, strict=True):
+        if p.comm is None:
+            continue
+        for g in p.comm.groups:
+            row = {
+                "run_id": run_id,
+                "rank": p.rank.rank,
+                "group_name": g.group,
+                "entered": g.entered,
+                "completed": g.completed,
+                "op": g.op,
+                "since": g.since,
+                "sampled_at": p.sent_at,
+                "heartbeat": int(p.heartbeat),
+                "idle_s": p.comm.idle_s,
+            }
+            key = (run_id, p.rank.rank, g.group)
+            old = merged.get(key)
+            if old is not None:
+                row = {k: columns.merge_value(table.column(k).rule, old[k], v) for k, v in row.items()}
+            merged[key] = row
+    rows = [merged[k] for k in sorted(merged)]
+    return {k: [row[k] for row in rows] for k in rows[0]} if rows else {}
 
 
 def _link_samples(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:

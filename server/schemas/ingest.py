@@ -4,6 +4,9 @@ Pydantic lives here (and in ``responses.py``), at the edge, and nowhere else in 
 collector: ingest converts a validated payload into plain values before storage and
 analysis touch it. Every bound (array lengths, name charset, value ranges) is enforced here, so a bad batch is
 rejected with a 422 naming the field and nothing of it is stored.
+
+Longer than the usual module: the payload is one document and its cross-field rules
+(steps against comm, heartbeats, profiles) are validated in one place.
 """
 
 from __future__ import annotations
@@ -331,11 +334,15 @@ class ProfileIn(_Strict):
 
 class GroupSeqIn(_Strict):
     """Per process group: collectives this rank entered and completed so far (a hang's
-    diagnosis: who never entered collective #N)."""
+    diagnosis: who never entered collective #N), and the op and entry time (Unix
+    seconds) of the collective it is in (the oldest entered and not completed), or of
+    the last it entered when none is in flight."""
 
-    group: str = Field(max_length=128)
+    group: str = Field(min_length=1, max_length=128)
     entered: Count
     completed: Count
+    op: wire.CollectiveOp | None = None
+    since: UnixTime | None = None
 
     @model_validator(mode="after")
     def _ordered(self) -> GroupSeqIn:
@@ -379,6 +386,16 @@ class CommIn(_Strict):
     groups: list[GroupSeqIn] = Field(default_factory=list, max_length=64)
     #: Per-connection link timing (staged in ``link_samples`` for the link detector).
     links: list[LinkIn] = Field(default_factory=list, max_length=wire.MAX_LINKS)
+    #: A heartbeat's: seconds since the rank's last step ended when the counters were read.
+    idle_s: Seconds | None = None
+
+    @model_validator(mode="after")
+    def _groups_once(self) -> CommIn:
+        names = [g.group for g in self.groups]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"groups names process group {dup!r} more than once")
+        return self
 
     @model_validator(mode="after")
     def _resolution(self) -> CommIn:
@@ -401,6 +418,9 @@ class IngestPayload(_Strict):
     plan: PlanIn | None = None
     #: The rank's last batch (``close()``): it finished, so its silence is not a hang.
     final: bool = False
+    #: No step: sent while the rank's training thread closed no window for a while, to
+    #: say where it is (``comm.groups``); ``steps.wall_end`` is its last window's.
+    heartbeat: bool = False
     profiles: list[ProfileIn] | None = Field(default=None, max_length=MAX_PROFILES)
     comm: CommIn | None = None
 
@@ -439,6 +459,13 @@ class IngestPayload(_Strict):
 
     @model_validator(mode="after")
     def _steps_or_final(self) -> IngestPayload:
-        if not self.steps.time_s and not self.final:
-            raise ValueError("steps.time_s is empty; only a final batch may carry no step")
+        if self.heartbeat:
+            if self.steps.time_s:
+                raise ValueError("a heartbeat carries no step: steps.time_s must be empty")
+            if self.final:
+                raise ValueError("a heartbeat cannot be final")
+            if self.comm is None or not self.comm.groups:
+                raise ValueError("a heartbeat needs comm.groups (the collective counters it reports)")
+        elif not self.steps.time_s and not self.final:
+            raise ValueError("steps.time_s is empty; only a final batch or a heartbeat may carry no step")
         return self

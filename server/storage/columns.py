@@ -29,7 +29,17 @@ import numpy.typing as npt
 from sqlalchemy import BigInteger, Integer, Table, bindparam, func
 from sqlalchemy.sql.elements import ColumnElement
 
-from .models import INT32_MAX, INT64_MAX, JobStep, JobStepBucket, LinkSample, Rank, RankWindow, StepTiming
+from .models import (
+    INT32_MAX,
+    INT64_MAX,
+    JobStep,
+    JobStepBucket,
+    LinkSample,
+    Rank,
+    RankGroup,
+    RankWindow,
+    StepTiming,
+)
 
 
 class Rule(enum.Enum):
@@ -138,6 +148,17 @@ STEP_TIMINGS = Summed(
     ),
 )
 
+#: Each rank's latest collective counters per process group: counters only grow (a
+#: batch that arrives late cannot take them back), the rest is what the rank said last.
+RANK_GROUPS = Summed(
+    RankGroup.__table__,  # type: ignore[arg-type]
+    (
+        *_cols(Rule.KEY, "run_id", "rank", "group_name"),
+        *_cols(Rule.MAX, "entered", "completed", "sampled_at"),
+        *_cols(Rule.LAST, "op", "since", "heartbeat", "idle_s"),
+    ),
+)
+
 #: ``job_steps`` rolled up per run and bucket of steps (``rollups.py``): each column is
 #: its rule applied to one per-step value over the bucket's usable steps, and buckets
 #: merge into coarser ones (series points, the run's totals) by the same rule.
@@ -179,14 +200,15 @@ Columns = dict[str, Any]
 class Rows:
     """Column-oriented rows for the summed tables, one row per key, sorted by key: numpy
     arrays for the step-derived tables (sent to PostgreSQL in binary), lists for ``ranks``.
-    ``step_timings`` and ``link_samples`` are empty for batches without a ``comm``
-    section (and without its ``links``)."""
+    ``step_timings``, ``link_samples`` and ``rank_groups`` are empty for batches without a
+    ``comm`` section (``link_samples`` also without its ``links``)."""
 
     ranks: Columns
     windows: Columns
     job_steps: Columns
     step_timings: Columns = field(default_factory=dict)
     link_samples: Columns = field(default_factory=dict)
+    rank_groups: Columns = field(default_factory=dict)
 
     def tables(self) -> tuple[tuple[Summed, Columns], ...]:
         """The tables in the order every writer takes them (so writers cannot deadlock)."""
@@ -196,6 +218,7 @@ class Rows:
             (JOB_STEPS, self.job_steps),
             (STEP_TIMINGS, self.step_timings),
             (LINK_SAMPLES, self.link_samples),
+            (RANK_GROUPS, self.rank_groups),
         )
 
 

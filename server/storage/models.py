@@ -343,6 +343,30 @@ class StepTiming(Base):
     cpu_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
+class RankGroup(Base):
+    """Each rank's latest collective counters per process group (the agent's
+    ``comm.groups``): how many collectives it entered and completed, and the op and entry
+    time of the one it is in. When a run stops stepping, the hang detector compares them
+    across the ranks of a group: who never entered collective #N, who waits in it."""
+
+    __tablename__ = "rank_groups"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    group_name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    entered: Mapped[int] = mapped_column(BigInteger)
+    completed: Mapped[int] = mapped_column(BigInteger)
+    op: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    #: Unix seconds at which the rank entered that collective.
+    since: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: The agent's ``sent_at`` of the batch that carried the counters.
+    sampled_at: Mapped[float] = mapped_column(Float)
+    #: 1 when they came with a heartbeat (the rank had closed no window for a while).
+    heartbeat: Mapped[int] = mapped_column(SmallInteger)
+    #: A heartbeat's seconds since the rank's last step ended, when they were read.
+    idle_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
 class LinkSample(Base):
     """Staging of the per-connection link timing (the ``comm`` section's ``links``), one
     row per rank, batch (its last step) and connection, until the worker has analysed

@@ -21,10 +21,11 @@ from ..analysis.arrivals import RankSteps
 from ..analysis.links import LinkSample
 from ..analysis.pipeline import StepRow, tag_of
 from ..analysis.robust import median
+from ..analysis.stuck_collectives import GroupCounters
 from ..analysis.types import RankWindow
 from ..reads.runs import RunInfo, run_info
 from ..storage.columns import window_of
-from ..storage.models import IngestedBatch, Rank, Run, StepTiming, unix
+from ..storage.models import IngestedBatch, Rank, RankGroup, Run, StepTiming, unix
 from ..storage.models import JobStep as JobStepRow
 from ..storage.models import LinkSample as LinkSampleRow
 from ..storage.models import RankWindow as RankWindowRow
@@ -36,6 +37,7 @@ RW = RankWindowRow.__table__
 JS = JobStepRow.__table__
 BATCHES = IngestedBatch.__table__
 ST = StepTiming.__table__
+RG = RankGroup.__table__
 LS = LinkSampleRow.__table__
 #: Ranks per IN list: keeps the statement well under every backend's parameter limit.
 RANK_CHUNK = 2000
@@ -87,6 +89,31 @@ def rank_rows(conn: Connection, run_id: int) -> list[RankRow]:
             last_step=r.last_step,
             last_seen=unix(r.last_seen) or 0.0,
             final_step=r.final_step,
+        )
+        for r in rows
+    ]
+
+
+def group_counters(conn: Connection, run_id: int) -> list[GroupCounters]:
+    """Every rank's latest collective counters per process group (read only when a
+    rank is silent past the hang threshold: a seek on the primary key's run prefix)."""
+    rows = conn.execute(
+        select(
+            RG.c.rank,
+            RG.c.group_name,
+            RG.c.entered,
+            RG.c.completed,
+            RG.c.op,
+            RG.c.since,
+            RG.c.heartbeat,
+            RG.c.idle_s,
+        )
+        .where(RG.c.run_id == run_id)
+        .order_by(RG.c.rank, RG.c.group_name)
+    )
+    return [
+        GroupCounters(
+            r.rank, r.group_name, r.entered, r.completed, r.op, r.since, bool(r.heartbeat), r.idle_s or 0.0
         )
         for r in rows
     ]

@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 
 from sqlalchemy import Connection
 
-from ..analysis.hangs import check_hang
+from ..analysis.hangs import check_hang, hang_threshold_s
 from ..analysis.peers import StragglerConfig
 from ..analysis.pipeline import Change, RunAnalysis
 from ..analysis.regressions import Baseline, RegressionConfig
@@ -290,20 +290,32 @@ class AnalysisWorker:
             # Finished ranks are not silent: with them in, a rank that never sent its final
             # batch stays a per-rank flag instead of turning into a hang of the whole run.
             seen = {r.rank: (r.last_seen if not r.progress.finished else now) for r in ranks}
+            median_step = inputs.recent_step_time(conn, run.id)
+            threshold = hang_threshold_s(median_step, self.config.hang_k, self.config.hang_floor_s)
+            # The counters are read only when some rank is silent past the threshold.
+            silent = now - min(seen.values()) > threshold
             current = check_hang(
                 now,
                 seen,
-                inputs.recent_step_time(conn, run.id),
+                median_step,
                 self.config.hang_k,
                 self.config.hang_floor_s,
                 run=run.name,
                 host_by_rank={r.rank: r.host for r in ranks},
                 last_step_by_rank={r.rank: r.last_step for r in ranks},
+                collectives=inputs.group_counters(conn, run.id) if silent else (),
+                live_ranks=[r.rank for r in live],
             )
+        stored = open_hangs(conn, run.id)
+        # One stop of the run is one event: its first step is the lowest last step of
+        # the ranks when it opened, and a window still on its way (a sender retrying on
+        # a loaded collector) may raise that lowest step afterwards.
+        opened = {f.key: f.first_step for f in stored if f.key == "hang:run"}
+        current = [replace(f, first_step=opened[f.key]) if f.key in opened else f for f in current]
         ids = {(f.key, f.first_step) for f in current}
         closing = [
             Change(replace(f, run=run.name, status="closed", message="Resolved: " + f.message), window)
-            for f in open_hangs(conn, run.id)
+            for f in stored
             if (f.key, f.first_step) not in ids
         ]
         if not current and not closing:

@@ -2,7 +2,9 @@
 
 An event row is one occurrence of a flag: ``(run_id, key, first_step)``. The worker writes
 it when the flag opens, refreshes it while it stays open (latest step, evidence, cost) and
-closes it; a replayed window cannot duplicate it. The window whose analysis opened a
+closes it; a replayed window cannot duplicate it. A transition (what the webhook sends)
+is an event created or changing status, or an open hang whose diagnosis (the stuck
+collective) arrived or changed. The window whose analysis opened a
 flag is kept in its evidence as ``opened_window`` (and ``opened_step``), so "how many
 windows did it take" can be read back later, whatever the flag's later updates.
 
@@ -197,6 +199,8 @@ def write_findings(
     for ident, (finding, window, step) in sorted(events.items()):
         row = existing.get(ident)
         evidence: dict[str, Any] = dict(finding.evidence)
+        if finding.collective is not None:
+            evidence["collective"] = dict(finding.collective)
         old = dict(row.evidence) if row is not None else {}
         for name, value in (("opened_window", window), ("opened_step", step)):
             if name in old:
@@ -209,9 +213,19 @@ def write_findings(
             transitions.append(Transition(finding, None))
             continue
         conn.execute(update(Event).where(EV.c.id == row.id).values(**values))
-        if row.status != finding.status:
+        if row.status != finding.status or _newly_diagnosed(finding, old):
             transitions.append(Transition(finding, row.status))
     return transitions
+
+
+def _newly_diagnosed(finding: Finding, old_evidence: Mapping[str, Any]) -> bool:
+    """An open hang whose diagnosis arrived or changed since it was stored: the webhook
+    says it again (heartbeats can come after the threshold passed)."""
+    if finding.status != "open" or finding.collective is None:
+        return False
+    before = old_evidence.get("collective") or {}
+    now = finding.collective
+    return any(before.get(k) != now.get(k) for k in ("group", "seq", "never_entered", "waiting"))
 
 
 def _row(f: Finding, evidence: Mapping[str, Any], now: datetime) -> dict[str, Any]:
@@ -237,24 +251,29 @@ def open_hangs(conn: Connection, run_id: int) -> list[Finding]:
     rows = conn.execute(
         select(EV).where(EV.c.run_id == run_id, EV.c.kind == "hang", EV.c.status == "open")
     ).mappings()
-    return [
-        Finding(
-            kind="hang",
-            run="",
-            key=r["key"],
-            cause=None,
-            ranks=tuple(r["ranks"]),
-            hosts=tuple(r["hosts"]),
-            first_step=r["first_step"],
-            last_step=r["last_step"],
-            status="open",
-            evidence={k: float(v) for k, v in dict(r["evidence"]).items()},
-            cost_seconds=r["cost_seconds"],
-            cost_ratio=r["cost_ratio"],
-            message=r["message"],
+    out = []
+    for r in rows:
+        evidence = dict(r["evidence"])
+        collective = evidence.pop("collective", None)
+        out.append(
+            Finding(
+                kind="hang",
+                run="",
+                key=r["key"],
+                cause=None,
+                ranks=tuple(r["ranks"]),
+                hosts=tuple(r["hosts"]),
+                first_step=r["first_step"],
+                last_step=r["last_step"],
+                status="open",
+                evidence={k: float(v) for k, v in evidence.items()},
+                cost_seconds=r["cost_seconds"],
+                cost_ratio=r["cost_ratio"],
+                message=r["message"],
+                collective=collective,
+            )
         )
-        for r in rows
-    ]
+    return out
 
 
 def utcnow_from(unix_s: float) -> datetime:

@@ -109,6 +109,13 @@ def alertmanager_alert(
         annotations["ranks"] = ",".join(str(r) for r in finding.ranks[:64])
     if finding.hosts:
         annotations["hosts"] = ",".join(finding.hosts[:64])
+    stuck = finding.collective
+    if stuck is not None:  # a hang's diagnosis, for routing and templates
+        annotations["collective"] = (
+            f"{stuck.get('op') or 'collective'} #{stuck.get('seq')} of group {stuck.get('group')}"
+        )
+        annotations["never_entered"] = ",".join(str(r) for r in list(stuck.get("never_entered", ()))[:64])
+        annotations["waiting_ranks"] = str(len(stuck.get("waiting", ())))
     alert: dict[str, Any] = {"labels": labels, "annotations": annotations, "startsAt": starts_at}
     if ends_at is not None:
         alert["endsAt"] = ends_at

@@ -28,7 +28,15 @@ from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.storage import migrate, rollups
 from stepwatch_server.storage.backend import Storage, open_storage
-from stepwatch_server.storage.columns import JOB_STEP_BUCKETS, JOB_STEPS, RANK_WINDOWS, RANKS, Summed
+from stepwatch_server.storage.columns import (
+    JOB_STEP_BUCKETS,
+    JOB_STEPS,
+    RANK_GROUPS,
+    RANK_WINDOWS,
+    RANKS,
+    STEP_TIMINGS,
+    Summed,
+)
 from stepwatch_server.storage.engine import make_engine
 from stepwatch_server.storage.models import Run, unix
 from stepwatch_server.storage.retention import prune
@@ -36,6 +44,8 @@ from stepwatch_server.storage.retention import prune
 from .. import pg
 from ..payloads import payload, profile_entry
 
+#: What :func:`runs` draws.
+Run_ = tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, list[float]], dict[int, dict[str, int]]]
 T0 = 1.7e9  # the runs' wall clock: long enough ago for retention to roll everything up
 TAGS = (None, None, None, "warmup", "checkpoint", "eval")
 
@@ -53,8 +63,9 @@ def storages(pg_admin: str, tmp_path: Path) -> Iterator[tuple[Storage, Storage]]
 
 
 @st.composite
-def runs(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, list[float]]]:
-    """(step batches, final batches with the profiled windows, step times per step)."""
+def runs(draw: st.DrawFn) -> Run_:
+    """(step batches, final batches with the profiled windows, step times per step,
+    the largest ``entered`` per rank and process group)."""
     name = f"rules-{uuid.uuid4().hex[:12]}"
     world = draw(st.integers(1, 3))
     n = draw(st.integers(1, 24))
@@ -62,10 +73,23 @@ def runs(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[dict[str, Any]], d
     sixty4ths = st.integers(16, 64).map(lambda k: k / 64)
     steps: list[dict[str, Any]] = []
     per_step: dict[int, list[float]] = {}
+    counters: dict[int, dict[str, int]] = {}
     for rank in range(world):
         cuts = sorted(draw(st.sets(st.integers(2, n), max_size=4))) if n > 1 else []
         for lo, hi in zip([1, *cuts], [*cuts, n + 1], strict=True):
             times = draw(st.lists(sixty4ths, min_size=hi - lo, max_size=hi - lo))
+            # Collective counters: they grow with the steps; what else a rank says of a
+            # group is the same in each of its batches (the backends store them in
+            # different orders, and those columns keep the last).
+            entered = 3 * hi + draw(st.integers(0, 2))
+            groups = [
+                {"group": g, "entered": entered, "completed": entered - draw(st.integers(0, 2)), "op": op}
+                | ({"since": T0 + rank} if rank % 2 else {})
+                for g, op in (("world", "all_reduce"), (f"pp{rank % 2}", "send"))[: draw(st.integers(0, 2))]
+            ]
+            mine = counters.setdefault(rank, {})
+            for g in groups:
+                mine[g["group"]] = max(g["entered"], mine.get(g["group"], 0))
             padded = draw(st.booleans())
             tokens = draw(st.lists(st.integers(0, 4096), min_size=hi - lo, max_size=hi - lo))
             steps.append(
@@ -80,6 +104,7 @@ def runs(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[dict[str, Any]], d
                     padded=[t + 64 for t in tokens] if padded else None,
                     tags=draw(st.lists(st.sampled_from(TAGS), min_size=hi - lo, max_size=hi - lo)),
                     wall_end=T0 + hi,
+                    comm=_comm(hi - lo, groups) if groups else None,
                 )
             )
             for j, t in enumerate(times):
@@ -115,14 +140,19 @@ def runs(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[dict[str, Any]], d
                 wall_end=T0 + n,
             )
         )
-    return steps, finals, per_step
+    return steps, finals, per_step, counters
+
+
+def _comm(n: int, groups: list[dict[str, Any]]) -> dict[str, Any]:
+    none: list[float | None] = [None] * n
+    return {"version": 1, "arrive_s": none, "end_s": none, "sync_s": none, "cpu_s": none, "groups": groups}
 
 
 def _rows(storage: Storage, run: str) -> dict[str, list[dict[str, Any]]]:
     with storage.engine.connect() as conn:
         run_id = conn.execute(select(Run.id).where(Run.name == run)).scalar_one()
         out = {}
-        for table in (RANKS, RANK_WINDOWS, JOB_STEPS, JOB_STEP_BUCKETS):
+        for table in (RANKS, RANK_WINDOWS, JOB_STEPS, JOB_STEP_BUCKETS, RANK_GROUPS):
             t = table.table
             q = select(t).where(t.c.run_id == run_id).order_by(*(t.c[k] for k in table.keys))
             out[table.name] = [_plain(dict(r._mapping)) for r in conn.execute(q)]
@@ -172,10 +202,8 @@ def test_random_groups_give_the_same_rows_on_both_backends_and_after_rollup(
 ) -> None:
     @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(runs(), st.randoms(use_true_random=False))
-    def check(
-        run: tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, list[float]]], rnd: random.Random
-    ) -> None:
-        steps, finals, per_step = run
+    def check(run: Run_, rnd: random.Random) -> None:
+        steps, finals, per_step, counters = run
         name = steps[0]["run"]
         for storage in storages:
             _store(storage, steps, rnd, first=True)
@@ -188,6 +216,10 @@ def test_random_groups_give_the_same_rows_on_both_backends_and_after_rollup(
         assert [j["ranks"] for j in jobs] == [len(per_step[j["step"]]) for j in jobs]
         assert [j["step_time_sum"] for j in jobs] == [sum(per_step[j["step"]]) for j in jobs]
         assert [j["step_time_max"] for j in jobs] == [max(per_step[j["step"]]) for j in jobs]
+        groups = sqlite["rank_groups"]
+        assert {(g["rank"], g["group_name"]): g["entered"] for g in groups} == {
+            (r, name): e for r, by in counters.items() for name, e in by.items()
+        }
         # The buckets ingest kept are the buckets recomputed from the stored steps.
         buckets = sqlite["job_step_buckets"]
         usable = [j for j in jobs if j["token_ranks"] > 0 and j["step_time_sum"] > 0]
@@ -214,7 +246,7 @@ def test_random_groups_give_the_same_rows_on_both_backends_and_after_rollup(
 
 
 def test_every_column_of_the_summed_tables_has_a_rule() -> None:
-    tables: tuple[Summed, ...] = (RANKS, RANK_WINDOWS, JOB_STEPS, JOB_STEP_BUCKETS)
+    tables: tuple[Summed, ...] = (RANKS, RANK_WINDOWS, JOB_STEPS, JOB_STEP_BUCKETS, STEP_TIMINGS, RANK_GROUPS)
     for table in tables:
         assert {c.name for c in table.table.columns} == {c.name for c in table.columns}, table.name
         assert set(table.keys) == {c.name for c in table.table.primary_key}, table.name

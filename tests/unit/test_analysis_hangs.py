@@ -1,14 +1,26 @@
-"""Hang checks: thresholds, silent ranks, and a stopped run."""
+"""Hang checks: thresholds, silent ranks, a stopped run, and the collective it stopped in."""
 
 from __future__ import annotations
+
+import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from stepwatch_server.analysis import check_hang, hang_threshold_s
+from stepwatch_server.analysis.stuck_collectives import (
+    WORLD,
+    GroupCounters,
+    StuckCollective,
+    describe,
+    stuck_collectives,
+)
 
 NOW = 1_000_000.0
+#: A heartbeat's idle time: long after the rank's last step (its counters are where it stopped).
+IDLE = 1e4
 
 
 def test_threshold_is_k_times_median_with_a_floor() -> None:
@@ -86,7 +98,11 @@ def test_flags_exactly_the_ranks_past_the_threshold(silence: dict[int, float], m
     if min(silence.values()) > threshold:
         assert [f.key for f in findings] == ["hang:run"]
     else:
-        assert {f.ranks[0] for f in findings} == {r for r, s in silence.items() if NOW - last[r] > threshold}
+        # Past the threshold, and past it after the last report of the run.
+        newest = min(NOW - t for t in last.values())
+        assert {f.ranks[0] for f in findings} == {
+            r for r in silence if NOW - last[r] > threshold and NOW - last[r] - newest > threshold
+        }
     for f in findings:
         assert f.cost_seconds > threshold
         assert f.status == "open"
@@ -94,3 +110,158 @@ def test_flags_exactly_the_ranks_past_the_threshold(silence: dict[int, float], m
 
 def test_invalid_median_falls_back_to_floor() -> None:
     assert hang_threshold_s(0.0) == pytest.approx(60.0)
+
+
+# -- the diagnosis: which collective, who never entered it, who waits in it ----------------
+def _counters(
+    entered: dict[int, int],
+    completed: int,
+    *,
+    group: str = WORLD,
+    since: float = NOW - 200.0,
+    heartbeat: bool = True,
+) -> list[GroupCounters]:
+    """Per rank ``entered`` (``completed`` for every rank); the waiting ranks entered
+    collective ``completed + 1`` at ``since`` (+ rank ms)."""
+    return [
+        GroupCounters(r, group, e, min(e, completed), "all_reduce", since + r / 1000, heartbeat, IDLE)
+        for r, e in entered.items()
+    ]
+
+
+def test_the_rank_that_never_entered_the_collective_its_peers_wait_in_is_named() -> None:
+    # 8 ranks, 4 buckets a step: rank 5 stopped after collective 41,199, the others entered
+    # the step's 4 all-reduces (41,200 .. 41,203) and completed none of them.
+    entered = {r: 41_203 for r in range(8)}
+    entered[5] = 41_199
+    last = {r: NOW - 300.0 for r in range(8)}
+    [f] = check_hang(
+        NOW,
+        last,
+        median_step_s=12.0,
+        run="job",
+        host_by_rank={r: f"n{r // 4}" for r in range(8)},
+        last_step_by_rank=dict.fromkeys(range(8), 1_000),
+        collectives=_counters(entered, 41_199),
+    )
+    assert (f.key, f.ranks, f.hosts) == ("hang:run", (5,), ("n1",))
+    assert f.collective == {
+        "group": "world",
+        "op": "all_reduce",
+        "seq": 41_200,
+        "never_entered": [5],
+        "waiting": [0, 1, 2, 3, 4, 6, 7],
+        "since": NOW - 200.0,
+        "unconfirmed": [],
+    }
+    when = time.strftime("%H:%M:%S", time.gmtime(NOW - 200.0))
+    assert f.message == (
+        "Run job has hung: rank 5 never entered all_reduce #41,200 of group world; "
+        f"7 ranks wait in it since {when} UTC; no step for 5.0 min (threshold 2.0 min)."
+    )
+
+
+def test_peers_waiting_on_a_silent_rank_make_a_run_hang_before_their_own_silence_passes() -> None:
+    # Rank 2's last batch is older than the threshold, its peers' younger; their
+    # heartbeats show them blocked in the collective rank 2 never entered: the run hangs.
+    last = {0: NOW - 40.0, 1: NOW - 41.0, 2: NOW - 65.0, 3: NOW - 40.0}
+    # Without them, the ranks stopped within a threshold of each other: no rank is named
+    # as silent while the run steps (it does not), the run's verdict waits for the others.
+    assert check_hang(NOW, last, median_step_s=2.0) == []
+    [f] = check_hang(NOW, last, median_step_s=2.0, collectives=_counters({0: 9, 1: 9, 2: 6, 3: 9}, 6))
+    assert (f.key, f.ranks) == ("hang:run", (2,))
+    assert f.collective is not None and f.collective["seq"] == 7 and f.collective["waiting"] == [0, 1, 3]
+
+
+def test_counters_read_while_ranks_stepped_give_no_diagnosis() -> None:
+    # Window counters (no heartbeat) of ranks in flight are no evidence that they still wait.
+    last = dict.fromkeys(range(4), NOW - 90.0)
+    stale = _counters({0: 9, 1: 9, 2: 6, 3: 9}, 6, heartbeat=False)
+    [f] = check_hang(NOW, last, median_step_s=2.0, collectives=stale)
+    assert f.collective is None and "all ranks stopped together" in f.message
+    # A rank that stepped past the collective completed it: nobody is stuck in it.
+    moved = [
+        *_counters({0: 9, 1: 9, 2: 6, 3: 9}, 6),
+        GroupCounters(4, WORLD, 12, 12, "all_reduce", NOW, True, IDLE),
+    ]
+    assert stuck_collectives(moved, range(5)) == []
+    # A rank silent while its peers step on is still a silent rank, counters or not.
+    stepping = {0: NOW - 1.0, 1: NOW - 1.0, 2: NOW - 90.0}
+    windows = _counters({0: 30, 1: 31, 2: 6}, 29, heartbeat=False)
+    assert [f.key for f in check_hang(NOW, stepping, 2.0, collectives=windows)] == ["hang:rank=2"]
+
+
+def test_every_rank_waiting_inside_means_the_fault_is_below_the_ranks() -> None:
+    last = dict.fromkeys(range(4), NOW - 90.0)
+    [f] = check_hang(NOW, last, median_step_s=2.0, collectives=_counters(dict.fromkeys(range(4), 9), 6))
+    assert f.ranks == () and f.collective is not None
+    assert f.collective["never_entered"] == [] and f.collective["waiting"] == [0, 1, 2, 3]
+    assert "all 4 ranks wait in all_reduce #7 of group world since" in f.message
+    assert "transport or link" in f.message
+
+
+def test_a_rank_that_never_entered_any_collective_and_a_rank_without_heartbeat() -> None:
+    # Rank 3 sent no counters at all (stuck before its first collective) and rank 2's are
+    # from its last window only: both never entered #1, the diagnosis says which is unconfirmed.
+    rows = [*_counters({0: 2, 1: 2}, 0), GroupCounters(2, WORLD, 0, 0, None, None, False)]
+    [s] = stuck_collectives(rows, range(4))
+    assert (s.seq, s.never_entered, s.waiting, s.unconfirmed) == (1, (2, 3), (0, 1), (2, 3))
+    assert describe(s).startswith("ranks 2, 3 never entered all_reduce #1 of group world; 2 ranks wait in it")
+    assert "sent no heartbeat" in describe(s)
+    assert StuckCollective.from_dict(s.to_dict()) == s
+    # Counters below what every rank completed are older than the rank's truth (it took
+    # part in those collectives): unconfirmed even when a heartbeat carried them.
+    behind = _counters({0: 9, 1: 9, 2: 4}, 6)
+    [s] = stuck_collectives(behind, range(3))
+    assert (s.seq, s.never_entered, s.unconfirmed) == (7, (2,), (2,))
+
+
+def test_groups_other_than_world_have_the_members_that_report_them() -> None:
+    # A pipeline pair (ranks 1 and 2) is stuck: rank 2 never entered send #4 of group "7";
+    # ranks 0 and 3 are not members (no row) and their world collectives all completed.
+    rows = _counters({0: 5, 1: 5, 2: 5, 3: 5}, 5)
+    rows += [
+        GroupCounters(1, "7", 4, 3, "send", NOW - 50.0, True, IDLE),
+        GroupCounters(2, "7", 3, 3, "recv", NOW - 80.0, True, IDLE),
+    ]
+    [s] = stuck_collectives(rows, range(4))
+    assert (s.group, s.op, s.seq, s.never_entered, s.waiting, s.since) == (
+        "7",
+        "send",
+        4,
+        (2,),
+        (1,),
+        NOW - 50.0,
+    )
+    assert describe(s).startswith("rank 2 never entered send #4 of group 7; 1 rank waits in it since")
+    # A rank that finished is still a member: rank 1 waits for a partner that left.
+    [s] = stuck_collectives(rows, [0, 1])
+    assert s.never_entered == (2,)
+
+
+def test_a_missing_rank_without_heartbeat_is_named_only_once_the_others_waited_past_the_threshold() -> None:
+    # Rank 2's heartbeat may still be on its way: its window counters are not evidence
+    # until the others have waited longer than the threshold (a live agent sent one by then).
+    last = dict.fromkeys(range(3), NOW - 90.0)
+    rows = [GroupCounters(r, WORLD, 9, 6, "all_reduce", NOW - 10.0, True, IDLE) for r in (0, 1)]
+    rows.append(GroupCounters(2, WORLD, 6, 6, "all_reduce", NOW - 95.0, False))
+    [early] = check_hang(NOW, last, median_step_s=2.0, floor_s=60.0, collectives=rows)
+    assert early.collective is None
+    later = [replace(c, since=NOW - 61.0) if c.heartbeat else c for c in rows]
+    [f] = check_hang(NOW, last, median_step_s=2.0, floor_s=60.0, collectives=later)
+    assert f.collective is not None and f.collective["unconfirmed"] == [2] and f.ranks == (2,)
+    assert "rank 2 sent no heartbeat" in f.message
+
+
+def test_a_heartbeat_read_soon_after_the_last_step_is_no_evidence_of_where_the_rank_stopped() -> None:
+    # Rank 3 sent a heartbeat 2 s after its last step (threshold 60 s): a slow rank between
+    # two windows, still on its way into the collective; it proves nothing yet.
+    last = dict.fromkeys(range(4), NOW - 90.0)
+    rows = _counters({0: 9, 1: 9, 2: 6, 3: 6}, 6, since=NOW - 10.0)
+    rows[3] = replace(rows[3], idle_s=2.0)
+    [f] = check_hang(NOW, last, median_step_s=2.0, floor_s=60.0, collectives=rows)
+    assert f.collective is None
+    rows[3] = replace(rows[3], idle_s=31.0)  # half the threshold without a step: stopped there
+    [f] = check_hang(NOW, last, median_step_s=2.0, floor_s=60.0, collectives=rows)
+    assert f.collective is not None and f.collective["never_entered"] == [2, 3]
+    assert f.collective["unconfirmed"] == []
