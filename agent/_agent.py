@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from . import __version__
-from ._comm_timing import CommTiming, comm_hook
+from ._comm_timing import CommTiming, comm_hook, count_buffer_broadcast
 from ._device_clock import CudaEventClock
 from ._env import RankInfo
 from ._links import LinkSampler
@@ -269,10 +269,13 @@ class Stepwatch:
     def watch(self, model: Any, state: Any = None) -> None:
         """Time every gradient bucket of a DDP ``model`` on every step (arrival, end, bytes),
         with DDP's own all-reduce: ``sw.watch(ddp_model)`` before the first backward.
+        DDP's broadcast of module buffers before each forward is counted too (not
+        timed), so a hang diagnosis can tell a rank waiting in it from one that hung.
         A model that already has a communication hook keeps it: wrap that hook with
         ``stepwatch.comm_hook(inner=...)`` instead."""
         try:
             model.register_comm_hook(state, comm_hook(timing=self.comm_timing))
+            count_buffer_broadcast(model, self.comm_timing)
         except RuntimeError as exc:
             warnings.warn(
                 f"stepwatch: could not install the timing hook ({exc}); "

@@ -61,6 +61,7 @@ SEQ_RING = 256
 #: Op codes: indexes into ``wire.COLLECTIVE_OPS``.
 OP_CODES = {op: i for i, op in enumerate(COLLECTIVE_OPS)}
 ALL_REDUCE = OP_CODES["all_reduce"]
+BROADCAST = OP_CODES["broadcast"]
 
 
 class GroupSeq:
@@ -142,19 +143,11 @@ class CommTiming:
         ``group``, the slot its end goes to; -1 past the window's capacity), or None when
         nothing was recorded. ``op`` is an :data:`OP_CODES` value."""
         now = _perf()
-        g = self.seq.get(group)
-        if g is None and len(self.seq) < MAX_GROUPS:
-            g = self.seq[group] = GroupSeq()
-        n = 0
-        if g is not None:  # counted even past the window's capacity: a hang needs them
-            n = g.entered + 1
-            k = n % SEQ_RING
-            g.ops[k] = op
-            g.times[k] = now
-            g.entered = n
+        # Counted even past the window's capacity: a hang needs them.
+        n = self._count(group, op, now)
         first, i = self._position()
         if i >= self._cap:
-            return (n, -1) if g is not None else None
+            return (n, -1) if n else None
         step = first + i
         if self._step_of[i] != step:  # first collective of this step
             self._step_of[i] = step
@@ -170,6 +163,27 @@ class CommTiming:
         self._bytes[i] += nbytes
         self.used = True
         return n, k
+
+    def enter(self, group: str, op: int) -> tuple[int, int] | None:
+        """A collective the hook does not see began (DDP's buffer broadcast before each
+        forward): counted in ``group``'s sequence, not timed. Returns the token for
+        :meth:`done`, or None past :data:`MAX_GROUPS` groups."""
+        n = self._count(group, op, _perf())
+        return (n, -1) if n else None
+
+    def _count(self, group: str, op: int, now: float) -> int:
+        """Enter the next collective of ``group``: its sequence number (0: not counted)."""
+        g = self.seq.get(group)
+        if g is None:
+            if len(self.seq) >= MAX_GROUPS:
+                return 0
+            g = self.seq[group] = GroupSeq()
+        n = g.entered + 1
+        k = n % SEQ_RING
+        g.ops[k] = op
+        g.times[k] = now
+        g.entered = n
+        return n
 
     def done(self, token: tuple[int, int] | None, group: str) -> None:
         """The collective of ``token`` completed (any thread: one slot, one store)."""
@@ -330,8 +344,7 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
         token = None
         if t is not None:
             try:
-                pg = state if isinstance(state, dist.ProcessGroup) else None
-                group = str(getattr(pg, "group_name", "") or "world") if pg is not None else "world"
+                group = group_label(state if isinstance(state, dist.ProcessGroup) else None)
                 token = t.arrive(group, bucket.index(), buf.numel() * buf.element_size())
             except Exception:
                 token = None
@@ -359,3 +372,49 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
 
 def _first(f: Any) -> Any:
     return f.value()[0]
+
+
+def group_label(pg: Any) -> str:
+    """A process group's name on the wire: ``"world"`` for the default group (every rank
+    is a member: the collector's hang diagnosis counts a silent rank in it), else its
+    ``group_name``."""
+    import torch.distributed as dist
+
+    if pg is None or pg is dist.group.WORLD:
+        return "world"
+    return str(getattr(pg, "group_name", "") or "world")
+
+
+def count_buffer_broadcast(ddp: Any, timing: CommTiming) -> bool:
+    """Count DDP's broadcast of module buffers (rank 0's to every rank, before each
+    forward) in the group's collective sequence, beside the gradient buckets.
+
+    The comm hook does not see it, yet a rank blocks in it: with a peer hung before its
+    forward, some ranks wait in the broadcast while others (which got rank 0's buffers)
+    go on to the next all-reduce; without this count they look as if they never entered
+    that all-reduce, like the hung rank. Two forward pre-hooks bracket it: the outer
+    one on the DDP module runs before ``DDP.forward`` (which broadcasts first), the inner
+    one on the wrapped module after it. Returns whether the hooks were installed (a
+    model without buffers to sync, or not a DDP module, needs none).
+    """
+    will_sync = getattr(ddp, "will_sync_module_buffers", None)
+    inner = getattr(ddp, "module", None)
+    if will_sync is None or inner is None or not will_sync():
+        return False
+    group = group_label(getattr(ddp, "process_group", None))
+    pending: list[tuple[int, int] | None] = [None]
+
+    def before(_module: Any, _inputs: Any) -> None:
+        try:
+            pending[0] = timing.enter(group, BROADCAST) if will_sync() else None
+        except Exception:
+            pending[0] = None
+
+    def after(_module: Any, _inputs: Any) -> None:
+        token, pending[0] = pending[0], None
+        if token is not None:  # the inner module called through DDP, broadcast done
+            timing.done(token, group)
+
+    ddp.register_forward_pre_hook(before)
+    inner.register_forward_pre_hook(after)
+    return True

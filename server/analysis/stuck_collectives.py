@@ -1,26 +1,33 @@
 """Which collective a stopped run is stuck in, from each rank's sequence counters.
 
 Every rank's agent counts, per process group, the collectives it entered and completed
-(the communication hook), with the op and entry time of the one it is in, and keeps
-sending them while its training thread is blocked (heartbeats). A collective completes
-on no rank until every member entered it, so in a group whose members all stopped:
+(the communication hook, and DDP's buffer broadcast before each forward), with the op and
+entry time of the one it is in, and keeps sending them while its training thread is
+blocked (heartbeats). In a group whose members all stopped:
 
-- the stuck collective is ``N = max(completed) + 1``, the first one no member completed;
+- the stuck collective ``N`` is the oldest one a rank waits in: the least of
+  ``completed + 1`` over the ranks with a collective in flight (``entered > completed``);
 - the members with ``entered < N`` never entered it: they hold the others up (a rank
   hung outside any collective, sleeping in forward, or calling a different one);
-- the members with ``entered >= N`` wait in it, since the time they entered it.
+- the members with ``entered >= N`` that did not complete it wait in it, since the time
+  they entered it; those that completed it went past it. An all-reduce completes on no
+  rank until every member entered it, but a broadcast completes on a rank once the data
+  reached it: with a peer hung before its forward, the ranks that got rank 0's buffers
+  go on to the next all-reduce while the others wait in the broadcast. Taking
+  ``max(completed) + 1`` there would name the ranks still in the broadcast as never
+  having entered that all-reduce, beside the hung one.
 
 No member missing means every rank waits inside the collective: the fault is below the
-ranks (a transport, a link). The counters of a waiting rank count only when they came
-with a heartbeat read after the rank had finished no step for half the hang threshold
-(five median steps by default): a window's counters were read while it still stepped,
-and a heartbeat's of a rank that is only slow (windows a send interval and a step apart)
-may show a collective it is about to leave. A missing rank's
-counters are used as they are: a stale one can only be lower than its truth, and a rank
-that stopped before a collective its peers wait in has the lower count in any case; the
-diagnosis says which missing ranks are unconfirmed: no heartbeat (their process may be
-stuck with the interpreter held) or a count below what the others completed (they took
-part in those collectives, so the count is older than the rank).
+ranks (a transport, a link). The counters of a rank with ``entered >= N`` count only when
+they came with a heartbeat read after the rank had finished no step for half the hang
+threshold (five median steps by default): a window's counters were read while it still
+stepped, and a heartbeat's of a rank that is only slow (windows a send interval and a
+step apart) may show a collective it is about to leave. A missing rank's counters are
+used as they are: a stale one can only be lower than its truth, and a rank that stopped
+before a collective its peers wait in has the lower count in any case; the diagnosis says
+which missing ranks are unconfirmed: no heartbeat (their process may be stuck with the
+interpreter held) or a count below what the others completed (they took part in those
+collectives, so the count is older than the rank).
 
 Pure functions over plain data, as the rest of ``analysis``.
 """
@@ -35,6 +42,11 @@ from . import _format as fmt
 
 #: The default process group's name as the agent reports it: every rank is a member.
 WORLD = "world"
+#: Collectives that complete on a rank before every member entered them (a broadcast's
+#: receiver once the data reached it, a gather's sender once its part left): a rank may
+#: go past one its peers still wait in. An all-reduce, all-gather, reduce-scatter,
+#: all-to-all or barrier completes on no rank until all entered it.
+ONE_SIDED = frozenset({"broadcast", "reduce", "gather", "scatter", "send", "recv", "send_recv"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +83,8 @@ class StuckCollective:
     since: float | None
     #: Ranks among ``never_entered`` whose counters came with no heartbeat.
     unconfirmed: tuple[int, ...] = ()
+    #: Ranks that completed it (a broadcast's receivers) and wait in a later one.
+    went_past: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The event's ``evidence.collective``: JSON-ready."""
@@ -82,6 +96,7 @@ class StuckCollective:
             "waiting": list(self.waiting),
             "since": self.since,
             "unconfirmed": list(self.unconfirmed),
+            "went_past": list(self.went_past),
         }
 
     @classmethod
@@ -94,6 +109,7 @@ class StuckCollective:
             waiting=tuple(int(r) for r in data.get("waiting", ())),
             since=None if data.get("since") is None else float(data["since"]),
             unconfirmed=tuple(int(r) for r in data.get("unconfirmed", ())),
+            went_past=tuple(int(r) for r in data.get("went_past", ())),
         )
 
 
@@ -139,20 +155,31 @@ def describe(s: StuckCollective) -> str:
     who = fmt.ranks(s.never_entered)
     waits = f"{n} ranks wait" if n != 1 else "1 rank waits"
     text = f"{who} never entered {what}; {waits} in it{since}"
+    if s.went_past:
+        verb = "waits" if len(s.went_past) == 1 else "wait"
+        text += f" ({fmt.ranks(s.went_past)} went past it and {verb} in a later one)"
     if s.unconfirmed:
         text += f" ({fmt.ranks(s.unconfirmed)} sent no heartbeat: counters from its last window)"
     return text
 
 
 def _stuck(group: str, rows: dict[int, GroupCounters], min_idle_s: float) -> StuckCollective | None:
-    n = max(c.completed for c in rows.values()) + 1
-    waiting = sorted(r for r, c in rows.items() if c.entered >= n)
-    if not waiting or any(not rows[r].stopped(min_idle_s) for r in waiting):
-        return None  # nobody inside it, or not known to be still inside it
+    # Only where it stopped tells which one a rank waits in (a window's counters may be
+    # older than the rank: a collective it has long left).
+    in_flight = [c.completed + 1 for c in rows.values() if c.entered > c.completed and c.stopped(min_idle_s)]
+    if not in_flight:
+        return None  # nobody known to be inside a collective
+    n = min(in_flight)
+    if any(not c.stopped(min_idle_s) for c in rows.values() if c.entered >= n):
+        return None  # not known to be still inside it
     missing = sorted(r for r, c in rows.items() if c.entered < n)
-    # The waiting ranks' counters describe collective n when it is the oldest in flight.
-    inside = [rows[r] for r in waiting if rows[r].completed == n - 1]
+    waiting = sorted(r for r, c in rows.items() if c.entered >= n and c.completed < n)
+    went_past = tuple(sorted(r for r, c in rows.items() if c.completed >= n))
+    # A waiting rank's counters describe collective n: the oldest one it has in flight.
+    inside = [rows[r] for r in waiting]
     ops = sorted({c.op for c in inside if c.op is not None})
+    if went_past and not (ops and set(ops) <= ONE_SIDED):
+        return None  # a symmetric collective completed by one rank: the waiting ones moved on
     times = [c.since for c in inside if c.since is not None]
     return StuckCollective(
         group=group,
@@ -164,4 +191,5 @@ def _stuck(group: str, rows: dict[int, GroupCounters], min_idle_s: float) -> Stu
         # No heartbeat, or counters below what others completed (the rank took part in
         # those collectives, so they are older than its truth).
         unconfirmed=tuple(r for r in missing if not rows[r].stopped(min_idle_s) or rows[r].entered < n - 1),
+        went_past=went_past,
     )

@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -217,6 +218,14 @@ def _niced(nice: int) -> list[str]:
     return ["nice", "-n", str(nice)] if nice else []
 
 
+def autogroup_nice(text: str) -> str | None:
+    """The niceness in ``/proc/self/autogroup`` ("/autogroup-103 nice 0"), or None where the
+    kernel keeps no autogroup for the process (the file empty, as on some CI machines with
+    ``sched_autogroup_enabled=0``): nothing to weigh then."""
+    m = re.fullmatch(r"/autogroup-\d+ nice (-?\d+)", text.strip())
+    return m.group(1) if m else None
+
+
 @contextlib.contextmanager
 def _session_niceness(nice: int) -> Iterator[None]:
     """The niceness of this process' scheduler autogroup, for the ``with`` block.
@@ -230,11 +239,16 @@ def _session_niceness(nice: int) -> Iterator[None]:
     """
     path = "/proc/self/autogroup"
     before: str | None = None
-    if nice and os.path.exists(path):
-        with open(path) as f:
-            before = f.read().split()[-1]  # "/autogroup-103 nice 0"
-        with open(path, "w") as f:
-            f.write(str(nice))
+    if nice:
+        try:
+            with open(path) as f:
+                current = autogroup_nice(f.read())
+            if current is not None:
+                with open(path, "w") as f:
+                    f.write(str(nice))
+                before = current
+        except OSError:
+            before = None  # no autogroup file, or not allowed: per-process niceness only
     try:
         yield
     finally:

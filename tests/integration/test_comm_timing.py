@@ -15,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compr
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from stepwatch import comm_hook
-from stepwatch._comm_timing import CommTiming, summarise
+from stepwatch._comm_timing import CommTiming, count_buffer_broadcast, summarise
 from stepwatch.demo.model import GPTConfig, TinyGPT, loss_fn
 
 RANKS, STEPS = 4, 3
@@ -64,6 +64,24 @@ def _worker(rank: int, init: str, out: str) -> None:
     result["buckets"] = list(slices.n_buckets)
     result["seq"] = timing.groups()
     result["section"] = section
+    # DDP's broadcast of the model's buffers (TinyGPT's causal mask) before each forward
+    # is counted in the sequence, between the steps' all-reduces; a call of the wrapped
+    # module outside DDP broadcasts nothing and counts nothing.
+    bt = CommTiming(16, lambda: (pos[0], pos[1]))
+    torch.manual_seed(0)
+    c = DDP(TinyGPT(CFG), bucket_cap_mb=0.01)
+    c.register_comm_hook(None, comm_hook(timing=bt))
+    result["broadcast_hooked"] = count_buffer_broadcast(c, bt)
+    for step in range(2):
+        pos[1] = step
+        x = torch.randint(1, CFG.vocab, (4, CFG.seq_len))
+        loss_fn(c(x), x, 0).backward()  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        c.module(x)
+    bslices = bt.take(2)
+    assert bslices is not None
+    result["broadcast_buckets"] = list(bslices.n_buckets)
+    result["broadcast_seq"] = bt.groups()
     with open(out.format(rank=rank), "w") as f:
         json.dump(result, f)
     # Every rank leaves together, as the demo's ranks do: a gloo rank that tears its group
@@ -97,5 +115,8 @@ def test_hook_keeps_gradients_bit_identical_and_times_every_bucket(tmp_path: Pat
         assert all(v is not None and v >= 0 for k in ("arrive_s", "end_s", "sync_s") for v in sec[k])
         assert all(e >= a for a, e in zip(sec["arrive_s"], sec["end_s"], strict=True))
         assert sec["cpu_s"][0] is None and all(v is not None and v > 0 for v in sec["cpu_s"][1:])
+        (bseq,) = r["broadcast_seq"]
+        assert r["broadcast_hooked"] is True
+        assert bseq["entered"] == bseq["completed"] == sum(r["broadcast_buckets"]) + 2, bseq
     # The same bytes on every rank: one collective is one collective everywhere.
     assert len({r["section"]["collectives"][0]["bytes"] for r in results}) == 1

@@ -153,6 +153,7 @@ def test_the_rank_that_never_entered_the_collective_its_peers_wait_in_is_named()
         "waiting": [0, 1, 2, 3, 4, 6, 7],
         "since": NOW - 200.0,
         "unconfirmed": [],
+        "went_past": [],
     }
     when = time.strftime("%H:%M:%S", time.gmtime(NOW - 200.0))
     assert f.message == (
@@ -265,3 +266,28 @@ def test_a_heartbeat_read_soon_after_the_last_step_is_no_evidence_of_where_the_r
     [f] = check_hang(NOW, last, median_step_s=2.0, floor_s=60.0, collectives=rows)
     assert f.collective is not None and f.collective["never_entered"] == [2, 3]
     assert f.collective["unconfirmed"] == []
+
+
+def test_ranks_past_a_broadcast_their_peers_wait_in_are_not_named_as_never_entering_the_next() -> None:
+    # DDP broadcasts buffers from rank 0 before each forward (#46), then all-reduces (#47).
+    # Rank 1 hung before its forward; rank 2 got rank 0's buffers and waits in #47; ranks
+    # 0 and 3 wait in the broadcast. Rank 1 alone never entered the stuck collective.
+    rows = [
+        GroupCounters(0, WORLD, 46, 45, "broadcast", NOW - 200.0, True, IDLE),
+        GroupCounters(1, WORLD, 45, 45, "all_reduce", NOW - 201.0, True, IDLE),
+        GroupCounters(2, WORLD, 47, 46, "all_reduce", NOW - 199.0, True, IDLE),
+        GroupCounters(3, WORLD, 46, 45, "broadcast", NOW - 199.5, True, IDLE),
+    ]
+    [s] = stuck_collectives(rows, range(4))
+    assert (s.op, s.seq, s.never_entered, s.waiting, s.went_past) == ("broadcast", 46, (1,), (0, 3), (2,))
+    assert describe(s).startswith("rank 1 never entered broadcast #46 of group world; 2 ranks wait in it")
+    assert "rank 2 went past it" in describe(s)
+    assert StuckCollective.from_dict(s.to_dict()) == s
+    # Past an all-reduce nobody can go while a peer never entered it: such counters are
+    # inconsistent (the waiting ranks' are older than the one that went past), no diagnosis.
+    symmetric = [replace(c, op="all_reduce") if c.rank in (0, 3) else c for c in rows]
+    assert stuck_collectives(symmetric, range(4)) == []
+    # A rank's counters from a window (not where it stopped) do not choose the collective.
+    stale = [*rows[:1], replace(rows[1], entered=44, completed=43, heartbeat=False), *rows[2:]]
+    [s] = stuck_collectives(stale, range(4))
+    assert (s.seq, s.never_entered, s.unconfirmed) == (46, (1,), (1,))
