@@ -45,6 +45,7 @@ def _worker_config(settings: Settings) -> WorkerConfig:
         horizon_s=settings.analysis_horizon_s,
         hang_k=settings.hang_k,
         hang_floor_s=settings.hang_floor_s,
+        hang_startup_s=settings.hang_startup_s,
         regressions=RegressionConfig(
             baseline_samples=settings.analysis_baseline_windows,
             baseline_max=max(RegressionConfig().baseline_max, settings.analysis_baseline_windows),

@@ -87,6 +87,8 @@ class Settings(BaseSettings):
     #: A hang is no step for longer than max(hang_k x median step time, hang_floor_s).
     hang_k: float = Field(default=10.0, gt=0)
     hang_floor_s: float = Field(default=60.0, ge=0)
+    #: The threshold while a run has no step past its warm-up (compilation, first steps).
+    hang_startup_s: float = Field(default=600.0, ge=0)
 
     # -- webhook for flags that open or close (optional) --
     webhook_url: str | None = None

@@ -3,8 +3,14 @@
 The threshold is ``max(k * median step time, floor_s)`` (defaults k = 10, floor 60 s): ten
 ordinary steps is long enough that a checkpoint or an evaluation pass rarely trips it on
 jobs with long steps, and the floor keeps a 2 s-step job from paging after 20 s of a
-routine checkpoint. Checking is stateless: call :func:`check_hang` on a timer with the
-time each rank last reported a step; a hang is open while the check returns it, closed
+routine checkpoint. Before the run's step time is known (only warm-up steps so far) the
+threshold is ``startup_s`` (default: the floor; the collector's is 10 min): a first step
+takes as long as compilation, lazy initialisation and the first bucket rebuild take, on
+a loaded machine many ordinary steps, and no silence then says more than that the run
+is starting (NVRx keeps the same two timeouts, initial and subsequent).
+
+Checking is stateless: call :func:`check_hang` on a timer with the time each rank last
+reported a step; a hang is open while the check returns it, closed
 when it stops returning it.
 
 In synchronous training one stuck rank stops every rank at the next collective, so a
@@ -34,10 +40,13 @@ from .stuck_collectives import GroupCounters, StuckCollective, describe, stuck_c
 from .types import Finding
 
 
-def hang_threshold_s(median_step_s: float | None, k: float = 10.0, floor_s: float = 60.0) -> float:
-    """``max(k * median_step_s, floor_s)``; the floor alone while no step time is known."""
+def hang_threshold_s(
+    median_step_s: float | None, k: float = 10.0, floor_s: float = 60.0, startup_s: float | None = None
+) -> float:
+    """``max(k * median_step_s, floor_s)``; ``max(startup_s, floor_s)`` while no step time
+    is known (``startup_s`` None: the floor)."""
     if median_step_s is None or median_step_s <= 0:
-        return floor_s
+        return max(floor_s, startup_s or 0.0)
     return max(k * median_step_s, floor_s)
 
 
@@ -53,6 +62,7 @@ def check_hang(
     last_step_by_rank: Mapping[int, int] | None = None,
     collectives: Sequence[GroupCounters] = (),
     live_ranks: Sequence[int] | None = None,
+    startup_s: float | None = None,
 ) -> list[Finding]:
     """Flags for a hung run (one) or for silent ranks of a run still stepping.
 
@@ -63,7 +73,7 @@ def check_hang(
     """
     if not last_step_time_by_rank:
         return []
-    threshold = hang_threshold_s(median_step_s, k, floor_s)
+    threshold = hang_threshold_s(median_step_s, k, floor_s, startup_s)
     hosts = host_by_rank or {}
     steps = last_step_by_rank or {}
     silent = {r: now - t for r, t in last_step_time_by_rank.items()}

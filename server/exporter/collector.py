@@ -151,7 +151,10 @@ class RunStateCollector(Collector):
                 self._update_baseline(conn, h, m, tail[h.id].last_step)
             views.append(replace(ranks[h.id], status=states[h.id].status))
         identity = read.rank_identity(conn, {v.head.id: v.selected for v in views})
-        return [_snapshot(v, mem[v.head.id], steps[v.head.id], totals[v.head.id], identity) for v in views]
+        rule = self.config.status_rule
+        return [
+            _snapshot(v, mem[v.head.id], steps[v.head.id], totals[v.head.id], identity, rule) for v in views
+        ]
 
     def _update_baseline(self, conn: Connection, h: RunInfo, m: _Memory, last_step: int | None) -> None:
         rows = read.first_untagged_steps(conn, h.id, self.config.baseline_steps)
@@ -295,6 +298,7 @@ def _snapshot(
     steps: list[state.JobStepSums],
     totals: dict[str, int],
     identity: dict[tuple[int, int], tuple[str, int]],
+    rule: StatusRule,
 ) -> state.RunSnapshot:
     h = v.head
 
@@ -331,7 +335,7 @@ def _snapshot(
         status=v.status,
         rates=state.current_rates(steps, h.dp_size),
         baseline=m.baseline,
-        hang_threshold_s=state.hang_threshold(steps, m.longest_tagged_s) if steps else None,
+        hang_threshold_s=state.hang_threshold(steps, m.longest_tagged_s, rule) if steps else None,
         tagged=state.tagged_counts(steps),
         breakdown=v.breakdown,
         overlap_ratio=v.overlap,

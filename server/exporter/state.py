@@ -31,9 +31,8 @@ from typing import Any
 from stepwatch import wire
 from stepwatch.flops import per_token_rate
 
-from ..analysis.hangs import hang_threshold_s
 from ..analysis.robust import median
-from ..reads.status import RunStatus
+from ..reads.status import DEFAULT_RULE, RunStatus, StatusRule
 from ..storage.columns import window_of
 
 #: The step tags (stored code = index + 1), as the ``tag`` label of the tagged-steps series.
@@ -287,12 +286,13 @@ def longest_tagged_step(rows: Iterable[JobStepSums]) -> float:
 
 
 def hang_threshold(
-    rows: Iterable[JobStepSums], longest_tagged_s: float, *, k: float = 10.0, floor_s: float = 60.0
+    rows: Iterable[JobStepSums], longest_tagged_s: float, rule: StatusRule = DEFAULT_RULE
 ) -> float:
-    """The analysis' hang threshold (``max(k x median step, floor)``), widened so that a
-    checkpoint or evaluation as long as the longest one seen is not taken for a hang."""
+    """The analysis' hang threshold (``max(k x median step, floor)``, the startup allowance
+    before any step past warm-up), widened so that a checkpoint or evaluation as long as the
+    longest one seen is not taken for a hang."""
     times = [r.step_time_s for r in rows if r.tag == 0 and r.usable]
-    base = hang_threshold_s(median(times) if times else None, k, floor_s)
+    base = rule.threshold_s(median(times) if times else None)
     return max(base, TAGGED_STEP_SLACK * longest_tagged_s)
 
 

@@ -57,13 +57,19 @@ class StatusRule:
 
     k: float = 10.0
     floor_s: float = 60.0
+    startup_s: float = 600.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> StatusRule:
-        return cls(k=settings.hang_k, floor_s=settings.hang_floor_s)
+        return cls(k=settings.hang_k, floor_s=settings.hang_floor_s, startup_s=settings.hang_startup_s)
+
+    def threshold_s(self, median_step_s: float | None) -> float:
+        """The analysis' hang threshold for a run of this median step time (None: none
+        known past warm-up yet)."""
+        return hang_threshold_s(median_step_s, self.k, self.floor_s, self.startup_s)
 
 
-#: The analysis's own defaults (``Settings.hang_k``, ``Settings.hang_floor_s``).
+#: The analysis's own defaults (``Settings.hang_k``, ``hang_floor_s``, ``hang_startup_s``).
 DEFAULT_RULE = StatusRule()
 
 
@@ -92,7 +98,7 @@ def classify(
         return "finished"
     if open_hang:
         return "hung"
-    if last_seen is None or now - last_seen > hang_threshold_s(step_time_s, rule.k, rule.floor_s):
+    if last_seen is None or now - last_seen > rule.threshold_s(step_time_s):
         return "stalled"
     return "live"
 

@@ -69,6 +69,7 @@ class WorkerConfig:
     max_batches_per_run: int = 16
     hang_k: float = 10.0
     hang_floor_s: float = 60.0
+    hang_startup_s: float = 600.0
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     regressions: RegressionConfig = field(default_factory=RegressionConfig)
 
@@ -291,7 +292,9 @@ class AnalysisWorker:
             # batch stays a per-rank flag instead of turning into a hang of the whole run.
             seen = {r.rank: (r.last_seen if not r.progress.finished else now) for r in ranks}
             median_step = inputs.recent_step_time(conn, run.id)
-            threshold = hang_threshold_s(median_step, self.config.hang_k, self.config.hang_floor_s)
+            threshold = hang_threshold_s(
+                median_step, self.config.hang_k, self.config.hang_floor_s, self.config.hang_startup_s
+            )
             # The counters are read only when some rank is silent past the threshold.
             silent = now - min(seen.values()) > threshold
             current = check_hang(
@@ -305,6 +308,7 @@ class AnalysisWorker:
                 last_step_by_rank={r.rank: r.last_step for r in ranks},
                 collectives=inputs.group_counters(conn, run.id) if silent else (),
                 live_ranks=[r.rank for r in live],
+                startup_s=self.config.hang_startup_s,
             )
         stored = open_hangs(conn, run.id)
         # One stop of the run is one event: its first step is the lowest last step of

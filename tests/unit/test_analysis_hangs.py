@@ -291,3 +291,15 @@ def test_ranks_past_a_broadcast_their_peers_wait_in_are_not_named_as_never_enter
     stale = [*rows[:1], replace(rows[1], entered=44, completed=43, heartbeat=False), *rows[2:]]
     [s] = stuck_collectives(stale, range(4))
     assert (s.seq, s.never_entered, s.unconfirmed) == (46, (1,), (1,))
+
+
+def test_before_any_step_past_warm_up_the_startup_allowance_is_the_threshold() -> None:
+    # A first step on a loaded machine (compilation, lazy init, the first bucket rebuild)
+    # takes many ordinary steps: no hang while the run has no step time yet.
+    assert hang_threshold_s(None, 10.0, 5.0, startup_s=60.0) == 60.0
+    assert hang_threshold_s(None, 10.0, 90.0, startup_s=60.0) == 90.0  # never below the floor
+    assert hang_threshold_s(0.5, 10.0, 5.0, startup_s=60.0) == 5.0  # a step time known: the rule
+    last = dict.fromkeys(range(4), NOW - 30.0)
+    assert check_hang(NOW, last, None, 10.0, 5.0, startup_s=60.0) == []
+    [f] = check_hang(NOW, last, 0.2, 10.0, 5.0, startup_s=60.0)
+    assert f.key == "hang:run"

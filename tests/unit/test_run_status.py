@@ -19,7 +19,8 @@ NOW = 1_000_000.0
         (0, False, 59.0, 0.5, "live"),
         (0, False, 90.0, 10.0, "live"),  # 10 x a 10 s step is 100 s
         (0, False, 101.0, 10.0, "stalled"),
-        (0, False, 61.0, None, "stalled"),  # the floor alone while no step time is known
+        (0, False, 61.0, None, "live"),  # the startup allowance while no step time is known
+        (0, False, 601.0, None, "stalled"),
     ],
 )
 def test_classify(finished: int, hang: bool, silent_s: float, step_s: float | None, expected: str) -> None:
