@@ -24,9 +24,13 @@ demo: venv
 
 # Lint and type checks run inside the test suite (tests/test_quality.py). The preflight
 # installs the system packages the tests need (root with apt-get) or stops at once with one
-# line naming them (tools/preflight).
+# line naming them (tools/preflight). The tests without real training (databases, HTTP,
+# subprocesses: mostly waiting) run on both cores; then the real-training ones (marked
+# e2e) alone, one at a time, so that the only load they share the cores with is the CPU
+# burner they start themselves.
 test: preflight venv
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 -m "not e2e"
+	$(PY) -m pytest -m e2e
 
 preflight:
 	@tools/preflight
