@@ -327,6 +327,8 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
     """
     import torch.distributed as dist
 
+    from ._collectives import Quiet
+
     bound: list[CommTiming | None] = [timing]
 
     def _timing() -> CommTiming | None:
@@ -348,13 +350,16 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
                 token = t.arrive(group, bucket.index(), buf.numel() * buf.element_size())
             except Exception:
                 token = None
-        if inner is None:
-            pg = state if state is not None else dist.group.WORLD
-            # The built-in reducer's scaling: a multiplication by 1/size (not a division).
-            buf.mul_(1.0 / dist.get_world_size(pg))
-            fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
-        else:
-            fut = inner(state, bucket)
+        # The bucket is counted here: the collective-counting wrappers
+        # (``_collectives``, when installed) must not count its all-reduce again.
+        with Quiet():
+            if inner is None:
+                pg = state if state is not None else dist.group.WORLD
+                # The built-in reducer's scaling: a multiplication by 1/size (not a division).
+                buf.mul_(1.0 / dist.get_world_size(pg))
+                fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
+            else:
+                fut = inner(state, bucket)
         if token is None:
             return fut if inner is not None else fut.then(_first)
 
