@@ -40,6 +40,11 @@ region calls the original), and collectives issued from C++ (DDP's reducer: the 
 hook counts those). Calls inside a DDP comm hook are not counted again: the hook counts
 the bucket itself.
 
+Every process group this rank is a member of (torch's group registry, read on the
+sender thread) is listed at 0 entered until its first collective: a member that hangs
+before calling any collective of a group is then named as never having entered the
+group's first one, instead of being absent from the group.
+
 Cost: one clock read, a dict look-up and a few stores per call, nothing kept per call
 beyond the preallocated ring (``benchmarks/collective_counting.py`` measures it against
 the unwrapped call). Nothing here raises into training: a counting failure only loses
@@ -107,6 +112,7 @@ def install(timing: CommTiming) -> bool:
     second call only moves the counting to ``timing``). Returns whether the wrappers are
     in place (False where ``torch.distributed`` is unavailable or failed to wrap)."""
     _target[0] = timing
+    timing.known_groups = _member_groups
     if _originals:
         return True
     try:
@@ -188,6 +194,15 @@ def _label(pg: Any) -> str:
     return label
 
 
+def _member_groups() -> list[str]:
+    """The labels of the process groups this rank is a member of (torch keeps only
+    those in its registry; sender thread: a copy of the registry's keys)."""
+    dist = _dist[0]
+    if dist is None:
+        return []
+    return [_label(pg) for pg in list(dist.distributed_c10d._world.pg_names)]
+
+
 def _collective_wrapper(orig: Callable[..., Any], params: list[str], op_name: str) -> Callable[..., Any]:
     op = OP_CODES[op_name]
     gi = _index(params, "group")
@@ -205,7 +220,7 @@ def _collective_wrapper(orig: Callable[..., Any], params: list[str], op_name: st
             pg = args[gi] if len(args) > gi else kwargs.get("group")
             async_op = bool(args[ai] if len(args) > ai else kwargs.get("async_op", False))
             # A rank outside ``pg`` calls a collective of it as a no-op: nothing to count.
-            if pg is not _dist[1]:
+            if pg != _dist[1]:
                 group = _label(pg)
                 token = t.enter(group, op)
         except Exception:
@@ -244,7 +259,7 @@ def _p2p_wrapper(
             group_peer = args[gpi] if len(args) > gpi else kwargs.get(group_peer_arg)
             if peer is None and group_peer is not None:
                 peer = dist.get_global_rank(pg if pg is not None else dist.group.WORLD, group_peer)
-            if peer is not None and pg is not _dist[1]:
+            if peer is not None and pg != _dist[1]:
                 me = dist.get_rank()
                 lo, hi = (me, peer) if me < peer else (peer, me)
                 group = f"{_label(pg)}:p2p:{lo}-{hi}"
