@@ -81,6 +81,30 @@ def test_install_moves_the_counting_release_stops_it_uninstall_restores(world: N
     assert dist.broadcast is orig
 
 
+def test_init_with_collectives_counts_into_the_new_agent_and_closing_it_stops(world: None) -> None:
+    import stepwatch
+
+    sw = stepwatch.init(
+        run="wrap-init",
+        url="http://127.0.0.1:9",
+        collectives=True,
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        profile_every=0,
+        flush_timeout_s=0.1,
+    )
+    try:
+        dist.all_reduce(torch.ones(2))
+        dist.barrier(async_op=True).wait()
+        assert _world(sw.comm_timing) == (2, 2)
+        assert sw.comm_timing.groups()[0]["op"] == "barrier"
+    finally:
+        sw.close(0.1)
+    dist.all_reduce(torch.ones(2))
+    assert _world(sw.comm_timing) == (2, 2)
+
+
 def test_a_closed_agent_stops_counting(world: None) -> None:
     import stepwatch
     from stepwatch._env import detect
