@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from . import __version__
+from . import __version__, _collectives
 from ._comm_timing import CommTiming, comm_hook, count_buffer_broadcast
 from ._device_clock import CudaEventClock
 from ._env import RankInfo
@@ -284,6 +284,18 @@ class Stepwatch:
                 stacklevel=2,
             )
 
+    def watch_collectives(self) -> bool:
+        """Count the plain ``torch.distributed`` collectives this process calls (tensor and
+        pipeline parallel code, FSDP2's all-gathers and reduce-scatters) per process group,
+        beside DDP's buckets, so that a hang in them is diagnosed as one in DDP is: which
+        rank never entered which collective. Wraps the ``torch.distributed`` module
+        functions; what that does not see is in ``stepwatch._collectives``. Returns
+        whether the wrappers are in place."""
+        try:
+            return _collectives.install(self.comm_timing)
+        except Exception:
+            return False
+
     # -- data loading --------------------------------------------------------------
     def loader(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield from ``iterable``, charging the time spent waiting for each item to the
@@ -357,6 +369,7 @@ class Stepwatch:
             self._disable(exc)
             return False
         finally:
+            _collectives.release(self.comm_timing)
             atexit.unregister(self._atexit)
 
     def _drain_profiler(self, timeout_s: float | None) -> float:

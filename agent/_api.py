@@ -77,6 +77,7 @@ def init(
     profile_budget: float | None = None,
     sample_batch: object = None,
     loss_fn: Callable[[Any], Any] | None = None,
+    collectives: bool = False,
 ) -> Stepwatch:
     """Set up the agent for this process and return its handle.
 
@@ -96,6 +97,8 @@ def init(
     backward of the real model). ``profile_every``/``profile_steps``/``profile_budget``
     set the profiler window (see ``stepwatch.profiler._window``; ``profile_every=0`` turns it off).
     A ``DistributedDataParallel`` ``model`` gets the timing hook (``Stepwatch.watch``).
+    ``collectives=True`` also counts plain ``torch.distributed`` collectives (tensor and
+    pipeline parallel, FSDP2) for the hang diagnosis (``Stepwatch.watch_collectives``).
     """
     global _current
     plan = _plan(target_tokens, deadline, config_fingerprint, baseline_run)
@@ -156,6 +159,8 @@ def init(
         _dtype.watch_first_forward(model, _autocast_seen(_current))
     if _is_ddp(model):  # always-on collective timing, with DDP's own all-reduce
         _current.watch(model)
+    if collectives and cfg.enabled:
+        _current.watch_collectives()
     return _current
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +132,10 @@ class CommTiming:
         #: Per process group: collectives entered and completed (see :class:`GroupSeq`);
         #: the sequence numbers a hang diagnosis needs (which rank never entered which one).
         self.seq: dict[str, GroupSeq] = {}
+        #: The groups this rank is a member of (``_collectives``: from torch's registry),
+        #: listed at 0 entered before their first collective: a member that never
+        #: entered one is then named by the hang diagnosis, not absent from the group.
+        self.known_groups: Callable[[], Iterable[str]] | None = None
         self.used = False
         self._cpu_prev: float | None = None  # sender thread: CPU clock at the previous step
 
@@ -177,7 +181,8 @@ class CommTiming:
         if g is None:
             if len(self.seq) >= MAX_GROUPS:
                 return 0
-            g = self.seq[group] = GroupSeq()
+            # setdefault: the sender thread may add the same group (``known_groups``).
+            g = self.seq.setdefault(group, GroupSeq())
         n = g.entered + 1
         k = n % SEQ_RING
         g.ops[k] = op
@@ -197,6 +202,14 @@ class CommTiming:
 
     def groups(self) -> list[dict[str, Any]]:
         """Every counted group's wire entry, now (sender thread)."""
+        known = self.known_groups
+        if known is not None:
+            try:
+                for name in known():
+                    if name not in self.seq and len(self.seq) < MAX_GROUPS:
+                        self.seq.setdefault(name, GroupSeq())
+            except Exception:
+                pass  # torch's registry changed under us: the next read lists them
         offset = _wall() - _perf()
         return [g.state(name, offset) for name, g in sorted(self.seq.items())]
 
@@ -327,6 +340,8 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
     """
     import torch.distributed as dist
 
+    from ._collectives import Quiet
+
     bound: list[CommTiming | None] = [timing]
 
     def _timing() -> CommTiming | None:
@@ -348,13 +363,16 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
                 token = t.arrive(group, bucket.index(), buf.numel() * buf.element_size())
             except Exception:
                 token = None
-        if inner is None:
-            pg = state if state is not None else dist.group.WORLD
-            # The built-in reducer's scaling: a multiplication by 1/size (not a division).
-            buf.mul_(1.0 / dist.get_world_size(pg))
-            fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
-        else:
-            fut = inner(state, bucket)
+        # The bucket is counted here: the collective-counting wrappers
+        # (``_collectives``, when installed) must not count its all-reduce again.
+        with Quiet():
+            if inner is None:
+                pg = state if state is not None else dist.group.WORLD
+                # The built-in reducer's scaling: a multiplication by 1/size (not a division).
+                buf.mul_(1.0 / dist.get_world_size(pg))
+                fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
+            else:
+                fut = inner(state, bucket)
         if token is None:
             return fut if inner is not None else fut.then(_first)
 

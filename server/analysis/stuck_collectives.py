@@ -34,6 +34,7 @@ Pure functions over plain data, as the rest of ``analysis``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,8 @@ from . import _format as fmt
 
 #: The default process group's name as the agent reports it: every rank is a member.
 WORLD = "world"
+#: A point-to-point sequence's name ends with the pair of ranks it is between.
+P2P = re.compile(r":p2p:(\d+)-(\d+)$")
 #: Collectives that complete on a rank before every member entered them (a broadcast's
 #: receiver once the data reached it, a gather's sender once its part left): a rank may
 #: go past one its peers still wait in. An all-reduce, all-gather, reduce-scatter,
@@ -119,7 +122,9 @@ def stuck_collectives(
     """Every group with a collective that some member waits in and none completed.
 
     ``ranks`` are the run's ranks, all members of :data:`WORLD` (one without a row
-    entered nothing there yet); other groups' members are the ranks that reported them.
+    entered nothing there yet); a point-to-point pair's members are its two ranks; other
+    groups' members are the ranks that reported them (the agent lists every group a rank
+    belongs to, at 0 before its first collective there).
     A rank that finished is a member too: a peer waiting for it waits for ever. Counters
     count as where a rank stopped when a heartbeat read them ``min_idle_s`` or more after
     its last step (a heartbeat of a rank that is merely slow shows a collective it will
@@ -131,9 +136,9 @@ def stuck_collectives(
         by_group.setdefault(c.group, {})[c.rank] = c
     out = []
     for group, rows in by_group.items():
-        if group == WORLD:
-            for r in set(ranks) - rows.keys():
-                rows[r] = GroupCounters(r, group, 0, 0, heartbeat=False)
+        members = set(ranks) if group == WORLD else set(_pair(group))
+        for r in members - rows.keys():  # a member with no row entered nothing there yet
+            rows[r] = GroupCounters(r, group, 0, 0, heartbeat=False)
         stuck = _stuck(group, rows, min_idle_s)
         if stuck is not None:
             out.append(stuck)
@@ -161,6 +166,13 @@ def describe(s: StuckCollective) -> str:
     if s.unconfirmed:
         text += f" ({fmt.ranks(s.unconfirmed)} sent no heartbeat: counters from its last window)"
     return text
+
+
+def _pair(group: str) -> tuple[int, ...]:
+    """The two ranks of a point-to-point sequence (the agent names it
+    ``<group>:p2p:<lo>-<hi>``): both are members even if one never sent or received."""
+    m = P2P.search(group)
+    return (int(m[1]), int(m[2])) if m else ()
 
 
 def _stuck(group: str, rows: dict[int, GroupCounters], min_idle_s: float) -> StuckCollective | None:

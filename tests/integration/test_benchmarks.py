@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import agent_overhead, ingest, loadgen, metrics_scrape, profiler_window, query, run_listing
+from benchmarks import (
+    agent_overhead,
+    collective_counting,
+    ingest,
+    loadgen,
+    metrics_scrape,
+    profiler_window,
+    query,
+    run_listing,
+)
 from benchmarks.__main__ import discover
 from stepwatch_server.schemas.ingest import IngestPayload
 
@@ -14,6 +23,7 @@ from stepwatch_server.schemas.ingest import IngestPayload
 def test_every_benchmark_is_discovered() -> None:
     assert {
         "agent_overhead",
+        "collective_counting",
         "comm_timing",
         "hot_path",
         "ingest",
@@ -38,8 +48,9 @@ def test_load_generator_payloads_are_valid_batches() -> None:
         (query, ["--days", "1", "--ranks", "16"], "run overview"),
         (run_listing, ["--runs", "120"], "scrape_s"),
         (metrics_scrape, ["--ranks", "8,16", "--scrapes", "1", "--rounds", "1"], "ratio"),
+        (collective_counting, ["--rounds", "1", "--calls", "20"], "counted/plain"),
     ],
-    ids=["ingest", "query", "run_listing", "metrics_scrape"],
+    ids=["ingest", "query", "run_listing", "metrics_scrape", "collective_counting"],
 )
 def test_benchmark_runs(
     bench: object, args: list[str], says: str, capsys: pytest.CaptureFixture[str]

@@ -303,3 +303,12 @@ def test_before_any_step_past_warm_up_the_startup_allowance_is_the_threshold() -
     assert check_hang(NOW, last, None, 10.0, 5.0, startup_s=60.0) == []
     [f] = check_hang(NOW, last, 0.2, 10.0, 5.0, startup_s=60.0)
     assert f.key == "hang:run"
+
+
+def test_a_pipeline_pair_whose_one_rank_never_sent_names_that_rank() -> None:
+    # Rank 3 waits in a recv from rank 2 that never sent anything to it: rank 2 has no row
+    # in the pair's sequence, and is still its member.
+    rows = [GroupCounters(3, "world:p2p:2-3", 1, 0, "recv", NOW - 200.0, True, IDLE)]
+    [s] = stuck_collectives(rows, range(4))
+    assert (s.group, s.op, s.seq, s.never_entered, s.waiting) == ("world:p2p:2-3", "recv", 1, (2,), (3,))
+    assert s.unconfirmed == (2,)  # no heartbeat of rank 2 in that sequence
