@@ -208,11 +208,16 @@ def _read_ranks(
     selected (flagged and slowest) ranks only."""
     newest = {h.id: state.windows_in_view(tail[h.id].last_step, h.window_steps)[1] for h in heads}
     prev = {i: max(0, w - 1) for i, w in newest.items()}
-    census = read.window_census(conn, {i: (prev[i], w) for i, w in newest.items()})
+    # The previous window of each run, and the newest only where the previous has no row.
+    at_prev = read.window_census(conn, prev)
+    first = {i: w for i, w in newest.items() if i not in at_prev and w != prev[i]}
+    at_newest = read.window_census(conn, first)
+    census = {i: {prev[i]: c} for i, c in at_prev.items()} | {i: {newest[i]: c} for i, c in at_newest.items()}
     ws = {h.id: h.window_steps for h in heads}
     reporting = read.reporting_ranks(conn, {i: w * ws[i] + (1 if w else 0) for i, w in prev.items()})
     complete = {
-        i: state.complete_window({w: c.ranks for w, c in census[i].items()}, w) for i, w in newest.items()
+        i: state.complete_window({w: c.ranks for w, c in census.get(i, {}).items()}, w)
+        for i, w in newest.items()
     }
     profiled_at = {h.id: w for h in heads if (w := tail[h.id].last_profiled_window) is not None}
     profiled = read.profiled_summary(conn, profiled_at)
@@ -221,7 +226,7 @@ def _read_ranks(
     none: tuple[int, float, read.Quantiles | None, int | None] = (0, 0.0, None, None)
     for h in heads:
         done, p_at = complete[h.id], profiled_at.get(h.id)
-        c = census[h.id].get(done) if done is not None else None
+        c = census.get(h.id, {}).get(done) if done is not None else None
         ps = profiled.get(h.id)
         cq, pq = (c.quantiles if c else None) or {}, (ps.quantiles if ps else None) or {}
         dists[h.id] = {

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
 from stepwatch_server.app import create_app
 from stepwatch_server.exporter import ExporterConfig, RunStateCollector, state
@@ -15,9 +15,12 @@ from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.engine import make_engine
+from stepwatch_server.storage.models import RankWindow
 
 from ..payloads import CONVENTION
-from ..runstate import feed, fill_breakdown, open_straggler, store
+from ..runstate import feed, fill_breakdown, open_straggler, run_id, store
+
+RW = RankWindow.__table__
 
 
 def registry(
@@ -173,3 +176,23 @@ def test_quantiles_and_top_k_across_ranks_come_from_the_database(engine: Engine,
         assert got == pytest.approx(want)
     assert v("stepwatch_run_rank_step_time_seconds_count", {"run": "q"}) == 40
     assert v("stepwatch_run_rank_step_time_seconds_sum", {"run": "q"}) == pytest.approx(sum(times.values()))
+
+
+def test_a_run_in_its_first_window_exports_its_quantiles_exactly(engine: Engine, ingestor: Ingestor) -> None:
+    """A run whose window before the newest has no row (it starts at step 5) exports
+    the quantiles of its newest window, read only because the previous one is empty:
+    exactly those of each rank's ``step_time_sum / n_steps`` (the database divides and
+    interpolates in floating point as ``state.quantiles`` does)."""
+    times = {r: 0.25 + r / 97 for r in range(13)}
+    feed(ingestor, run="late", world=13, first=5, steps=3, step_time=lambda r: times[r])
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(RW.c.step_time_sum, RW.c.n_steps).where(RW.c.run_id == run_id(engine, "late"))
+        ).all()
+    means = [s / n for s, n in rows]
+    assert len(means) == 13
+    v = registry(engine).get_sample_value
+    for q, want in state.quantiles(means):
+        assert v("stepwatch_run_rank_step_time_seconds", {"run": "late", "quantile": str(q)}) == want
+    assert v("stepwatch_run_rank_step_time_seconds_count", {"run": "late"}) == 13
+    assert v("stepwatch_run_rank_step_time_seconds_sum", {"run": "late"}) == pytest.approx(sum(means))
