@@ -321,12 +321,19 @@ def top_ranks(
     conn: Connection, wanted: Mapping[int, tuple[str, int]], k: int
 ) -> dict[int, list[tuple[int, float]]]:
     """Per run, the ``k`` largest values of one quantity in one window (``wanted[run_id]
-    = (quantity, window)``), largest first, ties to the lower rank: a top-N sort."""
+    = (quantity, window)``), largest first, ties to the lower rank. By compute time: the
+    first ``k`` entries of the profiled rows' index, ordered so (``ix_rank_windows_profiled``,
+    migration 0014); by step time (a run without a profiler): a top-N sort of the window."""
     out: dict[int, list[tuple[int, float]]] = {run_id: [] for run_id in wanted}
     for run_id, (quantity, window) in wanted.items():
         value, conds = _source(quantity, window)
-        v = cast(value, Float).label("v")
-        q = select(RW.c.rank, v).where(RW.c.run_id == run_id, *conds).order_by(v.desc(), RW.c.rank).limit(k)
+        # Ordered by the value itself, not its cast, so that the index can give the order.
+        q = (
+            select(RW.c.rank, cast(value, Float))
+            .where(RW.c.run_id == run_id, *conds)
+            .order_by(value.desc(), RW.c.rank)
+            .limit(k)
+        )
         out[run_id] = [(int(r), float(x)) for r, x in conn.execute(q)]
     return out
 

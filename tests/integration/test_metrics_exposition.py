@@ -196,3 +196,23 @@ def test_a_run_in_its_first_window_exports_its_quantiles_exactly(engine: Engine,
         assert v("stepwatch_run_rank_step_time_seconds", {"run": "late", "quantile": str(q)}) == want
     assert v("stepwatch_run_rank_step_time_seconds_count", {"run": "late"}) == 13
     assert v("stepwatch_run_rank_step_time_seconds_sum", {"run": "late"}) == pytest.approx(sum(means))
+
+
+def test_slowest_ranks_by_compute_are_the_largest_ties_to_the_lower_rank(
+    engine: Engine, ingestor: Ingestor
+) -> None:
+    """The top-K by compute time comes from the order of the profiled rows' index
+    (compute descending, then rank): three ranks tie for the largest, and the two lower
+    ones are exported, with their values."""
+    for w in range(3):
+        feed(ingestor, run="tk", world=16, first=1 + 4 * w, steps=4)
+    compute = {13: 0.40, 3: 0.40, 9: 0.40, 12: 0.35}
+    fill_breakdown(engine, "tk", compute=lambda r: compute.get(r, 0.30), comm_wait=lambda r: 0.1)
+    reg = registry(engine, top_k=2, max_flagged=0)
+    exported = {
+        int(s.labels["rank"]): s.value
+        for fam in reg.collect()
+        if fam.name == "stepwatch_rank_compute_seconds"
+        for s in fam.samples
+    }
+    assert exported == {3: pytest.approx(0.40), 9: pytest.approx(0.40)}
