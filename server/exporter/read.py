@@ -236,19 +236,6 @@ def window_census(conn: Connection, windows: Mapping[int, int]) -> dict[int, Win
     return out
 
 
-def reporting_ranks(conn: Connection, since_step: Mapping[int, int]) -> dict[int, int]:
-    """Per run, the ranks whose newest step is at or after ``since_step[run_id]`` (those
-    with a row in the windows from there on): a count over ``ranks``, not a distinct
-    count over the windows' rows."""
-    out = dict.fromkeys(since_step, 0)
-    if not since_step:
-        return out
-    cond = or_(*(and_(RANKS.c.run_id == r, RANKS.c.last_step >= s) for r, s in since_step.items()))
-    for run_id, n in conn.execute(select(RANKS.c.run_id, func.count()).where(cond).group_by(RANKS.c.run_id)):
-        out[run_id] = int(n)
-    return out
-
-
 @dataclass(frozen=True, slots=True)
 class ProfiledSummary:
     """The profiled rows of a run's newest profiled window: counts, totals, means and,
