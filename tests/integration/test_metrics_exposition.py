@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, Float, cast, func, select
 
 from stepwatch_server.app import create_app
 from stepwatch_server.exporter import ExporterConfig, RunStateCollector, state
@@ -216,3 +216,32 @@ def test_slowest_ranks_by_compute_are_the_largest_ties_to_the_lower_rank(
         for s in fam.samples
     }
     assert exported == {3: pytest.approx(0.40), 9: pytest.approx(0.40)}
+
+
+def test_breakdown_means_are_the_averages_over_the_profiled_ranks(engine: Engine, ingestor: Ingestor) -> None:
+    """The exported parts of the step are each part's mean over the profiled ranks, a
+    missing part counting as zero: the database's ``avg(coalesce(part, 0))``, which the
+    reader computes as a sum divided by the ranks (to the last bits only: the two
+    queries may add the rows in different orders)."""
+    for w in range(3):
+        feed(ingestor, run="bd", world=7, first=1 + 4 * w, steps=4, wait=lambda r: 0.01 * r)
+    window = fill_breakdown(
+        engine, "bd", compute=lambda r: 0.3 + r / 97, comm_wait=lambda r: 0.1, idle=0.02 + 1 / 3
+    )
+    rid = run_id(engine, "bd")
+    at = (RW.c.run_id == rid) & (RW.c.window == window)
+    with engine.begin() as conn:
+        conn.execute(RW.update().where(at, RW.c.rank.in_([2, 5])).values(idle_s=None))
+        expected = conn.execute(
+            select(
+                func.avg(func.coalesce(RW.c.compute_s, 0.0)),
+                func.avg(func.coalesce(RW.c.comm_overlapped_s, 0.0)),
+                func.avg(func.coalesce(RW.c.comm_exposed_s, 0.0)),
+                func.avg(RW.c.data_wait_sum / cast(RW.c.n_steps, Float)),
+                func.avg(func.coalesce(RW.c.idle_s, 0.0)),
+            ).where(at)
+        ).one()
+    v = registry(engine).get_sample_value
+    for phase, want in zip(state.PHASES, expected, strict=True):
+        got = v("stepwatch_run_breakdown_seconds", {"run": "bd", "phase": phase})
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-15), phase
