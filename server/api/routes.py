@@ -7,9 +7,10 @@ import logging
 import time
 from typing import Annotated, Any, Literal
 
+import pydantic_core
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError
 
@@ -255,11 +256,6 @@ def run_series(
         return queries.series(conn, run, metric, from_step=from_step, to_step=to_step, max_points=max_points)
 
 
-#: One rank per row of a large run (16,384 ranks): serialised in one pass by
-#: pydantic-core, not validated again and encoded by FastAPI (twice the query's time).
-_RANKS_JSON = TypeAdapter(list[RankSummary])
-
-
 @router.get("/runs/{run}/ranks", response_model=list[RankSummary], responses=_ERRORS)
 def run_ranks(
     run: RunPath,
@@ -269,8 +265,11 @@ def run_ranks(
     ] = 1,
 ) -> Response:
     with _engine(request).connect() as conn:
-        ranks = queries.ranks(conn, run, profile_windows=profile_windows)
-    return Response(_RANKS_JSON.dump_json(ranks), media_type="application/json")
+        rows = queries.rank_rows(conn, run, profile_windows=profile_windows)
+    # One rank per row of a large run (16,384 ranks): the rows are RankSummary's fields
+    # already of its types, serialised in one pass by pydantic-core as the models would
+    # be, not validated into models first (most of the request at 4,096 ranks).
+    return Response(pydantic_core.to_json(rows), media_type="application/json")
 
 
 @router.get("/runs/{run}/events", response_model=list[EventOut], responses=_ERRORS)

@@ -125,7 +125,10 @@ class RunStateCollector(Collector):
         tails = read.tails(conn, ids)
         tail = {h.id: tails.get(h.id, read.RunTail(None, None, None)) for h in heads}
         steps = read.recent_steps(conn, {i: (t.last_step or 0) - cfg.recent_steps for i, t in tail.items()})
-        states = run_states(conn, ids, rule=cfg.status_rule, now=self._clock())
+        # The ranks reporting: those whose newest step is in the previous window or later,
+        # counted in the status query's pass over the ranks.
+        since = {h.id: state.reporting_since(tail[h.id].last_step, h.window_steps) for h in heads}
+        states = run_states(conn, ids, rule=cfg.status_rule, now=self._clock(), since_step=since)
         # Tokens: only the steps that settled since the previous scrape are summed; all of
         # them once the run is done, so that the total ends equal to the API's.
         spans = {
@@ -137,7 +140,8 @@ class RunStateCollector(Collector):
             if (t := tail[h.id]).last_step is not None
         }
         added = read.token_sums(conn, spans)
-        ranks = _read_ranks(conn, heads, tail, read.open_events(conn, ids), cfg)
+        reporting = {i: s.ranks_since for i, s in states.items()}
+        ranks = _read_ranks(conn, heads, tail, reporting, read.open_events(conn, ids), cfg)
         totals = read.event_totals(conn, ids)
 
         views = []
@@ -203,6 +207,7 @@ def _read_ranks(
     conn: Connection,
     heads: list[RunInfo],
     tail: dict[int, read.RunTail],
+    reporting: dict[int, int],
     events: dict[int, list[state.EventRow]],
     cfg: ExporterConfig,
 ) -> dict[int, _View]:
@@ -211,11 +216,14 @@ def _read_ranks(
     selected (flagged and slowest) ranks only."""
     newest = {h.id: state.windows_in_view(tail[h.id].last_step, h.window_steps)[1] for h in heads}
     prev = {i: max(0, w - 1) for i, w in newest.items()}
-    census = read.window_census(conn, {i: (prev[i], w) for i, w in newest.items()})
-    ws = {h.id: h.window_steps for h in heads}
-    reporting = read.reporting_ranks(conn, {i: w * ws[i] + (1 if w else 0) for i, w in prev.items()})
+    # The previous window of each run, and the newest only where the previous has no row.
+    at_prev = read.window_census(conn, prev)
+    first = {i: w for i, w in newest.items() if i not in at_prev and w != prev[i]}
+    at_newest = read.window_census(conn, first)
+    census = {i: {prev[i]: c} for i, c in at_prev.items()} | {i: {newest[i]: c} for i, c in at_newest.items()}
     complete = {
-        i: state.complete_window({w: c.ranks for w, c in census[i].items()}, w) for i, w in newest.items()
+        i: state.complete_window({w: c.ranks for w, c in census.get(i, {}).items()}, w)
+        for i, w in newest.items()
     }
     profiled_at = {h.id: w for h in heads if (w := tail[h.id].last_profiled_window) is not None}
     profiled = read.profiled_summary(conn, profiled_at)
@@ -224,7 +232,7 @@ def _read_ranks(
     none: tuple[int, float, read.Quantiles | None, int | None] = (0, 0.0, None, None)
     for h in heads:
         done, p_at = complete[h.id], profiled_at.get(h.id)
-        c = census[h.id].get(done) if done is not None else None
+        c = census.get(h.id, {}).get(done) if done is not None else None
         ps = profiled.get(h.id)
         cq, pq = (c.quantiles if c else None) or {}, (ps.quantiles if ps else None) or {}
         dists[h.id] = {
@@ -280,7 +288,7 @@ def _read_ranks(
         views[h.id] = _View(
             head=h,
             tail=tail[h.id],
-            reporting=reporting[h.id],
+            reporting=reporting.get(h.id, 0),
             values=state.rank_values(chosen, prof),
             distributions=distributions,
             events=events[h.id],

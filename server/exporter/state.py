@@ -354,6 +354,13 @@ def windows_in_view(last_step: int | None, window_steps: int) -> tuple[int, int]
     return (max(0, newest - 1), newest)
 
 
+def reporting_since(last_step: int | None, window_steps: int) -> int:
+    """First step of the window before the newest (window 0 also holds step 0): the
+    ranks whose newest step is at or after it reported one of the two newest windows."""
+    prev = windows_in_view(last_step, window_steps)[0]
+    return prev * window_steps + (1 if prev else 0)
+
+
 def complete_window(ranks_per_window: Mapping[int, int], newest: int) -> int | None:
     """The newest window most ranks finished, given how many ranks stored each window:
     the window before the newest is complete for every live rank; the newest one is used

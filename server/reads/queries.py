@@ -13,15 +13,26 @@ definition in view.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from sqlalchemy import Connection, and_, exists, func, literal, or_, select, true
+from sqlalchemy import Connection, Text, and_, cast, exists, func, literal, or_, select, true
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..errors import NotFoundError
-from ..schemas.responses import EventOut, RankSummary, RunOverview, RunSummary, Series, SeriesPoint, Stat
+from ..schemas.responses import (
+    CollectiveOut,
+    EventOut,
+    ProfileOut,
+    RankSummary,
+    RunOverview,
+    RunSummary,
+    Series,
+    SeriesPoint,
+    Stat,
+)
 from ..storage import rollups
 from ..storage.columns import JOB_STEP_BUCKETS, aggregate
 from ..storage.models import Event, JobStep, JobStepBucket, Rank, RankWindow, Run, unix
@@ -387,17 +398,29 @@ def _bucket_points(
     return [tuple(r) for r in conn.execute(q)]
 
 
-def ranks(conn: Connection, name: str, *, profile_windows: int = 1) -> list[RankSummary]:
+#: The fields of ``RankSummary`` in its order: the keys of each row :func:`rank_rows` builds.
+_SUMMARY_FIELDS = tuple(RankSummary.model_fields)
+
+
+def rank_rows(conn: Connection, name: str, *, profile_windows: int = 1) -> list[dict[str, Any]]:
     """Each rank's identity, its latest stored window, its newest profiler window and its
-    collectives merged over the newest ``profile_windows`` profiled windows."""
+    collectives merged over the newest ``profile_windows`` profiled windows: one dict per
+    rank with ``RankSummary``'s fields in its order (the profile and collectives as their
+    models), already of the fields' types, so that pydantic-core serialises the list as
+    it would the models (``api/routes.py``; pinned by a test on both backends).
+
+    Why dicts: at 4,096 ranks validating one ``RankSummary`` per rank cost more than the
+    query, and reading each row's columns by name as much again; the rows are unpacked as
+    tuples and the dicts zipped from them."""
     run = get_run(conn, name)
     profiles = rank_profiles(conn, run.id, profile_windows)
     # The latest window of each rank is the window of its last step: one primary-key
-    # probe per rank (a max() over each rank's windows cost 60 us per rank), and rows as
-    # named tuples (a mapping lookup by column object cost more than the query).
+    # probe per rank (a max() over each rank's windows cost 60 us per rank).
     win = RW.alias("win")
+    # coords as its stored text, the texts parsed in one call below: one parse per row
+    # by the driver cost a fifth of the request.
     cols = (
-        *(RANKS.c[n] for n in _RANK_COLS),
+        *(cast(RANKS.c[n], Text) if n == "coords" else RANKS.c[n] for n in _RANK_COLS),
         *(win.c[n].label(f"w_{n}") for n in _WINDOW_COLS),
     )
 
@@ -411,44 +434,82 @@ def ranks(conn: Connection, name: str, *, profile_windows: int = 1) -> list[Rank
         ).all()
 
     rows = query(true(), (RANKS.c.last_step - 1) // run.window_steps)
-    missing = [r.rank for r in rows if r.w_window is None]
+    missing = [r[0] for r in rows if r[_W_WINDOW] is None]
     if missing:  # a final batch without steps moved last_step past the stored windows
         latest = (
             select(func.max(RW.c.window))
             .where(RW.c.run_id == RANKS.c.run_id, RW.c.rank == RANKS.c.rank)
             .scalar_subquery()
         )
-        found = {r.rank: r for r in query(RANKS.c.rank.in_(missing), latest)}
-        rows = [found.get(r.rank, r) for r in rows]
+        found = {r[0]: r for r in query(RANKS.c.rank.in_(missing), latest)}
+        rows = [found.get(r[0], r) for r in rows]
+    all_coords = json.loads("[" + ",".join(r[_COORDS] for r in rows) + "]")
     out = []
-    for r in rows:
-        n, st_sum = r.w_n_steps, r.w_step_time_sum
-        prof, skipped, colls = profiles.get(r.rank, (None, None, []))
+    no_profile: tuple[ProfileOut | None, str | None, list[CollectiveOut]] = (None, None, [])
+    fields, floats = _SUMMARY_FIELDS, _float
+    for coords, (
+        rank,
+        host,
+        local_rank,
+        _,
+        last_step,
+        last_seen,
+        clock,
+        dropped_windows,
+        dropped_steps,
+        hot_path,
+        window,
+        first,
+        last,
+        n,
+        st_sum,
+        st_max,
+        dw_sum,
+        tok_sum,
+    ) in zip(all_coords, rows, strict=True):
+        prof, skipped, colls = profiles.get(rank, no_profile)
         out.append(
-            RankSummary(
-                rank=r.rank,
-                host=r.host,
-                local_rank=r.local_rank,
-                coords=r.coords,
-                last_step=r.last_step,
-                last_seen=unix(r.last_seen) or 0.0,
-                clock=r.clock,
-                dropped_windows=r.dropped_windows,
-                dropped_steps=r.dropped_steps,
-                hot_path_mean_s=r.hot_path_mean_s,
-                window=r.w_window,
-                window_first_step=r.w_first_step,
-                window_last_step=r.w_last_step,
-                step_time_s=st_sum / n if n else None,
-                step_time_max_s=r.w_step_time_max,
-                data_wait_s=r.w_data_wait_sum / n if n else None,
-                tokens_per_s=r.w_tokens_sum / st_sum if n and st_sum else None,
-                profile=prof,
-                profile_skipped=skipped,
-                collectives=colls,
+            dict(
+                zip(
+                    fields,
+                    (
+                        rank,
+                        host,
+                        local_rank,
+                        coords,
+                        last_step,
+                        unix(last_seen) or 0.0,
+                        clock,
+                        dropped_windows,
+                        dropped_steps,
+                        floats(hot_path),
+                        window,
+                        first,
+                        last,
+                        st_sum / n if n else None,
+                        floats(st_max),
+                        dw_sum / n if n else None,
+                        tok_sum / st_sum if n and st_sum else None,
+                        prof,
+                        skipped,
+                        colls,
+                    ),
+                    strict=True,
+                )
             )
         )
     return out
+
+
+def ranks(conn: Connection, name: str, *, profile_windows: int = 1) -> list[RankSummary]:
+    """:func:`rank_rows` as validated models (the run page's reader)."""
+    return [RankSummary.model_validate(r) for r in rank_rows(conn, name, profile_windows=profile_windows)]
+
+
+def _float(v: Any) -> float | None:
+    """A stored float column as the model's ``float``: an integral value SQLite kept as
+    an integer reads back as one, which the model would have made a float."""
+    return None if v is None else float(v)
 
 
 _RANK_COLS = (
@@ -473,6 +534,9 @@ _WINDOW_COLS = (
     "data_wait_sum",
     "tokens_sum",
 )
+#: Positions in :func:`rank_rows`' query of the coords and of the window (None: no window).
+_COORDS = _RANK_COLS.index("coords")
+_W_WINDOW = len(_RANK_COLS)
 
 
 def events(

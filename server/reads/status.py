@@ -22,12 +22,12 @@ The order is the precedence: a finished run is finished even if a hang is still 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from sqlalchemy import Connection, and_, case, func, select
+from sqlalchemy import Connection, and_, case, func, literal, select
 
 from ..analysis.hangs import hang_threshold_s
 from ..settings import Settings
@@ -80,6 +80,9 @@ class RunState:
     status: RunStatus
     last_seen: datetime | None  #: UTC; the latest step any rank reported
     ranks_finished: int
+    #: Ranks whose newest step is at or after the ``since_step`` asked for the run (0
+    #: when none was asked): counted in the same pass over the ranks (``/metrics``).
+    ranks_since: int = 0
 
 
 def classify(
@@ -118,11 +121,18 @@ def run_states(
     *,
     rule: StatusRule = DEFAULT_RULE,
     now: float | None = None,
+    since_step: Mapping[int, int] | None = None,
 ) -> dict[int, RunState]:
-    """Status of the given runs (all runs when None) in three grouped queries, whatever
-    the runs' length: the ranks' aggregate, the open hangs, and each run's latest step."""
+    """Status of the given runs (all runs when None) in two queries, whatever the runs'
+    length: the ranks' aggregate with each run's latest step, and the open hangs. With
+    ``since_step``, the same pass over the ranks counts those at or after it per run."""
     now = time.time() if now is None else now
     finished = and_(RANKS.c.final_step.is_not(None), RANKS.c.final_step >= RANKS.c.last_step)
+    since = (
+        case((RANKS.c.last_step >= case(dict(since_step), value=RANKS.c.run_id, else_=None), 1), else_=0)
+        if since_step
+        else literal(0)
+    )
     latest_step_time = (
         select(JS.c.step_time_sum / JS.c.ranks)
         .where(JS.c.run_id == RUNS.c.id, JS.c.ranks > 0)
@@ -136,20 +146,21 @@ def run_states(
             func.count().label("ranks"),
             func.sum(case((finished, 1), else_=0)).label("finished"),
             func.max(RANKS.c.last_seen).label("last_seen"),
+            func.sum(since).label("since"),
         )
         .group_by(RANKS.c.run_id)
         .subquery()
     )
-    q = select(RUNS.c.id, RUNS.c.world_size, agg.c.finished, agg.c.last_seen, latest_step_time).select_from(
-        RUNS.outerjoin(agg, agg.c.run_id == RUNS.c.id)
-    )
+    q = select(
+        RUNS.c.id, RUNS.c.world_size, agg.c.finished, agg.c.last_seen, latest_step_time, agg.c.since
+    ).select_from(RUNS.outerjoin(agg, agg.c.run_id == RUNS.c.id))
     hangs = select(EV.c.run_id).where(EV.c.kind == "hang", EV.c.status == "open").distinct()
     if run_ids is not None:
         q = q.where(RUNS.c.id.in_(list(run_ids)))
         hangs = hangs.where(EV.c.run_id.in_(list(run_ids)))
     hung = set(conn.execute(hangs).scalars())
     out = {}
-    for run_id, world_size, n_finished, seen, step_time in conn.execute(q):
+    for run_id, world_size, n_finished, seen, step_time, n_since in conn.execute(q):
         last_seen = utc(seen)
         n = int(n_finished or 0)
         out[run_id] = RunState(
@@ -164,5 +175,6 @@ def run_states(
             ),
             last_seen=last_seen,
             ranks_finished=n,
+            ranks_since=int(n_since or 0),
         )
     return out

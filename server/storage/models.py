@@ -30,6 +30,8 @@ from sqlalchemy import (
     SmallInteger,
     String,
     UniqueConstraint,
+    column,
+    desc,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -161,12 +163,16 @@ class RankWindow(Base):
 
     # /metrics reads one or two windows of a run (every rank's row of that window) and the
     # newest profiled window; without these, both scan every window the run ever stored.
+    # The profiled rows are ordered by compute time (largest first, ties to the lower
+    # rank), so the top-K slowest ranks are the index's first K entries (migration 0014).
     __table_args__ = (
         Index(None, "run_id", "window"),
         Index(
             "ix_rank_windows_profiled",
             "run_id",
             "window",
+            desc(column("compute_s")),
+            "rank",
             postgresql_where=text("profiled_steps IS NOT NULL"),
             sqlite_where=text("profiled_steps IS NOT NULL"),
         ),

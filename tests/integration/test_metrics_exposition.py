@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Engine
+from sqlalchemy import Engine, Float, cast, func, select
 
 from stepwatch_server.app import create_app
 from stepwatch_server.exporter import ExporterConfig, RunStateCollector, state
@@ -15,9 +15,12 @@ from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.engine import make_engine
+from stepwatch_server.storage.models import RankWindow
 
 from ..payloads import CONVENTION
-from ..runstate import feed, fill_breakdown, open_straggler, store
+from ..runstate import feed, fill_breakdown, open_straggler, run_id, store
+
+RW = RankWindow.__table__
 
 
 def registry(
@@ -173,3 +176,72 @@ def test_quantiles_and_top_k_across_ranks_come_from_the_database(engine: Engine,
         assert got == pytest.approx(want)
     assert v("stepwatch_run_rank_step_time_seconds_count", {"run": "q"}) == 40
     assert v("stepwatch_run_rank_step_time_seconds_sum", {"run": "q"}) == pytest.approx(sum(times.values()))
+
+
+def test_a_run_in_its_first_window_exports_its_quantiles_exactly(engine: Engine, ingestor: Ingestor) -> None:
+    """A run whose window before the newest has no row (it starts at step 5) exports
+    the quantiles of its newest window, read only because the previous one is empty:
+    exactly those of each rank's ``step_time_sum / n_steps`` (the database divides and
+    interpolates in floating point as ``state.quantiles`` does)."""
+    times = {r: 0.25 + r / 97 for r in range(13)}
+    feed(ingestor, run="late", world=13, first=5, steps=3, step_time=lambda r: times[r])
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(RW.c.step_time_sum, RW.c.n_steps).where(RW.c.run_id == run_id(engine, "late"))
+        ).all()
+    means = [s / n for s, n in rows]
+    assert len(means) == 13
+    v = registry(engine).get_sample_value
+    for q, want in state.quantiles(means):
+        assert v("stepwatch_run_rank_step_time_seconds", {"run": "late", "quantile": str(q)}) == want
+    assert v("stepwatch_run_rank_step_time_seconds_count", {"run": "late"}) == 13
+    assert v("stepwatch_run_rank_step_time_seconds_sum", {"run": "late"}) == pytest.approx(sum(means))
+
+
+def test_slowest_ranks_by_compute_are_the_largest_ties_to_the_lower_rank(
+    engine: Engine, ingestor: Ingestor
+) -> None:
+    """The top-K by compute time comes from the order of the profiled rows' index
+    (compute descending, then rank): three ranks tie for the largest, and the two lower
+    ones are exported, with their values."""
+    for w in range(3):
+        feed(ingestor, run="tk", world=16, first=1 + 4 * w, steps=4)
+    compute = {13: 0.40, 3: 0.40, 9: 0.40, 12: 0.35}
+    fill_breakdown(engine, "tk", compute=lambda r: compute.get(r, 0.30), comm_wait=lambda r: 0.1)
+    reg = registry(engine, top_k=2, max_flagged=0)
+    exported = {
+        int(s.labels["rank"]): s.value
+        for fam in reg.collect()
+        if fam.name == "stepwatch_rank_compute_seconds"
+        for s in fam.samples
+    }
+    assert exported == {3: pytest.approx(0.40), 9: pytest.approx(0.40)}
+
+
+def test_breakdown_means_are_the_averages_over_the_profiled_ranks(engine: Engine, ingestor: Ingestor) -> None:
+    """The exported parts of the step are each part's mean over the profiled ranks, a
+    missing part counting as zero: the database's ``avg(coalesce(part, 0))``, which the
+    reader computes as a sum divided by the ranks (to the last bits only: the two
+    queries may add the rows in different orders)."""
+    for w in range(3):
+        feed(ingestor, run="bd", world=7, first=1 + 4 * w, steps=4, wait=lambda r: 0.01 * r)
+    window = fill_breakdown(
+        engine, "bd", compute=lambda r: 0.3 + r / 97, comm_wait=lambda r: 0.1, idle=0.02 + 1 / 3
+    )
+    rid = run_id(engine, "bd")
+    at = (RW.c.run_id == rid) & (RW.c.window == window)
+    with engine.begin() as conn:
+        conn.execute(RW.update().where(at, RW.c.rank.in_([2, 5])).values(idle_s=None))
+        expected = conn.execute(
+            select(
+                func.avg(func.coalesce(RW.c.compute_s, 0.0)),
+                func.avg(func.coalesce(RW.c.comm_overlapped_s, 0.0)),
+                func.avg(func.coalesce(RW.c.comm_exposed_s, 0.0)),
+                func.avg(RW.c.data_wait_sum / cast(RW.c.n_steps, Float)),
+                func.avg(func.coalesce(RW.c.idle_s, 0.0)),
+            ).where(at)
+        ).one()
+    v = registry(engine).get_sample_value
+    for phase, want in zip(state.PHASES, expected, strict=True):
+        got = v("stepwatch_run_breakdown_seconds", {"run": "bd", "phase": phase})
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-15), phase

@@ -3,15 +3,19 @@ the reads, and validation, on a real database (SQLite and PostgreSQL), in proces
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import TypeAdapter
 from sqlalchemy import Engine, func, select
 
 from stepwatch_server.app import create_app
 from stepwatch_server.ingest.profiles import PENDING_KEEP
+from stepwatch_server.reads import queries
+from stepwatch_server.schemas.responses import RankSummary
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.models import (
     CollectiveStat,
@@ -205,3 +209,26 @@ def test_bad_profiles_are_rejected_whole_naming_the_field(
     assert r.status_code == 422, r.text
     assert field in r.text
     assert _count(engine, IngestedBatch) == 0 and _count(engine, ProfileWindow) == 0
+
+
+def test_ranks_rows_serialise_as_the_models_would(client: TestClient, engine: Engine) -> None:
+    """``/ranks`` serialises plain rows (``queries.rank_rows``) without validating them
+    into ``RankSummary`` models: the bytes must be those of the validated models, for
+    ranks with a profile and collectives, one whose wait split is pending, and one whose
+    final batch moved its last step past its windows."""
+    for rank in (0, 1, 3):
+        _post(client, rank, compute=0.3)
+    r = client.post("/api/v1/ingest", json=payload(rank=2, world=WORLD, first=1, times=[0.5] * 8))
+    assert r.status_code == 200, r.text
+    r = client.post("/api/v1/ingest", json=payload(rank=2, world=WORLD, first=13, times=[], final=True))
+    assert r.status_code == 200, r.text
+    with engine.connect() as conn:
+        rows = queries.rank_rows(conn, "test-run")
+    models = [RankSummary.model_validate(r) for r in rows]
+    body = client.get("/api/v1/runs/test-run/ranks").content
+    assert body == TypeAdapter(list[RankSummary]).dump_json(models)
+    ranks = {r["rank"]: r for r in json.loads(body)}
+    assert ranks[0]["profile"]["compute_s"] == pytest.approx(0.3) and ranks[0]["collectives"]
+    assert ranks[2]["profile"] is None and ranks[2]["collectives"] == []
+    assert (ranks[2]["last_step"], ranks[2]["window_last_step"]) == (12, 8), "its newest stored window"
+    assert ranks[2]["step_time_s"] == pytest.approx(0.5)

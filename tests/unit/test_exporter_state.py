@@ -133,6 +133,13 @@ def test_complete_window_is_the_one_before_the_newest() -> None:
     assert state.complete_window({}, newest=7) is None
 
 
+def test_reporting_ranks_count_from_the_first_step_of_the_window_before_the_newest() -> None:
+    assert state.reporting_since(12, 4) == 5  # windows 1 (steps 5-8) and 2 (9-12)
+    assert state.reporting_since(5, 4) == 0  # the window before is window 0, with step 0
+    assert state.reporting_since(3, 4) == 0
+    assert state.reporting_since(None, 4) == 0
+
+
 def test_slowest_ranks_by_compute_when_profiled() -> None:
     # Synchronous training: equal step times; rank 2 computes longer (the culprit).
     complete = {r: rank_row(r, 6, t=0.5) for r in range(4)}
