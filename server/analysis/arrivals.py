@@ -121,6 +121,23 @@ def line_up(ranks: Sequence[RankSteps]) -> Aligned:
     )
 
 
+def stack(first: Aligned, then: Aligned) -> Aligned:
+    """Two line-ups of the same ranks, one after the other: the steps of consecutive
+    windows pooled into one test (each step keeps its own wait, transfer and CPU)."""
+    if first.ranks != then.ranks:
+        raise ValueError(f"cannot pool ranks {then.ranks} after ranks {first.ranks}")
+    return Aligned(
+        ranks=first.ranks,
+        hosts=then.hosts,
+        steps=first.steps + then.steps,
+        step_time=np.vstack([first.step_time, then.step_time]),
+        wait=np.vstack([first.wait, then.wait]),
+        transfer=np.vstack([first.transfer, then.transfer]),
+        cpu=np.vstack([first.cpu, then.cpu]),
+        data_wait=np.vstack([first.data_wait, then.data_wait]),
+    )
+
+
 def loo_median(m: Matrix) -> Matrix:
     """Per row, each column's leave-one-out median (the median of the other columns)."""
     n = m.shape[1]
@@ -166,6 +183,21 @@ class Config:
     #: Ranks of one host that must be late (and share of its ranks) for a host finding.
     host_min_ranks: int = 2
     host_fraction: float = 0.75
+    #: Steps of a test on which a late rank may be beaten to the collective by another
+    #: (a scheduler hop on a busy host) and still be found late.
+    misses: int = 2
+
+    @property
+    def min_steps(self) -> int:
+        """Fewest steps one test must hold: the least ``n`` at which ``n - misses`` late
+        steps of ``n`` pass the sign test at ``max_p`` (8 at the defaults: 6 of 8 gives
+        p = 0.145, 5 of 7 only 0.227). Fewer steps cannot name a rank that misses
+        ``misses`` of them whatever its lateness (a 2-step window: never, 2 of 2 is
+        p = 0.25), so the detector pools consecutive windows up to this many steps."""
+        n = self.misses + 1
+        while sign_test_p(n - self.misses, self.misses) > self.max_p:
+            n += 1
+        return n
 
 
 @dataclass(frozen=True, slots=True)

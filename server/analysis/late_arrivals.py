@@ -29,19 +29,45 @@ beside a link that looked slow for one window on a loaded loopback).
 A late rank opens a flag after ``OPEN_AFTER`` (2) consecutive late windows, the
 persistence of :func:`.arrivals.persistent`: the sign test already needs most steps of a
 window, and one late window (a GC pause, a scheduler hiccup) opens nothing.
+
+Each test holds at least :attr:`.arrivals.Config.min_steps` (8) steps: a peer group's
+consecutive windows are pooled until they do, and judged together as one verdict (at the
+window that completed the pool); windows that leave a pool short give no verdict (they
+neither advance nor reset a flag). The collector fixes a run's window size at its first
+batch, from the step times it saw then; the first steps of a job are slow (start-up,
+warm-up, a loaded host), and on a busy machine real runs got 1- and 2-step windows, on
+which no sign test can reach ``max_p`` (2 of 2 late is p = 0.25): a rank with +20% real
+compute went unflagged for the whole run. Pooling disjoint blocks, not sliding over
+overlapping ones, keeps the statistics of windows of ``min_steps`` steps: consecutive
+verdicts rest on different steps, so ``OPEN_AFTER`` of them are independent evidence
+and a clean run is as quiet as with large windows. Windows of ``min_steps`` or more
+steps are judged one by one, as before. The pool of a group (fewer than ``min_steps``
+steps of each rank, and its links' samples) is part of the detector's state; a group
+whose ranks changed starts a new pool (its old steps no longer line up).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import _format as fmt
-from .arrivals import Aligned, Config, HostFinding, LateRank, RankSteps, late_ranks, line_up, slow_hosts
-from .links import LinkConfig, LinkSample, SlowLink, edges, extra_bytes, slow_links
+from .arrivals import (
+    Aligned,
+    Config,
+    HostFinding,
+    LateRank,
+    RankSteps,
+    late_ranks,
+    line_up,
+    slow_hosts,
+    stack,
+)
+from .links import LinkConfig, LinkSample, SlowLink, edges, extra_bytes, merge, slow_links
 from .peers import Hit, StragglerConfig, WindowVerdict, host_key, rank_key
 from .stragglers import StragglerDetector
 from .types import Cause, Finding
@@ -55,6 +81,14 @@ CLOSE_AFTER = 3
 CAUSES: tuple[Cause, ...] = ("compute", "host_stall", "link")
 
 
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    """A peer group's steps waiting for enough to test (see the module docstring)."""
+
+    aligned: Aligned
+    links: tuple[LinkSample, ...]
+
+
 class ArrivalDetector:
     """Late-arrival straggler flags of one run (see the module docstring)."""
 
@@ -62,35 +96,32 @@ class ArrivalDetector:
         self.config = config or Config()
         self.link_config = links or LinkConfig()
         self.flags = StragglerDetector(run, StragglerConfig(open_after=OPEN_AFTER, close_after=CLOSE_AFTER))
+        self._pools: dict[tuple[int, ...], _Pool] = {}
 
     def update(
         self, window: int, groups: Sequence[Sequence[RankSteps]], links: Sequence[LinkSample] = ()
     ) -> list[Finding]:
         """One window's timing, per peer group (ranks doing the same work, e.g. the
         replicas of one pipeline stage), and its link samples; returns the flags that
-        opened or closed."""
+        opened or closed. A group is judged once its pooled steps are enough for the
+        test (see the module docstring)."""
         hits: dict[str, Hit] = {}
         observed: set[str] = set()
         first = last = 0
-        heavy = extra_bytes(links, self.link_config) if links else {}
-        for group in groups:
-            if len(group) < 2:
-                continue
-            aligned = line_up(group)
-            if not aligned.steps:
-                continue
+        for aligned, mine in self._pooled(groups, links):
             first = min(first or aligned.steps[0], aligned.steps[0])
             last = max(last, aligned.steps[-1])
             span = (aligned.steps[0], aligned.steps[-1])
+            heavy = extra_bytes(mine, self.link_config) if mine else {}
             for r, h in zip(aligned.ranks, aligned.hosts, strict=True):
-                observed.update(rank_key(c, r) for c in CAUSES if c != "link" or links)
+                observed.update(rank_key(c, r) for c in CAUSES if c != "link" or mine)
                 observed.add(host_key(h))
-            slow = self._slow_links(aligned, links, span) if links else {}
+            slow = self._slow_links(aligned, mine, span) if mine else {}
             hits.update({h.key: h for h in slow.values()})
             late = late_ranks(aligned, self.config)
             if slow:  # see the module docstring: a slow link explains up to its lost time
                 lost = max(h.cost_seconds for h in slow.values())
-                near = _link_peers(links, set(slow))
+                near = _link_peers(mine, set(slow))
                 late = [
                     x for x in late if x.lateness_s > lost or (x.cause != "host_stall" and x.rank not in near)
                 ]
@@ -105,8 +136,34 @@ class ArrivalDetector:
                 hit = _host_hit(host, late, span)
                 hits[hit.key] = hit
         if not observed:
-            return []  # no timing in this window: it neither advances nor resets a flag
+            return []  # no group judged in this window: it neither advances nor resets a flag
         return self.flags.apply(WindowVerdict(window, first, last, hits, frozenset(observed)))
+
+    def _pooled(
+        self, groups: Sequence[Sequence[RankSteps]], links: Sequence[LinkSample]
+    ) -> list[tuple[Aligned, list[LinkSample]]]:
+        """The groups to judge now, each with its pooled steps and its ranks' link
+        samples; the others' steps are kept for the next window."""
+        ready: list[tuple[Aligned, list[LinkSample]]] = []
+        seen: set[tuple[int, ...]] = set()
+        for group in groups:
+            if len(group) < 2:
+                continue
+            aligned = line_up(group)
+            members = set(aligned.ranks)
+            mine = [s for s in links if s.rank in members]
+            seen.add(aligned.ranks)
+            held = self._pools.pop(aligned.ranks, None)
+            if held is not None:
+                aligned = stack(held.aligned, aligned)
+                mine = [*held.links, *mine]
+            if len(aligned.steps) >= self.config.min_steps:
+                ready.append((aligned, merge(mine)))
+            elif aligned.steps or mine:
+                self._pools[aligned.ranks] = _Pool(aligned, tuple(merge(mine)))
+        for key in set(self._pools) - seen:
+            del self._pools[key]  # the group's ranks changed: its steps no longer line up
+        return ready
 
     def _slow_links(
         self, aligned: Aligned, links: Sequence[LinkSample], span: tuple[int, int]
@@ -124,13 +181,57 @@ class ArrivalDetector:
         return self.flags.open_findings()
 
     def to_state(self) -> dict[str, Any]:
-        return self.flags.to_state()
+        """The flags' state, and the pools of steps not judged yet."""
+        return {**self.flags.to_state(), "pools": [_pool_to_dict(p) for _, p in sorted(self._pools.items())]}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> ArrivalDetector:
         out = cls(str(state["run"]))
         out.flags = StragglerDetector.from_state(state)
+        for raw in state.get("pools", ()):  # absent in a state saved before pooling
+            pool = _pool_from_dict(raw)
+            out._pools[pool.aligned.ranks] = pool
         return out
+
+
+_MATRICES = ("step_time", "wait", "transfer", "cpu", "data_wait")
+
+
+def _pool_to_dict(p: _Pool) -> dict[str, Any]:
+    """JSON-ready (NaN as null: JSON has no NaN, and PostgreSQL's JSON types refuse it)."""
+    a = p.aligned
+    out: dict[str, Any] = {"ranks": list(a.ranks), "hosts": list(a.hosts), "steps": list(a.steps)}
+    for name in _MATRICES:
+        m: np.ndarray[Any, Any] = getattr(a, name)
+        out[name] = [[None if math.isnan(v) else v for v in row] for row in m.tolist()]
+    out["links"] = [
+        [s.rank, s.local, s.peer, s.bytes_sent, s.bytes_received, s.busy_s, s.steps] for s in p.links
+    ]
+    return out
+
+
+def _pool_from_dict(d: Mapping[str, Any]) -> _Pool:
+    n = len(d["ranks"])
+
+    def matrix(rows: Sequence[Sequence[float | None]]) -> np.ndarray[Any, np.dtype[np.float64]]:
+        m = np.array([[math.nan if v is None else float(v) for v in row] for row in rows], dtype=np.float64)
+        return m.reshape(len(rows), n)
+
+    aligned = Aligned(
+        ranks=tuple(int(r) for r in d["ranks"]),
+        hosts=tuple(str(h) for h in d["hosts"]),
+        steps=tuple(int(s) for s in d["steps"]),
+        step_time=matrix(d["step_time"]),
+        wait=matrix(d["wait"]),
+        transfer=matrix(d["transfer"]),
+        cpu=matrix(d["cpu"]),
+        data_wait=matrix(d["data_wait"]),
+    )
+    links = tuple(
+        LinkSample(int(r), int(lo), int(pe), int(b), int(rc), float(busy), int(st))
+        for r, lo, pe, b, rc, busy, st in d["links"]
+    )
+    return _Pool(aligned, links)
 
 
 def _evidence(x: LateRank) -> dict[str, float]:

@@ -82,16 +82,30 @@ def _reported(conn: Connection, run_ids: list[int], now: datetime) -> None:
     )
 
 
-def choose_window_steps(step_times: list[float], window_seconds: float) -> int:
+def choose_window_steps(
+    step_times: Sequence[float],
+    window_seconds: float,
+    *,
+    first: int = 1,
+    tags: Sequence[str | None] | None = None,
+) -> int:
     """Steps per stored rank window: a power of two near ``window_seconds`` of steps.
 
     Fixed per run at its first batch, so that every rank's windows cover the same steps
-    and can be compared window by window.
+    and can be compared window by window. The pace is the median of the batch's steps
+    (``first`` is the number of its first one), leaving out those that say least about it
+    when the batch holds others: the run's first step (process-group set-up, DDP's first
+    bucket rebuild, the allocator's first requests: 4 s against 0.9-1.6 s steps on a
+    loaded host) and tagged steps (warm-up, checkpoint, evaluation). A pace read too slow
+    gives windows of fewer steps than ``window_seconds`` means; the late-arrival detector
+    pools short windows (``analysis/late_arrivals.py``), so detection holds either way.
     """
-    positive = [t for t in step_times if t > 0]
-    if not positive:
+    timed = [(first + j, t, tags[j] if tags else None) for j, t in enumerate(step_times) if t > 0]
+    if not timed:
         return 1
-    per_step = statistics.median(positive)
+    later = [x for x in timed if x[0] > 1] or timed
+    steady = [t for _, t, tag in later if tag is None] or [t for _, t, _ in later]
+    per_step = statistics.median(steady)
     target = max(1.0, window_seconds / per_step)
     return int(min(4096, 2 ** round(math.log2(target))))
 
@@ -190,7 +204,9 @@ class Ingestor:
             "dp_size": p.rank.layout.dp,
             "layout": p.rank.layout.model_dump(),
             "convention": p.convention.model_dump() if p.convention else None,
-            "window_steps": choose_window_steps(p.steps.time_s, self.window_seconds),
+            "window_steps": choose_window_steps(
+                p.steps.time_s, self.window_seconds, first=p.steps.first, tags=p.steps.tags
+            ),
             "created_at": datetime.now(timezone.utc),
             "created_by": owner,
             **(plan or {}),

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch_server.analysis.arrivals import (
+    Config,
     RankSteps,
     concat,
     late_ranks,
@@ -24,6 +25,7 @@ from stepwatch_server.analysis.arrivals import (
     slow_hosts,
     window,
 )
+from stepwatch_server.analysis.late_arrivals import ArrivalDetector
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "realtrain"
 
@@ -237,3 +239,88 @@ def test_math_is_finite_on_recorded_inputs() -> None:
         for _, ranks in _windows(_recorded(name)):
             for x in late_ranks(line_up(ranks)):
                 assert math.isfinite(x.lateness_s) and math.isfinite(x.share)
+
+
+# -- windows too short for the test: pooled -----------------------------------------------
+def test_min_steps_is_the_fewest_steps_a_late_rank_may_miss_two_of() -> None:
+    cfg = Config()
+    n = cfg.min_steps
+    assert n == 8
+    assert sign_test_p(n - cfg.misses, cfg.misses) <= cfg.max_p < sign_test_p(n - 1 - cfg.misses, cfg.misses)
+    assert Config(misses=0).min_steps == 3  # 3 of 3: p = 0.125
+
+
+def _cut(series: list[RankSteps], ws: int) -> list[tuple[int, list[RankSteps]]]:
+    """The series as a collector storing ``ws``-step windows cuts it: (window, ranks)."""
+    last = min(s.first_step + len(s.sync_s) - 1 for s in series)
+    return [
+        (w, [window(s, w * ws + 1, min(last, (w + 1) * ws)) for s in series])
+        for w in range((last + ws - 1) // ws)
+    ]
+
+
+def _opened_keys(det: ArrivalDetector, windows: list[tuple[int, list[RankSteps]]]) -> list[tuple[int, str]]:
+    return [(w, f.key) for w, ranks in windows for f in det.update(w, [ranks]) if f.status == "open"]
+
+
+@pytest.mark.parametrize("ws", [1, 2, 4])
+def test_a_late_rank_in_windows_of_a_few_steps_is_flagged_from_pooled_steps(ws: int) -> None:
+    # 48 steps, rank 2 with +25% compute throughout; a collector that chose ``ws``-step
+    # windows (its first batch's steps were slow). No window alone can pass the test (2 of 2
+    # late: p = 0.25); pooled into 8-step blocks, two blocks open the flag.
+    series = synthetic(4, 48, seed=7, late={2: 0.25})
+    opened = _opened_keys(ArrivalDetector("r"), _cut(series, ws))
+    assert opened == [(16 // ws - 1, "straggler:compute:rank=2")]
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.sampled_from([4, 8, 64]), seed=st.integers(0, 10_000), ws=st.sampled_from([1, 2, 3]))
+def test_clean_windows_of_a_few_steps_open_nothing(n: int, seed: int, ws: int) -> None:
+    assert _opened_keys(ArrivalDetector("r"), _cut(synthetic(n, 48, seed=seed), ws)) == []
+
+
+def test_a_pool_survives_the_state_round_trip() -> None:
+    # The worker saves the detector's state after each pass: a pool cut in the middle (and
+    # through strict JSON: NaN as null) must judge the same steps as an unbroken run.
+    series = synthetic(4, 32, seed=11, late={1: 0.3}, kind="host_stall")
+    for r in series:  # a step whose CPU time was not measured on one rank
+        if r.rank == 3:
+            r.cpu_s[4] = None  # type: ignore[index]
+    windows = _cut(series, 2)
+    whole = _opened_keys(ArrivalDetector("r"), windows)
+    det = ArrivalDetector("r")
+    out = []
+    for w, ranks in windows:
+        det = ArrivalDetector.from_state(json.loads(json.dumps(det.to_state(), allow_nan=False)))
+        out += [(w, f.key) for f in det.update(w, [ranks]) if f.status == "open"]
+    assert out == whole == [(7, "straggler:host_stall:rank=1")]
+
+
+def test_a_group_whose_ranks_changed_starts_a_new_pool() -> None:
+    series = synthetic(4, 16, seed=5, late={2: 0.3})
+    det = ArrivalDetector("r")
+    (_, first), (_, second) = _cut(series, 4)[:2]
+    det.update(0, [first])  # 4 steps of ranks 0-3, held
+    det.update(1, [second[:3]])  # rank 3 missing: ranks 0-2, a new pool; the old one goes
+    assert [p["ranks"] for p in det.to_state()["pools"]] == [[0, 1, 2]]
+
+
+# Recorded on a machine running a second real training beside this one (steps of 0.9-1.6 s,
+# the first about 4 s): the collector chose 1-step windows from the first batch, and the
+# +20% compute straggler went unflagged for the whole run.
+LOADED_ONSET = 49
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_recorded_loaded_run_with_tiny_windows_flags_its_straggler(ws: int) -> None:
+    opened = _opened_keys(ArrivalDetector("r"), _cut(_recorded("compute--20--loaded"), ws))
+    assert opened, "no flag"
+    (w, key), *rest = opened
+    assert key == "straggler:compute:rank=2" and not rest, opened
+    # Within the two 8-step blocks after the onset's (the earliest persistence allows).
+    assert LOADED_ONSET <= (w + 1) * ws <= LOADED_ONSET + 3 * 8, (w, ws)
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_recorded_loaded_clean_run_with_tiny_windows_opens_nothing(ws: int) -> None:
+    assert _opened_keys(ArrivalDetector("r"), _cut(_recorded("clean--loaded"), ws)) == []
