@@ -115,7 +115,9 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.settings = settings
     app.state.auth = Authenticator.from_specs(settings.write_tokens, settings.read_tokens)
     app.state.engine = engine
-    app.state.ingestor = ingestor = Ingestor(storage, window_seconds=settings.window_seconds)
+    app.state.ingestor = ingestor = Ingestor(
+        storage, window_seconds=settings.window_seconds, window_steps=settings.window_steps
+    )
     app.state.metrics = metrics
     app.state.run_checks = {}  # admissions of new runs in flight (api._admission)
     app.state.shared_writers = frozenset(

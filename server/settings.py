@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     max_connections: int = Field(default=2048, ge=1)
     #: Target wall time of one stored per-rank window; the step count is fixed per run.
     window_seconds: float = 10.0
+    #: Steps per stored window for every new run (a power of two); 0: chosen from each
+    #: run's first batch and ``window_seconds``. Fixing it makes windows the same for runs
+    #: whose first steps' pace differs (a loaded machine, a slow first batch).
+    window_steps: int = Field(default=0, ge=0, le=4096)
     #: Seconds a client is told to wait (``Retry-After``) while the database is away.
     retry_after_s: int = Field(default=5, ge=1, le=600)
     #: Apply migrations when ``serve`` starts.
@@ -100,3 +104,12 @@ class Settings(BaseSettings):
     webhook_resend_s: float = Field(default=60.0, ge=0)
     #: Base URL of this collector as people reach it, for links in alerts.
     public_url: str | None = None
+
+    @field_validator("window_steps")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        """Windows of a power of two steps, as the chosen ones: the retention's roll-up and
+        the job-step buckets (64 steps) divide evenly into them or they into those."""
+        if v and v & (v - 1):
+            raise ValueError(f"window_steps must be 0 or a power of two, not {v}")
+        return v

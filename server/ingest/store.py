@@ -113,10 +113,19 @@ def choose_window_steps(
 class Ingestor:
     """Writes batches; holds a small cache of run keys (never of data)."""
 
-    def __init__(self, storage: Storage, *, window_seconds: float = 10.0, cache_size: int = 1024) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        window_seconds: float = 10.0,
+        window_steps: int = 0,
+        cache_size: int = 1024,
+    ) -> None:
         self.storage = storage
         self.engine = storage.engine
         self.window_seconds = window_seconds
+        #: Steps per window of every new run; 0: chosen from its first batch.
+        self.window_steps = window_steps
         self._runs: OrderedDict[str, RunKey] = OrderedDict()
         #: When this process last stamped each run's last report: a group within the same
         #: second skips the statement (a round trip per group) that would change nothing.
@@ -196,6 +205,10 @@ class Ingestor:
             assert key is not None
         return key
 
+    def _chosen_window_steps(self, p: IngestPayload) -> int:
+        s = p.steps
+        return choose_window_steps(s.time_s, self.window_seconds, first=s.first, tags=s.tags)
+
     def _new_run(self, p: IngestPayload, plan: dict[str, Any] | None, owner: str | None) -> dict[str, Any]:
         """The run's row, from its first batch."""
         return {
@@ -204,9 +217,7 @@ class Ingestor:
             "dp_size": p.rank.layout.dp,
             "layout": p.rank.layout.model_dump(),
             "convention": p.convention.model_dump() if p.convention else None,
-            "window_steps": choose_window_steps(
-                p.steps.time_s, self.window_seconds, first=p.steps.first, tags=p.steps.tags
-            ),
+            "window_steps": self.window_steps or self._chosen_window_steps(p),
             "created_at": datetime.now(timezone.utc),
             "created_by": owner,
             **(plan or {}),

@@ -296,3 +296,15 @@ def test_events_are_served_newest_first_and_filtered(client: TestClient, engine:
     open_only = client.get("/api/v1/runs/test-run/events", params={"status": "open"}).json()
     assert [e["status"] for e in open_only] == ["open"]
     assert client.get("/api/v1/runs/test-run/events", params={"status": "maybe"}).status_code == 422
+
+
+def test_a_fixed_window_size_is_every_new_runs_whatever_its_pace(db_url: str, engine: Engine) -> None:
+    settings = Settings(database_url=db_url, window_seconds=2.0, window_steps=16)
+    with TestClient(create_app(settings, engine=engine)) as c:
+        for run, pace in (("fast", 0.01), ("slow", 5.0)):  # chosen: 256 and 1 steps
+            r = c.post("/api/v1/ingest", json=payload(run=run, times=[pace] * 4, tokens=[10] * 4))
+            assert r.status_code == 200, r.text
+    with engine.connect() as conn:
+        assert dict(conn.execute(select(Run.name, Run.window_steps)).all()) == {"fast": 16, "slow": 16}
+    with pytest.raises(ValueError, match="power of two"):
+        Settings(database_url=db_url, window_steps=24)
