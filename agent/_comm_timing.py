@@ -30,6 +30,10 @@ a preallocated ring. When a run stops, those counters name the collective it sto
 in: the ranks that never entered it and the ranks waiting in it since when (the
 collector's hang diagnosis). The sender thread reads them for every batch and, while
 the training thread is stuck and closes no window, for its heartbeats.
+
+Longer than the usual module: the hook, the preallocated per-step slots it fills, the
+per-group counters and the window summary the sender builds from those slots share one
+layout of arrays; split, each part would restate it.
 """
 
 from __future__ import annotations
