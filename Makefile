@@ -27,10 +27,13 @@ demo: venv
 # line naming them (tools/preflight). The tests without real training (databases, HTTP,
 # subprocesses: mostly waiting) run on both cores; then the real-training ones (marked
 # e2e) alone, one at a time, so that the only load they share the cores with is the CPU
-# burner they start themselves.
+# burner they start themselves. A real-training test that fails is run once more, alone
+# (--last-failed): on 2 shared cores a few of them fail about one run in five from the
+# machine's own scheduling (a 2-step profiler window, a rank descheduled for seconds); a
+# test that fails twice fails the suite, and the first failure stays in the log.
 test: preflight venv
 	$(PY) -m pytest -n 2 -m "not e2e"
-	$(PY) -m pytest -m e2e
+	$(PY) -m pytest -m e2e || $(PY) -m pytest -m e2e --last-failed --last-failed-no-failures none
 
 preflight:
 	@tools/preflight
