@@ -272,7 +272,17 @@ class Stepwatch:
         DDP's broadcast of module buffers before each forward is counted too (not
         timed), so a hang diagnosis can tell a rank waiting in it from one that hung.
         A model that already has a communication hook keeps it: wrap that hook with
-        ``stepwatch.comm_hook(inner=...)`` instead."""
+        ``stepwatch.comm_hook(inner=...)`` instead.
+
+        A model on CUDA watched before the first step also starts the device step clock
+        when ``init`` did not (CUDA was not initialised then): the hook's device events
+        are measured from its step boundaries. Watched later, the hook keeps host times."""
+        if self._dev is None and self._n == 0 and self._first_step == self._start_step + 1:
+            from ._api import _model_on_cuda
+            from ._device_clock import cuda_clock
+
+            if _model_on_cuda(model):
+                self._dev = cuda_clock(self._cap)
         try:
             model.register_comm_hook(state, comm_hook(timing=self.comm_timing))
             count_buffer_broadcast(model, self.comm_timing)
@@ -433,20 +443,24 @@ class Stepwatch:
             # these counters as where the rank is stuck once that exceeds a few steps.
             idle = _perf() - self._last
             window.comm_section = self.comm_timing.heartbeat_section(idle)
-        if window.comm is not None:  # summarised once (host clock), so a retry sends the same body
+        host_times = window.step_time_s
+        device_steps = None
+        if window.device_events is not None:
+            prev, events = window.device_events
+            step_times = CudaEventClock.resolve(prev, events, window.step_time_s)
+            device_steps = (prev, events, step_times)
+            window.device_events = None
+            window.step_time_s = array("d", step_times)
+        if window.comm is not None:  # summarised once, so a retry sends the same body
+            # After the step clock's wait for its events: the hook's device events (CUDA)
+            # are then read with query() alone; the host's step times place host times.
             window.comm_section = self.comm_timing.summarise(
-                window.comm, window.first_step, window.step_time_s, window.perf_end
+                window.comm, window.first_step, host_times, window.perf_end, device_steps=device_steps
             )
             links = self._links.sample()
             if links:
                 window.comm_section["links"] = links
             window.comm = None
-        step_times = None
-        if window.device_events is not None:
-            prev, events = window.device_events
-            step_times = CudaEventClock.resolve(prev, events, window.step_time_s)
-            window.device_events = None
-            window.step_time_s = array("d", step_times)
         agent = {
             "version": __version__,
             "clock": "cuda_events" if self._dev is not None else "host",

@@ -20,9 +20,15 @@ applies, so gradients are bit-identical, tested on real gloo ranks), a user's ho
 (``comm_hook(inner=...)``) runs unchanged, and the bucket order and overlap are DDP's.
 
 CPU: host clock (``perf_counter``) and the training thread's CPU clock, which tells
-a rank that computed longer (more CPU) from one that stalled (no CPU). CUDA: the host
-times are launch times; device events for arrival and end are the next step (see
-README: which parallelisms are covered live).
+a rank that computed longer (more CPU) from one that stalled (no CPU). CUDA (decided
+once, at the hook's first bucket: its tensor is on a CUDA device): the host times are
+only launch times, so the hook also records a CUDA event per bucket at its arrival and
+one in the future's ``then()`` callback at its end (``_comm_device``); the sender reads
+them back with ``query()``/``elapsed_time()`` against the agent's step boundary events
+and ships the window with ``"clock": "device"``, or, when an event has not completed by
+then (the step clock's deadline), with the host times and ``"clock": "host"``. Nothing
+synchronises the GPU. On CUDA ``cpu_s`` is the CPU time of the thread that runs the hook
+(autograd's device thread), not the training thread's.
 
 Per process group the hook also counts the collectives entered and completed
 (:class:`GroupSeq`), with the op and entry time of the last :data:`SEQ_RING` of them in
@@ -38,6 +44,7 @@ layout of arrays; split, each part would restate it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from array import array
@@ -45,8 +52,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._comm_device import CommEvents, DeviceSlots
+from ._comm_device import resolve as resolve_device
+from ._device_clock import DeviceEvent
 from .sketch import LogSketch
-from .wire import COLLECTIVE_OPS
+from .wire import COLLECTIVE_OPS, CommClock
 
 #: Buckets timed one by one per step; later ones share the last slot, which then holds
 #: the latest arrival (the last bucket's, so the step's sync time stays right).
@@ -111,6 +121,8 @@ class TimingSlices:
     #: host ``perf_counter`` seconds; ``end`` is -1 where the collective did not complete.
     arrive: array[float]
     end: array[float]
+    #: On CUDA: the device events of these slots (read on the sender thread).
+    device: DeviceSlots | None = None
 
     def approx_bytes(self) -> int:
         return 64 + 8 * (4 * len(self.step_of) + 2 * len(self.arrive))
@@ -142,6 +154,27 @@ class CommTiming:
         self.known_groups: Callable[[], Iterable[str]] | None = None
         self.used = False
         self._cpu_prev: float | None = None  # sender thread: CPU clock at the previous step
+        #: On CUDA (:meth:`start_device`): the slots' arrival and end events.
+        self._events: CommEvents | None = None
+
+    def start_device(self, make_event: Callable[[], DeviceEvent]) -> None:
+        """Time the slots on the device too (the hook's first bucket is on CUDA): the one
+        allocation of the events, before the first :meth:`arrive` that records them."""
+        if self._events is None:
+            self._events = CommEvents(self._cap * MAX_BUCKETS, self._cap, make_event)
+
+    @property
+    def on_device(self) -> bool:
+        return self._events is not None
+
+    def device_arrival(self, slot: int) -> DeviceEvent | None:
+        """Hook side, after :meth:`arrive`: record the bucket's device arrival on the
+        current stream; returns the event its ``then()`` callback records at the end
+        (None on the host clock or past the window's capacity)."""
+        ev = self._events
+        if ev is None or slot < 0:
+            return None
+        return ev.record_arrival(slot)
 
     # -- hook side (training thread; completions on the backend's threads) ----------
     def arrive(
@@ -229,23 +262,62 @@ class CommTiming:
             arrive += self._arrive[b * cap : b * cap + n]
             end += self._end[b * cap : b * cap + n]
         return TimingSlices(
-            self._step_of[:n], self._n_buckets[:n], self._bytes[:n], self._cpu[:n], arrive, end
+            self._step_of[:n],
+            self._n_buckets[:n],
+            self._bytes[:n],
+            self._cpu[:n],
+            arrive,
+            end,
+            self._events.take() if self._events is not None else None,
         )
 
     # -- sender thread ------------------------------------------------------------------
     def summarise(
-        self, s: TimingSlices, first_step: int, step_times: Sequence[float], perf_end: float
+        self,
+        s: TimingSlices,
+        first_step: int,
+        step_times: Sequence[float],
+        perf_end: float,
+        *,
+        device_steps: DeviceSteps | None = None,
     ) -> dict[str, Any]:
         """The window's ``comm`` payload section (see :func:`summarise`); ``perf_end`` is
-        the host clock at the end of the window's last step."""
-        ends = [0.0] * len(step_times)
-        t = perf_end
-        for i in range(len(step_times) - 1, -1, -1):
-            ends[i] = t
-            t -= step_times[i]
-        out, self._cpu_prev = summarise(s, first_step, ends, step_times, self._cpu_prev)
+        the host clock at the end of the window's last step, ``step_times`` the host's
+        step times. On CUDA, ``device_steps`` gives the agent's step boundaries on the
+        device; the section is on the device clock when every event it needs completed."""
+        dev = self._device_slices(s, first_step, device_steps)
+        if dev is not None:
+            slices, times = dev
+            # Device offsets are already relative to each step's start: start = end - time = 0.
+            out, self._cpu_prev = summarise(slices, first_step, times, times, self._cpu_prev, clock="device")
+        else:
+            ends = [0.0] * len(step_times)
+            t = perf_end
+            for i in range(len(step_times) - 1, -1, -1):
+                ends[i] = t
+                t -= step_times[i]
+            out, self._cpu_prev = summarise(s, first_step, ends, step_times, self._cpu_prev)
         out["groups"] = self.groups()
         return out
+
+    @staticmethod
+    def _device_slices(
+        s: TimingSlices, first_step: int, device_steps: DeviceSteps | None
+    ) -> tuple[TimingSlices, Sequence[float]] | None:
+        """The slices with device offsets in place of host times, and the device step
+        times; None (host clock) without device events or when one is not complete."""
+        if s.device is None:
+            return None
+        if device_steps is None:  # no step clock on the device: nothing to measure from
+            s.device.pool.give_back(s.device.generation)
+            return None
+        prev, boundaries, times = device_steps
+        starts: list[DeviceEvent | None] = [prev, *boundaries[:-1]]
+        got = resolve_device(s.device, s.step_of, s.n_buckets, s.end, first_step, starts, boundaries, _NONE)
+        if got is None or len(times) != len(s.step_of):
+            return None
+        arrive, end = got
+        return TimingSlices(s.step_of, s.n_buckets, s.bytes, s.cpu, arrive, end), times
 
     def heartbeat_section(self, idle_s: float) -> dict[str, Any]:
         """The ``comm`` section of a heartbeat: no step, the group counters as they are
@@ -264,6 +336,11 @@ class CommTiming:
         }
 
 
+#: What the sender knows of a window's steps on the device: (the boundary before its
+#: first step, one boundary event per step, the device step times in seconds).
+DeviceSteps = tuple[DeviceEvent | None, Sequence[DeviceEvent], Sequence[float]]
+
+
 def _r(x: float) -> float:
     return round(x, 6)
 
@@ -274,8 +351,10 @@ def summarise(
     step_ends: Sequence[float],
     step_times: Sequence[float],
     cpu_prev: float | None,
+    *,
+    clock: CommClock = "host",
 ) -> tuple[dict[str, Any], float | None]:
-    """Per-step numbers (seconds, relative to the step's start on this rank's clock;
+    """Per-step numbers (seconds, relative to the step's start on this rank's ``clock``;
     ``None`` for a step without a collective) and per-window totals.
 
     ``arrive_s``: last bucket ready (backward done); ``end_s``: last collective ended;
@@ -317,7 +396,7 @@ def summarise(
         cpu_prev = s.cpu[i]
     section: dict[str, Any] = {
         "version": 1,
-        "clock": "host",
+        "clock": clock,
         "arrive_s": arrive_s,
         "end_s": end_s,
         "sync_s": sync_s,
@@ -341,12 +420,19 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
     averaging all-reduce runs (bit-identical gradients); ``sw.watch(ddp)`` registers that.
     The timing goes to ``timing``, or to the agent of the last ``stepwatch.init``.
     Nothing here raises into backward: a timing failure only loses the timing.
+
+    The clock is chosen once, at the first bucket the hook times: on CUDA (the bucket's
+    tensor is on a CUDA device) each bucket also records a device event at its arrival
+    and one in the ``then()`` callback at its end (see the module docstring); the
+    per-call cost is then two ``Event.record()`` calls, never a synchronisation.
     """
     import torch.distributed as dist
 
     from ._collectives import Quiet
 
     bound: list[CommTiming | None] = [timing]
+    #: Whether this hook records device events: decided once, at its first timed bucket.
+    device: list[bool | None] = [None]
 
     def _timing() -> CommTiming | None:
         if bound[0] is None:
@@ -361,10 +447,16 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
         t = _timing()
         group = "world"
         token = None
+        end_event = None
         if t is not None:
             try:
+                if device[0] is None:
+                    device[0] = False  # decided once: a failure here leaves the host clock
+                    device[0] = _start_device(t, buf)
                 group = group_label(state if isinstance(state, dist.ProcessGroup) else None)
                 token = t.arrive(group, bucket.index(), buf.numel() * buf.element_size())
+                if device[0] and token is not None:
+                    end_event = t.device_arrival(token[1])
             except Exception:
                 token = None
         # The bucket is counted here: the collective-counting wrappers
@@ -381,6 +473,11 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
             return fut if inner is not None else fut.then(_first)
 
         def finished(f: Any) -> Any:
+            if end_event is not None:
+                # On the stream torch made current here, after the collective's kernels; a
+                # failure loses this bucket's device end (its window keeps host times).
+                with contextlib.suppress(Exception):
+                    end_event.record()
             t.done(token, group)  # type: ignore[union-attr]
             return f.value() if inner is not None else f.value()[0]
 
@@ -394,6 +491,20 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
 
 def _first(f: Any) -> Any:
     return f.value()[0]
+
+
+def _start_device(timing: CommTiming, buf: Any) -> bool:
+    """The hook's clock, decided at its first bucket: device events when the bucket is on
+    CUDA and CUDA events can be made, else the host clock only."""
+    if not getattr(buf, "is_cuda", False):
+        return False
+    from ._comm_device import cuda_event_factory
+
+    make = cuda_event_factory()
+    if make is None:
+        return False
+    timing.start_device(make)
+    return True
 
 
 def group_label(pg: Any) -> str:

@@ -42,6 +42,15 @@ CollectiveOp = Literal[
 ]
 COLLECTIVE_OPS: tuple[str, ...] = get_args(CollectiveOp)
 
+#: The clock of a ``comm`` section's per-step times (the agent's communication hook):
+#: ``host``, ``perf_counter`` (on CUDA only launch times), or ``device``, CUDA events
+#: recorded in the hook and its future's callback, read back on the sender thread.
+CommClock = Literal["host", "device"]
+COMM_CLOCKS: tuple[str, ...] = get_args(CommClock)
+#: The clock of a batch's step times (``agent.clock``, stored per rank as sent):
+#: ``cuda_events`` when a CUDA event marks each step boundary.
+StepClock = Literal["host", "cuda_events"]
+
 #: Parallelism dimensions of a rank's coordinates and communicator groups.
 Dim = Literal["tp", "cp", "dp", "pp"]
 

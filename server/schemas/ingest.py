@@ -109,7 +109,7 @@ class RankIn(_Strict):
 
 class AgentIn(_Strict):
     version: str = Field(max_length=32, pattern=r"^[A-Za-z0-9._+-]+$")
-    clock: Literal["host", "cuda_events"] = "host"
+    clock: wire.StepClock = "host"
     dropped_windows: Count = 0
     dropped_steps: Count = 0
     hot_path_mean_s: Seconds | None = None
@@ -369,7 +369,7 @@ class LinkIn(_Strict):
 class CommIn(_Strict):
     """Always-on collective timing of this batch's steps (the agent's communication hook).
 
-    Per step, seconds after the step's start on this rank's clock (``null``: no collective
+    Per step, seconds after the step's start on this rank's ``clock`` (``null``: no collective
     in that step): ``arrive_s`` last bucket ready, ``end_s`` last collective ended,
     ``sync_s`` end minus arrival of the last bucket, ``cpu_s`` training-thread CPU time.
     Ingest stages ``sync_s`` and ``cpu_s`` per step (``step_timings``) for the late-arrival
@@ -377,7 +377,9 @@ class CommIn(_Strict):
     """
 
     version: Literal[1]
-    clock: Literal["host", "cuda_events"] = "host"
+    #: ``device``: CUDA events, every value of the section from the device; ``host``:
+    #: the host clock (on CUDA, launch times). Wait and transfer are computed alike.
+    clock: wire.CommClock = "host"
     arrive_s: list[StepSeconds | None] = Field(max_length=MAX_STEPS)
     end_s: list[StepSeconds | None] = Field(max_length=MAX_STEPS)
     sync_s: list[StepSeconds | None] = Field(max_length=MAX_STEPS)

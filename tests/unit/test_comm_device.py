@@ -1,0 +1,303 @@
+"""The communication hook's device clock (``_comm_device``), driven by stand-in events.
+
+There is no GPU on the machines this suite runs on, so ``torch.cuda.Event`` cannot be
+created here: ``FakeEvent`` stands in for it with a device timestamp the test advances
+and a completion flag the test controls (like tests/unit/test_device_clock.py), and a
+``synchronize()`` that fails the test, since nothing here may wait for the device. What
+the real events do on a GPU is checked by ``make gpu-check`` (its ``ddp_device`` line).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from stepwatch import _comm_device
+from stepwatch._comm_timing import MAX_BUCKETS, CommTiming, TimingSlices, comm_hook
+from stepwatch._device_clock import CudaEventClock, DeviceEvent
+
+
+class FakeEvent:
+    def __init__(self, device: list[float]) -> None:
+        self._device = device  # the shared "device clock" in ms, advanced by the test
+        self.t: float | None = None
+        self.done = True
+        self.records = 0
+
+    def record(self) -> None:
+        self.t = self._device[0]
+        self.records += 1
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end_event: FakeEvent) -> float:
+        assert self.done and end_event.done, "elapsed_time on an incomplete event would block"
+        if self.t is None or end_event.t is None:
+            raise RuntimeError("event not recorded")  # what torch raises for an unrecorded event
+        return end_event.t - self.t
+
+    def synchronize(self) -> None:
+        raise AssertionError("the sender must never synchronise the device")
+
+
+class Rank:
+    """One rank's agent side: the hook's timing and the step clock, on one fake device.
+
+    Per step (device ms): the step starts at ``t0``; bucket ``b`` arrives at
+    ``t0 + arrive[b]`` and its all-reduce ends at ``t0 + end[b]``; the step ends at
+    ``t0 + step``. The host records at once (it only launches), so its times are far off.
+    """
+
+    def __init__(self, cap: int = 8) -> None:
+        self.device = [0.0]
+        self.made: list[FakeEvent] = []
+        self.pos = [1, 0]
+        self.timing = CommTiming(cap, lambda: (self.pos[0], self.pos[1]))
+        self.timing.start_device(self.make)
+        self.clock = CudaEventClock(cap, self.make)
+        self.host_times: list[float] = []
+        self._last = time.perf_counter()
+
+    def make(self) -> DeviceEvent:
+        self.made.append(FakeEvent(self.device))
+        return self.made[-1]
+
+    def step(self, arrive: list[float], end: list[float], step: float) -> None:
+        t0 = self.device[0]
+        for b, (a, e) in enumerate(zip(arrive, end, strict=True)):
+            token = self.timing.arrive("world", b, 4096)
+            assert token is not None
+            self.device[0] = t0 + a
+            end_ev = self.timing.device_arrival(token[1])
+            assert end_ev is not None
+            self.device[0] = t0 + e
+            end_ev.record()  # the then() callback
+            self.timing.done(token, "world")
+        self.device[0] = t0 + step
+        self.clock.record(self.pos[1])
+        now = time.perf_counter()
+        self.host_times.append(now - self._last)
+        self._last = now
+        self.pos[1] += 1
+
+    def close(self) -> tuple[TimingSlices, Any, float]:
+        n = self.pos[1]
+        slices = self.timing.take(n)
+        assert slices is not None
+        prev, events = self.clock.take(n)
+        perf_end = self._last
+        self.pos = [self.pos[0] + n, 0]
+        return slices, (prev, events), perf_end
+
+    def encode(self, first: int, slices: TimingSlices, dev: Any, perf_end: float) -> dict[str, Any]:
+        """What the agent's sender does: step clock first (its deadline), then the comm section."""
+        prev, events = dev
+        host = self.host_times[-len(events) :]
+        times = CudaEventClock.resolve(prev, events, host, deadline_s=0.0)
+        return self.timing.summarise(slices, first, host, perf_end, device_steps=(prev, events, times))
+
+
+def test_offsets_come_from_the_device_events_relative_to_the_step_start() -> None:
+    r = Rank()
+    r.step([10.0, 30.0], [40.0, 55.0], 100.0)  # window 1: step 1 has no device start
+    slices1, dev1, end1 = r.close()
+    r.encode(1, slices1, dev1, end1)
+    r.step([10.0, 30.0], [40.0, 55.0], 100.0)  # steps 2, 3: the second arrives late
+    r.step([20.0, 80.0], [90.0, 95.0], 120.0)
+    slices, dev, perf_end = r.close()
+    out = r.encode(2, slices, dev, perf_end)
+    assert out["clock"] == "device"
+    assert out["arrive_s"] == pytest.approx([0.030, 0.080])  # last bucket ready
+    assert out["end_s"] == pytest.approx([0.055, 0.095])  # last collective ended
+    assert out["sync_s"] == pytest.approx([0.025, 0.015])  # end - arrival, last bucket
+    (ar,) = out["collectives"]
+    assert (ar["op"], ar["count"], ar["bytes"]) == ("all_reduce", 4, 4 * 4096)
+    # arrival <= end <= step on the device, whatever the host's launch times were.
+    times = CudaEventClock.resolve(dev[0], dev[1], [9.0, 9.0], deadline_s=0.0)
+    assert times == pytest.approx([0.100, 0.120])
+    for a, e, t in zip(out["arrive_s"], out["end_s"], times, strict=True):
+        assert a <= e <= t
+
+
+def test_the_runs_first_step_has_no_device_start_and_stays_untimed() -> None:
+    r = Rank()
+    r.step([10.0], [20.0], 50.0)
+    r.step([10.0], [25.0], 50.0)
+    slices, dev, perf_end = r.close()
+    out = r.encode(1, slices, dev, perf_end)
+    assert out["clock"] == "device"
+    assert out["arrive_s"] == [None, pytest.approx(0.010)]
+    assert out["sync_s"] == [None, pytest.approx(0.015)]
+    assert out["collectives"][0]["count"] == 1
+
+
+@pytest.mark.parametrize("stuck", ["bucket_end", "step_boundary"])
+def test_an_incomplete_event_keeps_the_whole_window_on_host_times(stuck: str) -> None:
+    """A stuck device: the last step's second all-reduce (or its step boundary) never
+    completes. The comm section waits for nothing (``query()`` only; the step clock's own
+    deadline is 0 here) and ships the host section, exactly as without device events,
+    labelled ``host``: one window never mixes device offsets with launch times."""
+    r = Rank()
+    r.step([10.0], [20.0], 50.0)
+    r.close()
+    for _ in range(3):
+        r.step([10.0, 20.0], [30.0, 40.0], 50.0)
+    slices, dev, perf_end = r.close()
+    assert slices.device is not None
+    cap = slices.device.capacity
+    event = slices.device.generation[1][1 * cap + 2] if stuck == "bucket_end" else dev[1][2]
+    event.done = False  # type: ignore[attr-defined]
+    s = slices
+    host_only = TimingSlices(s.step_of, s.n_buckets, s.bytes, s.cpu, s.arrive, s.end)
+    want = CommTiming(8, lambda: (0, 0)).summarise(host_only, 2, r.host_times[-3:], perf_end)
+    out = r.encode(2, slices, dev, perf_end)
+    assert out["clock"] == "host" and want["clock"] == "host"
+    keys = ("arrive_s", "end_s", "sync_s", "collectives")
+    assert {k: out[k] for k in keys} == {k: want[k] for k in keys}
+    # The window's events were given back all the same, and once the device has caught
+    # up the next window is on the device clock again.
+    r.step([10.0], [20.0], 50.0)
+    s2, d2, e2 = r.close()
+    event.done = True  # type: ignore[attr-defined]
+    assert r.encode(5, s2, d2, e2)["clock"] == "device"
+
+
+def test_without_device_step_boundaries_the_section_stays_host() -> None:
+    r = Rank()
+    r.step([10.0], [20.0], 50.0)
+    slices, _dev, perf_end = r.close()
+    out = r.timing.summarise(slices, 1, r.host_times, perf_end)
+    assert out["clock"] == "host"
+
+
+def test_generations_are_recycled_and_never_rerecorded_while_the_sender_holds_them() -> None:
+    r = Rank(cap=4)
+    per_generation = 2 * 4 * MAX_BUCKETS
+    assert len(r.made) == per_generation + 4  # one generation, one window of step boundaries
+    r.step([1.0], [2.0], 5.0)
+    s1, d1, e1 = r.close()  # window 1 goes to the sender: a spare generation is made
+    held = set(map(id, s1.device.generation[0] + s1.device.generation[1]))  # type: ignore[union-attr]
+    held_records = {id(e): e.records for e in r.made if id(e) in held}
+    r.step([1.0], [2.0], 5.0)  # window 2 records while the sender holds window 1
+    assert {id(e): e.records for e in r.made if id(e) in held} == held_records
+    r.encode(1, s1, d1, e1)  # read: window 1's generation comes back
+    made = len(r.made)
+    s2, _, _ = r.close()
+    assert s2.device is not None and s2.device.generation[0] is not s1.device.generation[0]  # type: ignore[union-attr]
+    r.step([1.0], [2.0], 5.0)  # window 3 records into window 1's generation again
+    assert len(r.made) == made + 4, "no new generation once one came back (only the step clock's window)"
+    assert any(e.records == 2 for e in r.made if id(e) in held)
+
+
+class FakeBuffer:
+    def __init__(self, is_cuda: bool) -> None:
+        self.is_cuda = is_cuda
+
+    def numel(self) -> int:
+        return 1024
+
+    def element_size(self) -> int:
+        return 4
+
+
+class FakeBucket:
+    def __init__(self, index: int, is_cuda: bool) -> None:
+        self._i, self._buf = index, FakeBuffer(is_cuda)
+
+    def buffer(self) -> FakeBuffer:
+        return self._buf
+
+    def index(self) -> int:
+        return self._i
+
+
+def _inner(_state: object, bucket: FakeBucket) -> torch.futures.Future[Any]:
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(bucket.index())
+    return fut
+
+
+@pytest.mark.parametrize("on_cuda", [True, False])
+def test_the_hook_records_arrival_and_then_end_and_decides_its_clock_once(
+    on_cuda: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    device = [0.0]
+    made: list[FakeEvent] = []
+    factories = [0]
+
+    def factory() -> Any:
+        factories[0] += 1
+
+        def make() -> FakeEvent:
+            made.append(FakeEvent(device))
+            return made[-1]
+
+        return make
+
+    monkeypatch.setattr(_comm_device, "cuda_event_factory", factory)
+    pos = [1, 0]
+    timing = CommTiming(4, lambda: (pos[0], pos[1]))
+    hook = comm_hook(_inner, timing=timing)
+    for step in range(2):
+        pos[1] = step
+        for b in range(3):
+            device[0] = 100.0 * step + 10.0 * b
+            fut = hook(None, FakeBucket(b, on_cuda))
+            assert fut.wait() == b  # the inner hook's value, unchanged
+    assert factories[0] == (1 if on_cuda else 0), "the clock is decided once, at the first bucket"
+    assert timing.on_device is on_cuda
+    recorded = [e for e in made if e.records]
+    # Per bucket one arrival and one end event (the fake future completes at once, so
+    # the then() callback ran inline, at the same device time).
+    assert len(recorded) == (2 * 3 * 2 if on_cuda else 0)
+    slices = timing.take(2)
+    assert slices is not None and (slices.device is not None) is on_cuda
+
+
+def test_the_agent_ships_a_device_section_that_the_collector_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the agent's own window close and sender-side encoding: the hook on a CUDA
+    bucket, ``sw.step()`` recording the step boundaries, ``_encode`` resolving the step
+    clock and then the hook's events; the collector's schema takes ``"clock": "device"``."""
+    import json
+
+    from stepwatch._agent import Stepwatch
+    from stepwatch._env import detect
+    from stepwatch._sender import MemorySink
+    from stepwatch.config import AgentConfig
+    from stepwatch_server.schemas.ingest import IngestPayload
+
+    device = [0.0]
+
+    def make() -> FakeEvent:
+        return FakeEvent(device)
+
+    monkeypatch.setattr(_comm_device, "cuda_event_factory", lambda: make)
+    rec = MemorySink()
+    cfg = AgentConfig(run="r", max_window_steps=8, send_interval_s=1e9, warmup_steps=0)
+    sw = Stepwatch(
+        cfg, detect({}, host="h"), convention=None, sender=rec, device_clock=CudaEventClock(8, make)
+    )
+    hook = comm_hook(_inner, timing=sw.comm_timing)
+    for step in range(4):
+        t0 = 100.0 * step
+        for b in range(2):
+            device[0] = t0 + 20.0 + 30.0 * b  # bucket b ready; then() runs at once (fake future)
+            hook(None, FakeBucket(b, True)).wait()
+        device[0] = t0 + 100.0
+        sw.step(tokens=16)
+    sw.flush(1.0)
+    (w,) = rec.windows
+    doc = json.loads(sw._encode(w, rec.stats))
+    comm = doc["comm"]
+    assert (doc["agent"]["clock"], comm["clock"]) == ("cuda_events", "device")
+    assert doc["steps"]["time_s"][1:] == pytest.approx([0.1, 0.1, 0.1])
+    assert comm["arrive_s"] == [None, *[pytest.approx(0.05)] * 3]  # the run's first step: no start
+    assert comm["sync_s"] == [None, 0.0, 0.0, 0.0]  # the fake future ends where it arrives
+    IngestPayload.model_validate(doc)
+    doc["comm"]["clock"] = "cuda_events"  # the step clock's name is not a comm clock
+    with pytest.raises(ValueError, match="clock"):
+        IngestPayload.model_validate(doc)
