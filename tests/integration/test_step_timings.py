@@ -32,7 +32,9 @@ def client(db_url: str, engine: Engine) -> Iterator[TestClient]:
         yield c
 
 
-def comm(rank: int, window: int, *, late_rank: int | None, extra_cpu: float) -> dict[str, Any]:
+def comm(
+    rank: int, window: int, *, late_rank: int | None, extra_cpu: float, clock: str = "host"
+) -> dict[str, Any]:
     """Per step: ``late_rank`` arrives 0.05 s after its peers (so its sync is the short
     one: nobody is left to wait for) and burns ``extra_cpu`` more CPU; small jitter."""
     sync: list[float | None] = []
@@ -45,10 +47,17 @@ def comm(rank: int, window: int, *, late_rank: int | None, extra_cpu: float) -> 
     sync[3] = None if rank == 0 and window == 0 else sync[3]  # a step without a collective
     arrive = [0.4] * STEPS
     end: list[float | None] = [0.45] * STEPS
-    return {"version": 1, "arrive_s": arrive, "end_s": end, "sync_s": sync, "cpu_s": cpu}
+    return {"version": 1, "clock": clock, "arrive_s": arrive, "end_s": end, "sync_s": sync, "cpu_s": cpu}
 
 
-def send(client: TestClient, windows: range, *, late_rank: int | None, extra_cpu: float = 0.05) -> None:
+def send(
+    client: TestClient,
+    windows: range,
+    *,
+    late_rank: int | None,
+    extra_cpu: float = 0.05,
+    clocks: tuple[str, ...] = ("host",) * W,
+) -> None:
     for w in windows:
         for r in range(W):
             body = payload(
@@ -57,7 +66,7 @@ def send(client: TestClient, windows: range, *, late_rank: int | None, extra_cpu
                 first=w * STEPS + 1,
                 times=[0.5] * STEPS,
                 waits=[0.001] * STEPS,
-                comm=comm(r, w, late_rank=late_rank, extra_cpu=extra_cpu),
+                comm=comm(r, w, late_rank=late_rank, extra_cpu=extra_cpu, clock=clocks[r]),
             )
             for _ in range(2 if w == 0 else 1):  # the first window's batches are retried
                 assert client.post("/api/v1/ingest", json=body).status_code == 200
@@ -105,6 +114,30 @@ def test_a_late_rank_with_extra_cpu_is_a_compute_straggler_and_staging_is_emptie
     assert ev["cost_ratio"] == pytest.approx(0.1, abs=0.005)
     assert ev["evidence"]["extra_cpu_s"] == pytest.approx(0.05, abs=0.002)
     assert ev["message"].startswith("Rank 2 (host node0) is a compute straggler since step 1")
+
+
+def test_device_clocked_sections_are_staged_and_judged_as_host_ones(
+    client: TestClient, engine: Engine
+) -> None:
+    """The agent's CUDA path labels its sections ``"clock": "device"`` (offsets from CUDA
+    events): the collector stages the same values and computes wait and transfer the same
+    way, whichever clock each rank used (here two ranks on each)."""
+    send(client, range(0, 4), late_rank=2, clocks=("device", "host", "device", "host"))
+    rows = staged(engine)
+    assert len(rows) == W * 4 * STEPS
+    assert {(r.rank, r.step): r.sync_s for r in rows}[(2, 1)] == pytest.approx(0.01 + 0.0005 * (6 % 4))
+    [(_, opened)] = worker(engine).run_once().transitions
+    f = opened.finding
+    assert (f.key, f.cause, f.ranks) == ("straggler:compute:rank=2", "compute", (2,))
+    (ev,) = client.get("/api/v1/runs/test-run/events").json()
+    assert ev["cost_seconds"] == pytest.approx(0.05, abs=0.002), "the same numbers as on the host clock"
+
+
+def test_a_comm_clock_outside_the_wire_contract_is_refused(client: TestClient) -> None:
+    body = payload(rank=0, world=W, first=1, times=[0.5] * STEPS, waits=[0.001] * STEPS)
+    body["comm"] = comm(0, 1, late_rank=None, extra_cpu=0.0, clock="cuda_events")
+    resp = client.post("/api/v1/ingest", json=body)
+    assert resp.status_code == 422 and "clock" in resp.text
 
 
 def test_a_late_rank_without_extra_cpu_is_a_host_stall(client: TestClient, engine: Engine) -> None:
