@@ -14,6 +14,10 @@ one verdict line per check, ``PASS``/``FAIL``/``SKIP`` + name + the numbers:
                  rank 1 arriving late at every bucket (rank 0 must wait longer), or 1 GPU
                  with a lagging stream (the hook must not synchronise); gradients equal to
                  plain DDP's. "not available in this build" where the hook is absent.
+``ddp_device``   the same runs' ``comm`` sections: on the device clock (the hook's CUDA
+                 events at each bucket's arrival and in its future's ``then()``, read back
+                 by the sender with ``query()``), and sane on every timed step:
+                 0 <= arrival <= end <= the step's device time.
 ``first_step``   the first profiled step of a live trace, GPU lagging its host by about a
                  step, against the steady steps and the script's own CUDA events.
 ``nvml``         NVML fields of this GPU: UUID matching torch's, clocks, power,
@@ -205,6 +209,47 @@ def ddp_single_verdict(
     return Verdict("ddp", "PASS" if ok else "FAIL", detail + " (1 GPU: world of 1, lagging stream)")
 
 
+DEVICE_TOL_S = 1e-5
+"""Slack for the 1 µs rounding of the wire's seconds in ``ddp_device``."""
+
+
+def ddp_device_verdict(payloads: Sequence[Mapping[str, Any]]) -> Verdict:
+    """The hook's sections on CUDA: every one on the device clock, and on every timed
+    step 0 <= arrival <= end <= the step's time (all three from CUDA events: a device
+    arrival after its end, or an all-reduce ending after its step, means an event was
+    recorded on the wrong stream)."""
+    clocks: set[str] = set()
+    timed: list[tuple[float, float, float]] = []
+    bad = 0
+    for doc in payloads:
+        comm = doc.get("comm")
+        if not isinstance(comm, Mapping) or not comm.get("arrive_s"):
+            continue
+        clocks.add(str(comm.get("clock", "host")))
+        times = doc.get("steps", {}).get("time_s", [])
+        for a, e, t in zip(comm["arrive_s"], comm.get("end_s", []), times, strict=False):
+            if a is None or e is None:
+                continue
+            timed.append((a, e, t))
+            bad += not (0.0 <= a <= e + DEVICE_TOL_S and e <= t + DEVICE_TOL_S)
+    if not timed:
+        return Verdict("ddp_device", "FAIL", f"no timed step in {len(payloads)} payload(s)")
+    if clocks != {"device"}:
+        return Verdict(
+            "ddp_device", "FAIL", f"sections on the {'/'.join(sorted(clocks))} clock, not the device's"
+        )
+    a, e, t = (statistics.median(x[i] for x in timed) * 1e3 for i in range(3))
+    detail = (
+        f"{len(timed)} steps on the device clock, median arrival {a:.2f} ms <= end {e:.2f} ms "
+        f"<= step {t:.2f} ms"
+    )
+    if bad:
+        return Verdict(
+            "ddp_device", "FAIL", f"{bad} of {len(timed)} steps not arrival <= end <= step; {detail}"
+        )
+    return Verdict("ddp_device", "PASS", detail)
+
+
 # -- measurements: need CUDA ------------------------------------------------------------
 
 
@@ -323,8 +368,8 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, delay_s: fl
     equal = all(
         torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), watched.parameters(), strict=True)
     )
+    device = _event_times(sw, rec)  # closes the agent: its last window holds the steps
     windows = list(rec.windows)
-    device = _event_times(sw, rec)
     docs = [json.loads(sw._encode(w, rec.stats)) for w in windows]
     result = {"rank": rank, "equal": equal, "host": host[1:], "device": device[2:], "payloads": docs}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -350,12 +395,13 @@ def check_ddp() -> list[Verdict]:
         mp.spawn(_ddp_worker, args=(world, init, tmp, delay, cycles), nprocs=world, join=True)
         results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
     equal = all(r["equal"] for r in results)
+    device = ddp_device_verdict([doc for r in results for doc in r["payloads"]])
     if world == 2:
         sync = {r["rank"]: numbers_under(r["payloads"], "sync_s") for r in results}
-        return [ddp_lag_verdict(sync, DDP_DELAY_S, equal)]
+        return [ddp_lag_verdict(sync, DDP_DELAY_S, equal), device]
     (r,) = results
     timed = len(numbers_under(r["payloads"], "comm"))
-    return [ddp_single_verdict(r["host"], r["device"], timed, equal)]
+    return [ddp_single_verdict(r["host"], r["device"], timed, equal), device]
 
 
 def check_first_step() -> list[Verdict]:

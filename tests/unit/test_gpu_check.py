@@ -2,8 +2,9 @@
 synthetic numbers, its error handling, and that without CUDA it runs nothing and exits 0.
 
 What the checks exercise on a GPU is unit-tested elsewhere on the CPU: the CUDA-event
-clock (test_device_clock.py), first-step attribution (test_trace_gpu.py), NVML
-(test_nvml.py, against a stand-in library), the callbacks' token counter
+clock (test_device_clock.py), the comm hook's device events (test_comm_device.py, with
+stand-in events), first-step attribution (test_trace_gpu.py), NVML (test_nvml.py,
+against a stand-in library), the callbacks' token counter
 (tests/integration/test_callbacks.py)."""
 
 from __future__ import annotations
@@ -93,6 +94,31 @@ def test_ddp_verdicts(gc: ModuleType) -> None:
     assert gc.ddp_single_verdict([0.002] * 5, [0.03] * 5, 40, True).status == "PASS"
     synced = gc.ddp_single_verdict([0.03] * 5, [0.03] * 5, 40, True)
     assert synced.status == "FAIL" and "SYNCED" in synced.detail
+
+
+def _doc(
+    clock: str, arrive: list[float | None], end: list[float | None], step: list[float]
+) -> dict[str, object]:
+    return {"steps": {"time_s": step}, "comm": {"clock": clock, "arrive_s": arrive, "end_s": end}}
+
+
+def test_ddp_device_verdict(gc: ModuleType) -> None:
+    """The sections the hook's CUDA path sends (their making is tested with stand-in
+    events in test_comm_device.py): on the device clock, arrival <= end <= step."""
+    good = [_doc("device", [None, 0.031, 0.030], [None, 0.034, 0.033], [0.05, 0.040, 0.041])]
+    ok = gc.ddp_device_verdict(good)
+    assert ok.status == "PASS" and ok.detail.startswith("2 steps on the device clock"), ok.detail
+    assert "arrival 30.50 ms <= end 33.50 ms <= step 40.50 ms" in ok.detail
+    host = gc.ddp_device_verdict([*good, _doc("host", [0.001], [0.002], [0.04])])
+    assert host.status == "FAIL" and "device/host clock" in host.detail, "a window fell back to host times"
+    late_end = gc.ddp_device_verdict([_doc("device", [0.031], [0.045], [0.040])])
+    assert late_end.status == "FAIL" and "1 of 1 steps" in late_end.detail, "end after the step"
+    backwards = gc.ddp_device_verdict([_doc("device", [0.035], [0.031], [0.040])])
+    assert backwards.status == "FAIL", "arrival after end"
+    rounded = gc.ddp_device_verdict([_doc("device", [0.031], [0.031], [0.030999])])
+    assert rounded.status == "PASS", "the wire's 1 µs rounding is not a failure"
+    assert gc.ddp_device_verdict([]).status == "FAIL"
+    assert gc.ddp_device_verdict([_doc("device", [None], [None], [0.04])]).status == "FAIL"
 
 
 def test_numbers_under_a_key_anywhere(gc: ModuleType) -> None:
