@@ -46,7 +46,6 @@ COLLECTIVE_OPS: tuple[str, ...] = get_args(CollectiveOp)
 #: ``host``, ``perf_counter`` (on CUDA only launch times), or ``device``, CUDA events
 #: recorded in the hook and its future's callback, read back on the sender thread.
 CommClock = Literal["host", "device"]
-COMM_CLOCKS: tuple[str, ...] = get_args(CommClock)
 #: The clock of a batch's step times (``agent.clock``, stored per rank as sent):
 #: ``cuda_events`` when a CUDA event marks each step boundary.
 StepClock = Literal["host", "cuda_events"]

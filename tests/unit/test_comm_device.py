@@ -301,3 +301,50 @@ def test_the_agent_ships_a_device_section_that_the_collector_accepts(monkeypatch
     doc["comm"]["clock"] = "cuda_events"  # the step clock's name is not a comm clock
     with pytest.raises(ValueError, match="clock"):
         IngestPayload.model_validate(doc)
+
+
+class FakeParam:
+    is_cuda = True
+
+
+class FakeDDP:
+    """What ``watch`` touches of a DDP model on CUDA."""
+
+    def __init__(self) -> None:
+        self.hooks: list[Any] = []
+
+    def parameters(self) -> Any:
+        return iter([FakeParam()])
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        self.hooks.append(hook)
+
+
+def test_watching_a_cuda_model_before_the_first_step_starts_the_device_step_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``init()`` without a model (CUDA not initialised yet) has no device step clock; the
+    hook's device offsets need its boundaries, so ``watch`` starts one, but only before
+    the first step: started later, a window's first steps would have no boundary events."""
+    from stepwatch import _device_clock
+    from stepwatch._agent import Stepwatch
+    from stepwatch._env import detect
+    from stepwatch._sender import MemorySink
+    from stepwatch.config import AgentConfig
+
+    device = [0.0]
+    monkeypatch.setattr(
+        _device_clock, "cuda_clock", lambda cap: CudaEventClock(cap, lambda: FakeEvent(device))
+    )
+    cfg = AgentConfig(run="r", max_window_steps=8, send_interval_s=1e9, warmup_steps=0)
+
+    def agent() -> Stepwatch:
+        return Stepwatch(cfg, detect({}, host="h"), convention=None, sender=MemorySink())
+
+    fresh = agent()
+    fresh.watch(FakeDDP())
+    assert fresh._dev is not None
+    late = agent()
+    late.step(tokens=1)
+    late.watch(FakeDDP())
+    assert late._dev is None, "watched after a step: the hook keeps host times"
