@@ -455,10 +455,13 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
                     device[0] = _start_device(t, buf)
                 group = group_label(state if isinstance(state, dist.ProcessGroup) else None)
                 token = t.arrive(group, bucket.index(), buf.numel() * buf.element_size())
-                if device[0] and token is not None:
-                    end_event = t.device_arrival(token[1])
             except Exception:
                 token = None
+            if device[0] and token is not None:
+                try:  # apart: the collective is entered now and must be marked completed
+                    end_event = t.device_arrival(token[1])
+                except Exception:
+                    end_event = None
         # The bucket is counted here: the collective-counting wrappers
         # (``_collectives``, when installed) must not count its all-reduce again.
         with Quiet():
@@ -475,7 +478,7 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
         def finished(f: Any) -> Any:
             if end_event is not None:
                 # On the stream torch made current here, after the collective's kernels; a
-                # failure loses this bucket's device end (its window keeps host times).
+                # failed record (a CUDA error the training meets too) must not raise here.
                 with contextlib.suppress(Exception):
                     end_event.record()
             t.done(token, group)  # type: ignore[union-attr]
