@@ -231,7 +231,7 @@ def ddp_device_verdict(payloads: Sequence[Mapping[str, Any]]) -> Verdict:
             if a is None or e is None:
                 continue
             timed.append((a, e, t))
-            bad += not (0.0 <= a <= e + DEVICE_TOL_S and e <= t + DEVICE_TOL_S)
+            bad += int(not (0.0 <= a <= e + DEVICE_TOL_S and e <= t + DEVICE_TOL_S))
     if not timed:
         return Verdict("ddp_device", "FAIL", f"no timed step in {len(payloads)} payload(s)")
     if clocks != {"device"}:
