@@ -12,8 +12,9 @@ from sqlalchemy import Engine, func, select
 
 from stepwatch.flops import Convention
 from stepwatch_server.app import create_app
+from stepwatch_server.reads import queries
 from stepwatch_server.settings import Settings
-from stepwatch_server.storage.models import Event, IngestedBatch, JobStep, RankWindow, Run
+from stepwatch_server.storage.models import Event, IngestedBatch, JobStep, Rank, RankWindow, Run, unix
 
 from ..payloads import CONVENTION, comm_section, payload
 
@@ -308,3 +309,32 @@ def test_a_fixed_window_size_is_every_new_runs_whatever_its_pace(db_url: str, en
         assert dict(conn.execute(select(Run.name, Run.window_steps)).all()) == {"fast": 16, "slow": 16}
     with pytest.raises(ValueError, match="power of two"):
         Settings(database_url=db_url, window_steps=24)
+
+
+def test_ranks_spread_over_many_windows_each_show_their_newest(db_url: str, engine: Engine) -> None:
+    """``/ranks`` reads the few windows most ranks are in as index ranges and probes the
+    others (``queries.rank_rows``): with every rank in a window of its own, more than
+    those few, each still shows its newest window, its means the stored sums divided as
+    Python divides them, and its last_seen the stored time as ``unix()`` reads it."""
+    world = queries.COMMON_WINDOWS + 3
+    settings = Settings(database_url=db_url, window_steps=4)
+    with TestClient(create_app(settings, engine=engine)) as c:
+        for rank in range(world):
+            # Rank r reaches window r; its newest window's steps take 0.1 x (r + 1) s.
+            times = [0.5] * (4 * rank) + [0.1 * (rank + 1)] * 4
+            tokens = [1000] * (4 * rank) + [333 * (rank + 1)] * 4
+            r = c.post("/api/v1/ingest", json=payload(rank=rank, world=world, times=times, tokens=tokens))
+            assert r.status_code == 200, r.text
+        served = c.get("/api/v1/runs/test-run/ranks").json()
+    with engine.connect() as conn:
+        newest = {w.rank: w for w in conn.execute(select(RankWindow).order_by(RankWindow.window)).all()}
+        seen = dict(conn.execute(select(Rank.rank, Rank.last_seen)).all())
+    assert [r["window"] for r in served] == list(range(world))
+    for r in served:
+        w = newest[r["rank"]]
+        assert (r["window_first_step"], r["window_last_step"]) == (w.first_step, w.last_step)
+        assert r["step_time_s"] == w.step_time_sum / w.n_steps
+        assert r["data_wait_s"] == w.data_wait_sum / w.n_steps
+        assert r["tokens_per_s"] == w.tokens_sum / w.step_time_sum
+        assert r["step_time_max_s"] == w.step_time_max
+        assert r["last_seen"] == unix(seen[r["rank"]])
