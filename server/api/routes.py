@@ -146,7 +146,10 @@ async def ingest_batches(request: Request) -> IngestBatchesResult:
     """Per-host batching: each entry is checked as ``ingest`` checks a payload alone (the
     same validation, limits and admission, its errors named ``batches.<i>.<field>``),
     all of them before any is stored, so a refused POST stores nothing. The entries then
-    join the group commit together and the answer comes once every one is committed."""
+    join the group commit together and the answer comes once every one is committed.
+    The one exception to "nothing stored": an entry the database itself refuses (a
+    ``DataError`` the schema should make impossible) is answered 422 at its index while
+    its neighbours are stored; a retry then finds them stored and stores nothing twice."""
     body = await request.body()
     try:
         payloads = IngestBatches.model_validate_json(body).batches
