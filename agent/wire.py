@@ -63,3 +63,11 @@ MAX_LINKS = 16
 #: Endpoint ids in ``links`` are hashes of ``address:port`` below this bound (they fit
 #: a signed 64-bit column).
 ENDPOINT_ID_BOUND = 2**63
+
+#: Per-host batching: one POST to ``HOST_BATCH_PATH`` carries ``{"batches": [...]}``, the
+#: windows of several ranks of one host (each a whole payload with its own batch id, so
+#: a retried POST stores each window once). It divides the collector's per-request cost
+#: (HTTP, auth, the event loop's turn) by the ranks of the host; at most this many.
+MAX_HOST_BATCHES = 256
+INGEST_PATH = "/api/v1/ingest"
+HOST_BATCH_PATH = "/api/v1/ingest/batches"

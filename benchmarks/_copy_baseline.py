@@ -25,7 +25,7 @@ import psycopg
 
 from stepwatch_server.ingest import fold
 from stepwatch_server.ingest.store import choose_window_steps
-from stepwatch_server.schemas.ingest import IngestPayload
+from stepwatch_server.schemas.ingest import IngestBatches, IngestPayload
 from stepwatch_server.storage import columns
 
 
@@ -58,12 +58,19 @@ def _lines(cols: dict[str, Any]) -> bytes:
     return "".join("\t".join(_text(x) for x in row) + "\n" for row in zip(*values, strict=True)).encode()
 
 
+def _payloads(body: bytes) -> list[IngestPayload]:
+    if body.startswith(b'{"batches":'):
+        return IngestBatches.model_validate_json(body).batches
+    return [IngestPayload.model_validate_json(body)]
+
+
 class CopyLoad:
     """The COPY data of one set of payloads, ready to send (``run_id`` names a run row
-    that :meth:`prepare` creates)."""
+    that :meth:`prepare` creates). A host batch's body (``{"batches": [...]}``) gives the
+    rows of each of its payloads, as the collector stores them."""
 
     def __init__(self, bodies: Sequence[bytes], window_seconds: float = 10.0) -> None:
-        self.payloads = [IngestPayload.model_validate_json(b) for b in bodies]
+        self.payloads = [p for b in bodies for p in _payloads(b)]
         self.rank_steps = sum(len(p.steps.time_s) for p in self.payloads)
         self.window_steps = choose_window_steps(self.payloads[0].steps.time_s, window_seconds)
         self.run_id = 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from stepwatch import wire
 from stepwatch._env import Layout, RankInfo, coords_for
 from stepwatch._payload import build_payload, encode, new_batch_id
 from stepwatch._window import Window
@@ -95,6 +96,18 @@ class Fleet:
                 )
                 yield encode(payload)
 
+    def host_payloads(self, windows: int, ranks_per_host: int = 8) -> Iterator[bytes]:
+        """The same windows as :meth:`payloads`, posted per host: one body per host and
+        window carrying its ``ranks_per_host`` ranks' payloads (``wire.HOST_BATCH_PATH``)."""
+        pending: list[bytes] = []
+        for body in self.payloads(windows):
+            pending.append(body)
+            if len(pending) == ranks_per_host:
+                yield b'{"batches":[' + b",".join(pending) + b"]}"
+                pending = []
+        if pending:
+            yield b'{"batches":[' + b",".join(pending) + b"]}"
+
 
 def encoding_cost(fleet: Fleet, samples: int = 2000) -> float:
     """Median seconds to build and encode one window's payload (agent side, sender thread)."""
@@ -127,12 +140,12 @@ class LoadResult:
 class _Conn:
     """One keep-alive HTTP/1.1 connection that POSTs JSON to the ingest endpoint."""
 
-    def __init__(self, url: str, token: str | None) -> None:
+    def __init__(self, url: str, token: str | None, path: str = wire.INGEST_PATH) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         auth = f"Authorization: Bearer {token}\r\n" if token else ""
         self.head = (
-            f"POST /api/v1/ingest HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{auth}"
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{auth}"
             "Content-Type: application/json\r\nContent-Length: "
         ).encode()
 
@@ -158,7 +171,7 @@ class _Conn:
 
 
 async def _post_all(
-    url: str, bodies: Sequence[bytes], steps_per_body: int, concurrency: int, token: str | None
+    url: str, bodies: Sequence[bytes], steps_per_body: int, concurrency: int, token: str | None, path: str
 ) -> LoadResult:
     statuses: dict[int, int] = {}
     latencies: list[float] = []
@@ -166,7 +179,7 @@ async def _post_all(
 
     async def worker() -> None:
         nonlocal next_index
-        conn = _Conn(url, token)
+        conn = _Conn(url, token, path)
         await conn.open()
         try:
             while next_index < len(bodies):
@@ -224,11 +237,17 @@ def _run(coro: Coroutine[Any, Any, LoadResult]) -> LoadResult:
 
 
 def post_all(
-    url: str, bodies: Sequence[bytes], steps_per_body: int, *, concurrency: int = 64, token: str | None = None
+    url: str,
+    bodies: Sequence[bytes],
+    steps_per_body: int,
+    *,
+    concurrency: int = 64,
+    token: str | None = None,
+    path: str = wire.INGEST_PATH,
 ) -> LoadResult:
     """POST every body once over ``concurrency`` keep-alive connections, each sending its
     next body as soon as the previous one is answered (closed loop: the peak rate)."""
-    return _run(_post_all(url, bodies, steps_per_body, concurrency, token))
+    return _run(_post_all(url, bodies, steps_per_body, concurrency, token, path))
 
 
 def post_at_rate(

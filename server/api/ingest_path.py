@@ -1,4 +1,5 @@
-"""``POST /api/v1/ingest`` served beside FastAPI's routing, not through it.
+"""``POST /api/v1/ingest`` (and its per-host form ``/ingest/batches``) served beside
+FastAPI's routing, not through it.
 
 Every rank of a job posts every window, so this one route carries nearly all of the
 collector's requests. Through FastAPI each paid the middleware chain (error, telemetry
@@ -21,14 +22,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .auth import authenticator, bearer
 from .limits import BodyLimit, BodyTooLargeError
-from .routes import INGEST_PATH, ingest
+from .routes import HOST_BATCH_PATH, INGEST_PATH, ingest, ingest_batches
 
 log = logging.getLogger("stepwatch_server")
 
 
+#: The route function of each path :class:`IngestPath` answers (the declared routes').
+ROUTES = {INGEST_PATH: ingest, HOST_BATCH_PATH: ingest_batches}
+
+
 def is_ingest(scope: Scope) -> bool:
     """The requests :class:`IngestPath` answers."""
-    return bool(scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == INGEST_PATH)
+    return bool(scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ROUTES)
 
 
 class IngestPath:
@@ -48,7 +53,7 @@ class IngestPath:
         response: Response
         try:
             request.state.token = authenticator(request).check(await bearer(request), "write")
-            result = await ingest(request)
+            result = await ROUTES[scope["path"]](request)
             response = Response(result.model_dump_json(), media_type="application/json")
         except BodyTooLargeError:
             raise  # answered 413 by the body limit

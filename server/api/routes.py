@@ -14,16 +14,19 @@ from pydantic import ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError
 
-from ..errors import ConflictError, ForbiddenError
+from stepwatch import wire
+
+from ..errors import CollectorError, ConflictError, ForbiddenError
 from ..exporter.registry import CollectorMetrics
 from ..ingest.admission import QuotaExceededError, may_write
 from ..ingest.group_commit import GroupCommitter
 from ..ingest.store import Ingestor, RunKey
 from ..reads import queries
 from ..reads.status import StatusRule
-from ..schemas.ingest import IngestPayload
+from ..schemas.ingest import IngestBatches, IngestPayload
 from ..schemas.responses import (
     EventOut,
+    IngestBatchesResult,
     IngestResult,
     Problem,
     RankSummary,
@@ -53,8 +56,9 @@ async def _authorize(request: Request, credentials: Credentials) -> None:
 
 
 PREFIX = "/api/v1"
-#: The ingest route's path (also answered by ``ingest_path.IngestPath``, outside routing).
-INGEST_PATH = f"{PREFIX}/ingest"
+#: The ingest routes' paths (also answered by ``ingest_path.IngestPath``, outside routing).
+INGEST_PATH = wire.INGEST_PATH
+HOST_BATCH_PATH = wire.HOST_BATCH_PATH
 router = APIRouter(
     prefix=PREFIX,
     dependencies=[Depends(_authorize)],
@@ -72,8 +76,8 @@ def _engine(request: Request) -> Engine:
 
 
 #: The ingest body's JSON schema, published under components (``app.py`` adds them).
-INGEST_SCHEMAS: dict[str, Any] = IngestPayload.model_json_schema(ref_template="#/components/schemas/{model}")
-INGEST_SCHEMAS = {**INGEST_SCHEMAS.pop("$defs", {}), "IngestPayload": INGEST_SCHEMAS}
+INGEST_SCHEMAS: dict[str, Any] = IngestBatches.model_json_schema(ref_template="#/components/schemas/{model}")
+INGEST_SCHEMAS = {**INGEST_SCHEMAS.pop("$defs", {}), "IngestBatches": INGEST_SCHEMAS}
 
 
 @router.post(
@@ -113,6 +117,71 @@ async def ingest(request: Request) -> IngestResult:
     refuse_nul(body, payload)
     owner: str | None = request.state.token
     await _within_limits(request, payload, owner)
+    return await _store(request, payload, owner)
+
+
+@router.post(
+    HOST_BATCH_PATH.removeprefix(PREFIX),
+    response_model=IngestBatchesResult,
+    responses={
+        401: _ERRORS[401],
+        403: {
+            "model": Problem,
+            "description": "Not a write token, a run quota is used up, or a run belongs to another token",
+        },
+        409: {"model": Problem, "description": "An entry's world size is not its run's"},
+        413: {"model": Problem, "description": "Body too large"},
+        422: {"model": Problem, "description": "An invalid entry (batches.<i>.<field>); nothing stored"},
+        503: _ERRORS[503],
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/IngestBatches"}}},
+        }
+    },
+    summary="Store the windows of several ranks (one host) in one request, each idempotent by batch_id",
+)
+async def ingest_batches(request: Request) -> IngestBatchesResult:
+    """Per-host batching: each entry is checked as ``ingest`` checks a payload alone (the
+    same validation, limits and admission, its errors named ``batches.<i>.<field>``),
+    all of them before any is stored, so a refused POST stores nothing. The entries then
+    join the group commit together and the answer comes once every one is committed.
+    The one exception to "nothing stored": an entry the database itself refuses (a
+    ``DataError`` the schema should make impossible) is answered 422 at its index while
+    its neighbours are stored; a retry then finds them stored and stores nothing twice."""
+    body = await request.body()
+    try:
+        payloads = IngestBatches.model_validate_json(body).batches
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
+    owner: str | None = request.state.token
+    maybe_nul = b"\\u0000" in body  # one scan of the body; the entries are walked only if so
+    for i, payload in enumerate(payloads):
+        try:
+            if maybe_nul:
+                refuse_nul(body, payload)
+            await _within_limits(request, payload, owner)
+        except RequestValidationError as exc:
+            raise _entry_error(i, exc) from None
+        except CollectorError as exc:
+            raise type(exc)(f"batches.{i}: {exc}", headers=exc.headers) from None
+    outcomes = await asyncio.gather(*(_store(request, p, owner) for p in payloads), return_exceptions=True)
+    for i, outcome in enumerate(outcomes):
+        if isinstance(outcome, RequestValidationError):
+            raise _entry_error(i, outcome)
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return IngestBatchesResult(results=[o for o in outcomes if isinstance(o, IngestResult)])
+
+
+def _entry_error(i: int, exc: RequestValidationError) -> RequestValidationError:
+    """``exc`` about entry ``i`` of a host batch, each location prefixed ``batches.<i>``."""
+    return RequestValidationError([{**e, "loc": ("batches", i, *e.get("loc", ()))} for e in exc.errors()])
+
+
+async def _store(request: Request, payload: IngestPayload, owner: str | None) -> IngestResult:
+    """Store one admitted, valid payload through the group commit; the result after its commit."""
     committer: GroupCommitter = request.app.state.group_commit
     metrics: CollectorMetrics = request.app.state.metrics
     t0 = time.perf_counter()

@@ -471,3 +471,11 @@ class IngestPayload(_Strict):
         elif not self.steps.time_s and not self.final:
             raise ValueError("steps.time_s is empty; only a final batch or a heartbeat may carry no step")
         return self
+
+
+class IngestBatches(_Strict):
+    """Several ranks' windows in one POST (per-host batching, ``wire.HOST_BATCH_PATH``):
+    each entry is validated exactly as a payload posted alone, so a bad one is named as
+    ``batches.<i>.<its field>`` with the message it would get alone."""
+
+    batches: list[IngestPayload] = Field(min_length=1, max_length=wire.MAX_HOST_BATCHES)

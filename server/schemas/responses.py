@@ -20,6 +20,12 @@ class IngestResult(BaseModel):
     steps: int
 
 
+class IngestBatchesResult(BaseModel):
+    """One result per entry of a host batch, in the order posted."""
+
+    results: list[IngestResult]
+
+
 class RunSummary(BaseModel):
     name: str
     world_size: int

@@ -17,7 +17,7 @@ from benchmarks import (
     run_listing,
 )
 from benchmarks.__main__ import discover
-from stepwatch_server.schemas.ingest import IngestPayload
+from stepwatch_server.schemas.ingest import IngestBatches, IngestPayload
 
 
 def test_every_benchmark_is_discovered() -> None:
@@ -39,6 +39,17 @@ def test_load_generator_payloads_are_valid_batches() -> None:
     batches = [IngestPayload.model_validate_json(b) for b in fleet.payloads(windows=2)]
     assert len(batches) == 32 and len({b.batch_id for b in batches}) == 32
     assert [(b.rank.rank, b.steps.first) for b in batches[15:17]] == [(15, 1), (0, 9)]
+
+
+def test_host_bodies_carry_the_same_windows_one_host_each() -> None:
+    per_rank = [IngestPayload.model_validate_json(b) for b in loadgen.Fleet("lg", 16, 8).payloads(2)]
+    fleet = loadgen.Fleet("lg", 16, 8)
+    hosts = [IngestBatches.model_validate_json(b).batches for b in fleet.host_payloads(2)]
+    assert len(hosts) == 4 and all(len({p.rank.host for p in h}) == 1 and len(h) == 8 for h in hosts)
+    flat = [p for h in hosts for p in h]
+    assert [(p.rank.rank, p.steps.first, p.steps.time_s) for p in flat] == [
+        (p.rank.rank, p.steps.first, p.steps.time_s) for p in per_rank
+    ]
 
 
 @pytest.mark.parametrize(

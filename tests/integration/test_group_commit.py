@@ -83,6 +83,34 @@ def test_one_group_stores_what_batch_by_batch_stores(
         assert _profiles(engines[0]) == _profiles(engines[1]) == [(1, 2, 4, pytest.approx(0.3))]
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_group_holding_retries_of_stored_batches_stores_only_the_rest(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The run's key is cached after the first group, so the second is folded before its
+    transaction (``Ingestor.store_many``); its claims then find two batches stored, and
+    what it stores must still be exactly the rest."""
+    with ExitStack() as stack:
+        if backend == "sqlite":
+            urls = [f"sqlite:///{tmp_path / name}.db" for name in ("one", "group")]
+        else:
+            admin: str = request.getfixturevalue("pg_admin")
+            urls = [stack.enter_context(pg.fresh_database(admin)) for _ in range(2)]
+        engines = []
+        for url in urls:
+            migrate.upgrade(url)
+            engines.append(make_engine(url))
+            stack.callback(engines[-1].dispose)
+        one, group = (Ingestor(open_storage(e), window_seconds=2.0) for e in engines)
+        batches = _batches()
+        singly = [one.store_many([b])[0] for b in batches]
+        assert group.store_many(batches[:2]) == [True, True]
+        assert group.cached(batches[0].run) is not None
+        assert group.store_many(batches) == [False, False, *singly[2:]]
+        _same(_snapshot(engines[0]), _snapshot(engines[1]))
+        assert _ranks(engines[0]) == _ranks(engines[1])
+
+
 def test_concurrent_submissions_are_grouped_and_answered_each(engine: Engine) -> None:
     batches = _batches()
     groups: list[int] = []
