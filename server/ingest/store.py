@@ -33,7 +33,8 @@ from . import admission, fold, profiles
 
 @dataclass(frozen=True)
 class RunKey:
-    """What ingest needs of a run; immutable once the run exists, so safe to cache."""
+    """What ingest needs of a run; safe to cache: fixed once the run exists, but for a
+    provisional window size, which a writer re-reads when it settles it."""
 
     id: int
     window_steps: int
@@ -43,6 +44,9 @@ class RunKey:
     plan: tuple[Any, ...] | None = None
     #: The write token that created the run (None: writes were open).
     owner: str | None = None
+    #: The window size is a placeholder until a batch shows the run's pace (see
+    #: :func:`pace_is_known`); the one cached field that can change, once.
+    window_provisional: bool = False
 
 
 _STAMP_EVERY = timedelta(seconds=1)
@@ -108,6 +112,19 @@ def choose_window_steps(
     per_step = statistics.median(steady)
     target = max(1.0, window_seconds / per_step)
     return int(min(4096, 2 ** round(math.log2(target))))
+
+
+def pace_is_known(step_times: Sequence[float], *, first: int = 1) -> bool:
+    """Whether a batch tells the run's pace: it times a step after the first.
+
+    A run's first batch often does not: a heartbeat (no step yet: compilation, a slow
+    first bucket rebuild) or the first step alone (it outlasted the send interval). Sized
+    from those the windows would hold one step for the whole run (a row per rank per
+    step, and detectors fed one step at a time), so such a run's window size stays a
+    placeholder, ``provisional``, until a batch that does tell it. Nothing stored
+    depends on the placeholder: every window size puts step 1 in window 0.
+    """
+    return any(t > 0 and first + j > 1 for j, t in enumerate(step_times))
 
 
 class Ingestor:
@@ -177,16 +194,36 @@ class Ingestor:
                 self._runs.move_to_end(p.run)
         plan = _plan_row(p.plan)
         wanted = None if plan is None else _plan_key(*plan.values())
+        if key is not None and key.window_provisional:
+            key = self._settle_window(conn, p, key)
         if key is not None and (wanted is None or key.plan == wanted):
             return key
         if key is None:
-            key = self._load_run(conn, p, plan, owner)
+            key = self._settle_window(conn, p, self._load_run(conn, p, plan, owner))
         if plan is not None and key.plan != wanted:
             # Written only when it changes (once per run and replica), not per batch.
             conn.execute(update(Run).where(Run.id == key.id).values(**plan))
             key = replace(key, plan=wanted)
         self._remember(p.run, key)
         return key
+
+    def _settle_window(self, conn: Connection, p: IngestPayload, key: RunKey) -> RunKey:
+        """Fix a provisional window size from the first batch that shows the run's pace.
+
+        The update is conditional, so concurrent writers (other groups, other replicas)
+        settle it once: a writer that loses re-reads the winner's size.
+        """
+        if not key.window_provisional or not pace_is_known(p.steps.time_s, first=p.steps.first):
+            return key
+        runs = cast(Table, Run.__table__)
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == key.id, runs.c.window_provisional.is_(True))
+            .values(window_steps=self._chosen_window_steps(p), window_provisional=False)
+        )
+        settled = self._select_key(conn, p.run)
+        assert settled is not None, "the run exists"
+        return settled
 
     def _remember(self, name: str, key: RunKey) -> None:
         with self._lock:
@@ -209,6 +246,15 @@ class Ingestor:
         s = p.steps
         return choose_window_steps(s.time_s, self.window_seconds, first=s.first, tags=s.tags)
 
+    def _window(self, p: IngestPayload) -> dict[str, Any]:
+        """A new run's window size: the setting's, else chosen from the batch's pace, else
+        a provisional placeholder until a batch shows the pace."""
+        if self.window_steps:
+            return {"window_steps": self.window_steps, "window_provisional": False}
+        if not pace_is_known(p.steps.time_s, first=p.steps.first):
+            return {"window_steps": 1, "window_provisional": True}
+        return {"window_steps": self._chosen_window_steps(p), "window_provisional": False}
+
     def _new_run(self, p: IngestPayload, plan: dict[str, Any] | None, owner: str | None) -> dict[str, Any]:
         """The run's row, from its first batch."""
         return {
@@ -217,7 +263,7 @@ class Ingestor:
             "dp_size": p.rank.layout.dp,
             "layout": p.rank.layout.model_dump(),
             "convention": p.convention.model_dump() if p.convention else None,
-            "window_steps": self.window_steps or self._chosen_window_steps(p),
+            **self._window(p),
             "created_at": datetime.now(timezone.utc),
             "created_by": owner,
             **(plan or {}),
@@ -237,6 +283,7 @@ class Ingestor:
                 runs.c.config_fingerprint,
                 runs.c.baseline_run,
                 runs.c.created_by,
+                runs.c.window_provisional,
             ).where(runs.c.name == name)
         ).first()
         if row is None:
@@ -248,6 +295,7 @@ class Ingestor:
             world_size=row.world_size,
             plan=_plan_key(row.target_tokens, row.deadline, row.config_fingerprint, row.baseline_run),
             owner=row.created_by,
+            window_provisional=bool(row.window_provisional),
         )
 
     def _stamp(self, conn: Connection, run_ids: list[int]) -> None:

@@ -34,6 +34,8 @@ class RunInfo:
     baseline_run: str | None
     #: Collector-clock time of the run's newest stored batch (Unix s; None: never stamped).
     last_report_ts: float | None = None
+    #: ``window_steps`` is a placeholder until a batch shows the run's pace.
+    window_provisional: bool = False
 
     @property
     def mfu_per_token_rate(self) -> float | None:
@@ -54,6 +56,7 @@ def run_info(row: Any) -> RunInfo:
         config_fingerprint=row.config_fingerprint,
         baseline_run=row.baseline_run,
         last_report_ts=unix(row.last_report_at),
+        window_provisional=bool(row.window_provisional),
     )
 
 

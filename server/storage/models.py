@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -32,6 +33,7 @@ from sqlalchemy import (
     UniqueConstraint,
     column,
     desc,
+    false,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -83,8 +85,12 @@ class Run(Base):
     #: The FLOPs convention (formula, attention, dtype, peak and its source); MFU is only
     #: comparable between runs with the same convention.
     convention: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    #: Steps per stored rank window, fixed at the run's first batch.
+    #: Steps per stored rank window, fixed at the run's first batch that shows its pace
+    #: (``ingest/store.py``: ``pace_is_known``).
     window_steps: Mapped[int] = mapped_column(Integer)
+    #: True while ``window_steps`` is a placeholder: every batch so far was a heartbeat or
+    #: the first step alone. The analysis waits for the settled size.
+    window_provisional: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     #: Name of the write token that created the run (null: writes were open); runs per
     #: token are limited (``STEPWATCH_MAX_RUNS_PER_TOKEN``).

@@ -188,6 +188,8 @@ class AnalysisWorker:
             analysis, source = self._analysis(conn, run, stored)
             next_window = stored.next_window if stored else 0
             ranks = inputs.rank_rows(conn, run.id)
+            # A provisional window size (no batch has shown the run's pace) would cut
+            # windows of one step: the windows wait for the settled size, hangs do not.
             ready = ready_windows(
                 next_window=next_window,
                 window_steps=run.window_steps,
@@ -197,7 +199,7 @@ class AnalysisWorker:
                 pending=stored.pending if stored else {},
                 now=now,
                 grace_s=cfg.grace_s,
-                limit=cfg.max_windows,
+                limit=0 if run.window_provisional else cfg.max_windows,
             )
             changes: list[Change] = []
             if ready.windows:

@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, func, select
 
+from stepwatch._comm_timing import CommTiming
 from stepwatch.flops import Convention
 from stepwatch_server.app import create_app
 from stepwatch_server.reads import queries
@@ -338,3 +339,46 @@ def test_ranks_spread_over_many_windows_each_show_their_newest(db_url: str, engi
         assert r["tokens_per_s"] == w.tokens_sum / w.step_time_sum
         assert r["step_time_max_s"] == w.step_time_max
         assert r["last_seen"] == unix(seen[r["rank"]])
+
+
+def test_a_run_whose_first_batches_show_no_pace_takes_its_window_from_the_first_that_does(
+    db_url: str, engine: Engine
+) -> None:
+    """A heartbeat (compilation still running) and then the first step alone (40 s) are a
+    run's first batches: sized from them its windows would hold one step for the whole
+    run. The size waits as a placeholder and settles on the first batch timing a later
+    step (0.5 s a step, 8 s windows: 16 steps), and step 1 stored before lands in window 0
+    with the 15 steps after it; the analysis leaves the run alone meanwhile."""
+    settings = Settings(database_url=db_url, window_seconds=8.0, analysis_enabled=False)
+    with TestClient(create_app(settings, engine=engine)) as c:
+
+        def post(body: dict[str, object]) -> None:
+            r = c.post("/api/v1/ingest", json=body)
+            assert r.status_code == 200, r.text
+
+        def window() -> tuple[int, bool]:
+            with engine.connect() as conn:
+                row = conn.execute(select(Run.window_steps, Run.window_provisional)).one()
+            return int(row[0]), bool(row[1])
+
+        # The agent's own heartbeat while its rank is inside its first step: DDP's first
+        # collective entered, nothing completed.
+        timing = CommTiming(1, lambda: (1, 0))
+        timing.arrive("world", 0, 4096)
+        beat = payload(run="slow-start", rank=0, world=2, times=[], comm=timing.heartbeat_section(30.0))
+        beat["heartbeat"] = True
+        post(beat)
+        post(payload(run="slow-start", rank=1, world=2, times=[40.0]))
+        assert window() == (1, True)
+        post(payload(run="slow-start", rank=0, world=2, times=[40.0] + [0.5] * 15))
+        assert window() == (16, False)
+        post(payload(run="slow-start", rank=1, world=2, first=2, times=[0.5] * 15))
+        post(payload(run="slow-start", rank=1, world=2, first=17, times=[0.01] * 4))  # settled once
+        assert window() == (16, False)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(RankWindow.rank, RankWindow.window, RankWindow.first_step, RankWindow.last_step).order_by(
+                RankWindow.rank, RankWindow.window
+            )
+        ).all()
+    assert [tuple(r) for r in rows] == [(0, 0, 1, 16), (1, 0, 1, 16), (1, 1, 17, 20)]

@@ -252,3 +252,25 @@ def test_the_v1_breakdown_summary_is_refused_naming_profiles(client: TestClient,
     assert r.status_code == 422 and "profiles" in r.json()["detail"], r.text
     with engine.connect() as conn:
         assert conn.execute(select(RankWindow.__table__)).all() == []
+
+
+def test_a_provisional_window_size_holds_the_windows_back_but_not_the_hangs(
+    client: TestClient, engine: Engine
+) -> None:
+    """Every rank's first batch is step 1 alone (a 40 s first step): the run's window size
+    is a placeholder of one step, and no window is analysed on it; a silence of 700 s
+    (past ten such steps) is still a hang. Once the ranks' next batches show the pace, the
+    windows are analysed at the settled size (8 steps)."""
+    clock = Clock()
+    for r in range(W):
+        post(client, rank=r, world=W, times=[40.0], wall_end=clock.t - 700)
+    w = worker(engine, clock, hang_floor_s=60.0)
+    report = w.run_once()
+    assert report.windows == 0
+    assert [(t.finding.key, t.finding.status) for _, t in report.transitions] == [("hang:run", "open")]
+    for r in range(W):
+        post(client, rank=r, world=W, first=2, times=[0.5] * (2 * STEPS), wall_end=clock.t)
+    with engine.connect() as conn:
+        assert {ws for (ws,) in conn.execute(select(RankWindow.window)).all()} == {0, 1, 2}
+    report = w.run_once()
+    assert report.windows == 2  # windows 0 and 1 are complete on every rank (steps 1-16)
