@@ -225,14 +225,7 @@ def _collective_wrapper(orig: Callable[..., Any], params: list[str], op_name: st
                 token = t.enter(group, op)
         except Exception:
             token = None
-        try:
-            result = orig(*args, **kwargs)
-        except BaseException:
-            _completed(t, token, group)
-            raise
-        if token is not None:
-            _finish(t, token, group, result if async_op else None)
-        return result
+        return _call(orig, args, kwargs, t, token, group, async_op)
 
     return wrapper
 
@@ -266,16 +259,30 @@ def _p2p_wrapper(
                 token = t.enter(group, op)
         except Exception:
             token = None
-        try:
-            result = orig(*args, **kwargs)
-        except BaseException:
-            _completed(t, token, group)
-            raise
-        if token is not None:
-            _finish(t, token, group, None)
-        return result
+        return _call(orig, args, kwargs, t, token, group, False)
 
     return wrapper
+
+
+def _call(
+    orig: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    t: CommTiming,
+    token: tuple[int, int] | None,
+    group: str | None,
+    async_op: bool,
+) -> Any:
+    """Call the original: a collective that raises counts as completed (it is not stuck),
+    one that returns is finished now, or when its Work completes (``async_op``)."""
+    try:
+        result = orig(*args, **kwargs)
+    except BaseException:
+        _completed(t, token, group)
+        raise
+    if token is not None:
+        _finish(t, token, group, result if async_op else None)
+    return result
 
 
 def _finish(t: CommTiming, token: tuple[int, int], group: str | None, work: Any) -> None:

@@ -154,34 +154,55 @@ def _run_hang(
         first = sorted(r for r, s in silent.items() if s >= oldest - slack)
     if len(first) == len(silent):
         first = []  # all stopped together: no rank stands out
-    last_step = max(steps.values()) if steps else 0
-    first_step = min(steps.values()) if steps else 0
-    culprit_hosts = tuple(sorted({hosts[r] for r in first if r in hosts}))
     if first:
         shown = ", ".join(str(r) for r in first[:8]) + (" ..." if len(first) > 8 else "")
         who = f"rank{'s' if len(first) > 1 else ''} {shown} stopped first"
         if steps and len(known) == len(silent):
-            who += f" (at step {fmt.step(first_step)})"
+            who += f" (at step {fmt.step(min(steps.values()))})"
     else:
         who = "all ranks stopped together"
     name = f"Run {run}" if run else "The run"
+    return _run_finding(
+        run,
+        tuple(first),
+        hosts,
+        steps,
+        evidence={**evidence_base, "silent_s": run_silent, "ranks_silent": float(len(silent))},
+        cost_seconds=run_silent,
+        message=(
+            f"{name} has made no step for {fmt.duration(run_silent)} "
+            f"(threshold {fmt.duration(threshold)}); {who}."
+        ),
+    )
+
+
+def _run_finding(
+    run: str,
+    ranks: tuple[int, ...],
+    hosts: Mapping[int, str],
+    steps: Mapping[int, int],
+    *,
+    evidence: dict[str, float],
+    cost_seconds: float,
+    message: str,
+    collective: Mapping[str, object] | None = None,
+) -> Finding:
+    """The run-level hang flag (key ``hang:run``): its steps span the ranks' last ones."""
     return Finding(
         kind="hang",
         run=run,
         key="hang:run",
         cause=None,
-        ranks=tuple(first),
-        hosts=culprit_hosts,
-        first_step=first_step,
-        last_step=last_step,
+        ranks=ranks,
+        hosts=tuple(sorted({hosts[r] for r in ranks if r in hosts})),
+        first_step=min(steps.values()) if steps else 0,
+        last_step=max(steps.values()) if steps else 0,
         status="open",
-        evidence={**evidence_base, "silent_s": run_silent, "ranks_silent": float(len(silent))},
-        cost_seconds=run_silent,
+        evidence=evidence,
+        cost_seconds=cost_seconds,
         cost_ratio=1.0,
-        message=(
-            f"{name} has made no step for {fmt.duration(run_silent)} "
-            f"(threshold {fmt.duration(threshold)}); {who}."
-        ),
+        message=message,
+        collective=collective,
     )
 
 
@@ -197,18 +218,12 @@ def _stuck_run_hang(
 ) -> Finding:
     """The run-level flag with its diagnosis: ``stuck[0]`` is the most telling group."""
     s = stuck[0]
-    culprits = s.never_entered
     name = f"Run {run}" if run else "The run"
-    return Finding(
-        kind="hang",
-        run=run,
-        key="hang:run",
-        cause=None,
-        ranks=culprits,
-        hosts=tuple(sorted({hosts[r] for r in culprits if r in hosts})),
-        first_step=min(steps.values()) if steps else 0,
-        last_step=max(steps.values()) if steps else 0,
-        status="open",
+    return _run_finding(
+        run,
+        s.never_entered,
+        hosts,
+        steps,
         evidence={
             **evidence_base,
             "silent_s": run_silent,
@@ -216,7 +231,6 @@ def _stuck_run_hang(
             "stuck_groups": float(len(stuck)),
         },
         cost_seconds=max(silent.values()),
-        cost_ratio=1.0,
         message=(
             f"{name} has hung: {describe(s)}; no step for {fmt.duration(max(silent.values()))} "
             f"(threshold {fmt.duration(threshold)})."
