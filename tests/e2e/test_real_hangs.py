@@ -2,7 +2,7 @@
 
 Four gloo ranks of the evaluation harness (:mod:`stepwatch_server.evaluation.real`: a
 tiny GPT under DDP with the agent's communication hook, a real ``stepwatch serve`` with
-a hang floor of a few seconds, a CPU burner on every core that the harness starts and
+a hang floor of 15 s, a CPU burner on every core that the harness starts and
 stops by PID). At step ``FAULT_FROM`` rank 2 sleeps after forward and never enters the
 step's gradient all-reduces; ranks 0, 1 and 3 enter them and block inside, so no
 training thread closes a window again and only the sender threads' heartbeats say where
