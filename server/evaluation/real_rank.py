@@ -19,7 +19,9 @@ step ``--fault-from`` on the ranks in ``--fault-ranks``. Faults are real, not si
 ``comm``
     Extra communication: after backward the faulty rank and its neighbour all-reduce an
     extra tensor of ``--comm-mb`` MiB on a group of their own (one rank cannot move bytes
-    alone in a collective, so its partner pays too).
+    alone in a collective, so its partner pays too), as many times per step as take
+    ``--size`` of the step (timed at the onset; the pair agrees on the larger count), so
+    that the fault is sized like the others whatever the machine's load.
 ``hang``
     The faulty rank never enters the gradients' all-reduce of step ``--fault-from``: it
     sleeps before backward until killed, and its peers wait inside the collective.
@@ -83,6 +85,19 @@ def _per_matmul_s() -> float:
     return (time.perf_counter() - t0) / 200
 
 
+def _comm_rounds(budget_s: float, buf: torch.Tensor, group: Any) -> int:
+    """How many all-reduces of ``buf`` on the pair's ``group`` take ``budget_s``: one to
+    line the pair up, then three timed; both ranks take the larger count."""
+    dist.all_reduce(buf, group=group)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dist.all_reduce(buf, group=group)
+    one = (time.perf_counter() - t0) / 3
+    n = torch.tensor([float(max(1, round(budget_s / max(one, 1e-6))))])
+    dist.all_reduce(n, group=group, op=dist.ReduceOp.MAX)
+    return int(n.item())
+
+
 def _per_matmul_cpu_s() -> float:
     """The matmul's CPU time, over enough of them to be exact: on a busy host the wall
     time of a short loop counts the time it waited for a core as well."""
@@ -114,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(0)
     cfg = GPTConfig()
     model = TinyGPT(cfg)
-    extra = {"matmuls": 0, "sleep_s": 0.0}
+    extra = {"matmuls": 0, "sleep_s": 0.0, "comm_rounds": 0}
 
     def fault_forward(_module: torch.nn.Module, _inputs: Any) -> None:
         if extra["matmuls"]:
@@ -159,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         sender._encode = recording
     stall = [0.0]
-    comm_buf = torch.ones(int(args.comm_mb * (1 << 20) / 4))
+    comm_buf = torch.zeros(int(args.comm_mb * (1 << 20) / 4))
     ends: list[float] = []
     durations: list[float] = []
     last = time.perf_counter()
@@ -180,12 +195,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 extra["sleep_s"] = args.size * base
             elif args.fault == "loader":
                 stall[0] = args.size * base
+        if step == args.fault_from and side is not None and rank in pair:
+            extra["comm_rounds"] = _comm_rounds(args.size * statistics.median(durations[-8:]), comm_buf, side)
         logits = ddp(x)
         loss = loss_fn(logits, y, PAD_ID)
         if args.fault == "hang" and faulty and step == args.fault_from:
             time.sleep(1e6)  # never enters this step's all-reduce; the harness kills it
         loss.backward()  # type: ignore[no-untyped-call]
-        if side is not None and step >= args.fault_from and rank in pair:
+        for _ in range(int(extra["comm_rounds"])):
             dist.all_reduce(comm_buf, group=side)
         opt.step()
         opt.zero_grad(set_to_none=True)
