@@ -3,13 +3,16 @@ under DDP with >= 8 buckets, with the timing hook against DDP's built-in all-red
 
     python -m benchmarks.comm_timing [--rounds 8] [--steps 10]
 
-Each rank builds three DDP copies of one model: ``builtin``, ``builtin, again`` and
-``timed`` (``stepwatch.comm_hook`` registered, its timing filled every step). A round
+Each rank builds four DDP copies of one model: ``builtin``, ``builtin, again``,
+``python hook`` (torch's own ``allreduce_hook``: what any Python communication hook
+costs over DDP's C++ reduction, stepwatch's or not) and ``timed`` (``stepwatch.comm_hook``
+registered, its timing filled every step). A round
 trains each copy ``--steps`` steps in a rotated order, all ranks in lock-step; a copy's
 figure for the round is its median step time over the ranks' slowest (the job's step),
 divided by ``builtin``'s of the same round (paired: a shared machine's drift cancels).
 The result is the median ratio over rounds; ``builtin, again`` / ``builtin`` (an A/A
-test) is the noise band. Budget (issue 11): timing <= 1% of step time.
+test) is the noise band, and ``timed`` / ``python hook`` is what stepwatch adds to a
+Python hook. Budget (issue 11): timing <= 1% of step time.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 RANKS = 4
-CONFIGS = ("builtin", "builtin, again", "timed")
+CONFIGS = ("builtin", "builtin, again", "python hook", "timed")
 
 
 def _worker(rank: int, init: str, out: str, rounds: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from stepwatch import comm_hook
@@ -47,12 +51,15 @@ def _worker(rank: int, init: str, out: str, rounds: int, steps: int) -> None:
         m = DDP(TinyGPT(cfg), bucket_cap_mb=0.05)
         if name == "timed":
             m.register_comm_hook(None, comm_hook(timing=timing))
+        elif name == "python hook":
+            m.register_comm_hook(None, allreduce_hook)
         models[name] = (m, torch.optim.AdamW(m.parameters(), lr=3e-4))
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(1, cfg.vocab, (8, cfg.seq_len), generator=g)
     times: dict[str, list[list[float]]] = {c: [] for c in CONFIGS}
     for rnd in range(rounds + 1):  # round 0 warms every copy up (and rebuilds buckets)
-        order = CONFIGS[rnd % 3 :] + CONFIGS[: rnd % 3]
+        k = rnd % len(CONFIGS)
+        order = CONFIGS[k:] + CONFIGS[:k]
         for name in order:
             model, opt = models[name]
             own = []
@@ -98,6 +105,7 @@ def run(rounds: int = 8, steps: int = 10) -> dict[str, float]:
         per_rank = [json.loads(Path(out.format(rank=r)).read_text()) for r in range(RANKS)]
     ratios: dict[str, list[float]] = {c: [] for c in CONFIGS[1:]}
     step_s = []
+    own: list[float] = []
     for rnd in range(rounds):
         # The job's step: per step, the slowest rank; then the round's median.
         job = {
@@ -107,12 +115,15 @@ def run(rounds: int = 8, steps: int = 10) -> dict[str, float]:
         step_s.append(job["builtin"])
         for c in CONFIGS[1:]:
             ratios[c].append(job[c] / job["builtin"])
+        own.append(job["timed"] / job["python hook"])
     return {
         "step_s": statistics.median(step_s),
         "buckets": float(per_rank[0]["buckets"]),
         "aa_ratio": statistics.median(ratios["builtin, again"]),
         "aa_spread": max(abs(r - 1) for r in ratios["builtin, again"]),
         "timed_ratio": statistics.median(ratios["timed"]),
+        "python_ratio": statistics.median(ratios["python hook"]),
+        "own_ratio": statistics.median(own),
         "rounds": float(rounds),
         "bookkeeping_s": bookkeeping_s(),
     }
@@ -123,6 +134,10 @@ def report(f: dict[str, float]) -> list[str]:
         f"comm timing: 4 gloo ranks, {f['buckets']:.0f} DDP buckets, step {f['step_s'] * 1e3:.0f} ms "
         f"(median of {f['rounds']:.0f} paired rounds)",
         f"  timed hook / built-in all-reduce: {f['timed_ratio']:.4f} ({(f['timed_ratio'] - 1) * 100:+.2f}%)",
+        f"  torch's allreduce_hook / built-in: {f['python_ratio']:.4f} "
+        f"({(f['python_ratio'] - 1) * 100:+.2f}%)",
+        f"  timed hook / allreduce_hook:      {f['own_ratio']:.4f} ({(f['own_ratio'] - 1) * 100:+.2f}%) "
+        "(what stepwatch adds to a Python hook)",
         f"  A/A (built-in / built-in):        {f['aa_ratio']:.4f} ({(f['aa_ratio'] - 1) * 100:+.2f}%), "
         f"largest round {f['aa_spread'] * 100:.1f}%",
         f"  hook bookkeeping: {f['bookkeeping_s'] * 1e6:.2f} us per bucket = "
