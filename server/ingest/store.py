@@ -18,7 +18,7 @@ import math
 import statistics
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
@@ -27,6 +27,7 @@ from sqlalchemy import Connection, Table, or_, select, update
 
 from ..schemas.ingest import IngestPayload, PlanIn
 from ..storage.backend import Storage
+from ..storage.columns import Rows
 from ..storage.models import Run, unix
 from . import admission, fold, profiles
 
@@ -115,16 +116,19 @@ def choose_window_steps(
 
 
 def pace_is_known(step_times: Sequence[float], *, first: int = 1) -> bool:
-    """Whether a batch tells the run's pace: it times a step after the first.
+    """Whether a batch tells the run's pace: it holds a step after the first.
 
     A run's first batch often does not: a heartbeat (no step yet: compilation, a slow
     first bucket rebuild) or the first step alone (it outlasted the send interval). Sized
     from those the windows would hold one step for the whole run (a row per rank per
     step, and detectors fed one step at a time), so such a run's window size stays a
     placeholder, ``provisional``, until a batch that does tell it. Nothing stored
-    depends on the placeholder: every window size puts step 1 in window 0.
+    depends on the placeholder: every window size puts step 1 in window 0, and the first
+    batch with a later step settles the size before its rows are folded. (Decided on the
+    step numbers, not the times: a later step timed 0 still settles it.) A run resumed
+    from a checkpoint starts at a later step, so its first batch always settles it.
     """
-    return any(t > 0 and first + j > 1 for j, t in enumerate(step_times))
+    return first + len(step_times) - 1 > 1
 
 
 class Ingestor:
@@ -195,7 +199,10 @@ class Ingestor:
         plan = _plan_row(p.plan)
         wanted = None if plan is None else _plan_key(*plan.values())
         if key is not None and key.window_provisional:
-            key = self._settle_window(conn, p, key)
+            settled = self._settle_window(conn, p, key)
+            if settled != key:
+                key = settled
+                self._remember(p.run, key)  # forgotten again if the group rolls back
         if key is not None and (wanted is None or key.plan == wanted):
             return key
         if key is None:
@@ -334,6 +341,26 @@ class Ingestor:
         folded = None
         if cached is not None:
             folded = fold.fold(unique, [k.id for k in cached], [k.window_steps for k in cached])
+        try:
+            fresh = self._write_group(unique, owner_of, cached, folded)
+        except BaseException:
+            # A key cached inside the rolled-back transaction (a settled window size, a
+            # plan) may not be what the database holds: read those runs again next time.
+            self._forget({p.run for p in unique})
+            raise
+        stored = {(p.run, p.batch_id) for p, _ in fresh}
+        return [
+            i == first[p.run, p.batch_id] and (p.run, p.batch_id) in stored for i, p in enumerate(payloads)
+        ]
+
+    def _write_group(
+        self,
+        unique: Sequence[IngestPayload],
+        owner_of: Sequence[str | None],
+        cached: list[RunKey] | None,
+        folded: Rows | None,
+    ) -> list[tuple[IngestPayload, RunKey]]:
+        """The group's transaction; returns the batches it stored (not retries), with keys."""
         with self.engine.begin() as conn:
             keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
             run_ids = [k.id for k in keys]
@@ -350,10 +377,12 @@ class Ingestor:
                 self.storage.write(conn, rows)
                 for p, k in fresh:  # profiler windows: a few batches in a thousand
                     profiles.store(conn, self.storage, k.id, k.window_steps, k.world_size, p)
-        stored = {(p.run, p.batch_id) for p, _ in fresh}
-        return [
-            i == first[p.run, p.batch_id] and (p.run, p.batch_id) in stored for i, p in enumerate(payloads)
-        ]
+        return fresh
+
+    def _forget(self, runs: Iterable[str]) -> None:
+        with self._lock:
+            for name in runs:
+                self._runs.pop(name, None)
 
     def _cached_keys(self, payloads: Sequence[IngestPayload]) -> list[RunKey] | None:
         """Every payload's run key as ``_run_key`` would return it without the database,

@@ -375,6 +375,9 @@ def test_a_run_whose_first_batches_show_no_pace_takes_its_window_from_the_first_
         post(payload(run="slow-start", rank=1, world=2, first=2, times=[0.5] * 15))
         post(payload(run="slow-start", rank=1, world=2, first=17, times=[0.01] * 4))  # settled once
         assert window() == (16, False)
+        # The settled size is what ingest caches: later batches fold once, with it.
+        key = c.app.state.ingestor.cached("slow-start")  # type: ignore[attr-defined]
+        assert (key.window_steps, key.window_provisional) == (16, False)
     with engine.connect() as conn:
         rows = conn.execute(
             select(RankWindow.rank, RankWindow.window, RankWindow.first_step, RankWindow.last_step).order_by(
