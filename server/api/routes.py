@@ -157,15 +157,24 @@ async def ingest_batches(request: Request) -> IngestBatchesResult:
         raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
     owner: str | None = request.state.token
     maybe_nul = b"\\u0000" in body  # one scan of the body; the entries are walked only if so
-    for i, payload in enumerate(payloads):
-        try:
-            if maybe_nul:
-                refuse_nul(body, payload)
-            await _within_limits(request, payload, owner)
-        except RequestValidationError as exc:
-            raise _entry_error(i, exc) from None
-        except CollectorError as exc:
-            raise type(exc)(f"batches.{i}: {exc}", headers=exc.headers) from None
+    settings: Settings = request.app.state.settings
+    # Two passes: every check that needs no database first, so that an entry refused by
+    # one of them creates no run for an entry before it; then admission, which creates
+    # new runs (an entry refused there, over its token's quota or not its owner's,
+    # leaves the runs of the entries before it created, as separate POSTs would).
+    for check_all in (False, True):
+        for i, payload in enumerate(payloads):
+            try:
+                if not check_all:
+                    if maybe_nul:
+                        refuse_nul(body, payload)
+                    _settings_limits(settings, payload)
+                else:
+                    await _admitted(request, payload, owner)
+            except RequestValidationError as exc:
+                raise _entry_error(i, exc) from None
+            except CollectorError as exc:
+                raise type(exc)(f"batches.{i}: {exc}", headers=exc.headers) from None
     outcomes = await asyncio.gather(*(_store(request, p, owner) for p in payloads), return_exceptions=True)
     for i, outcome in enumerate(outcomes):
         if isinstance(outcome, RequestValidationError):
@@ -204,8 +213,14 @@ async def _store(request: Request, payload: IngestPayload, owner: str | None) ->
 
 
 async def _within_limits(request: Request, payload: IngestPayload, owner: str | None) -> None:
-    """This collector's configurable limits (settings), beyond the schema's fixed bounds."""
-    settings: Settings = request.app.state.settings
+    """This collector's configurable limits (settings), beyond the schema's fixed bounds,
+    then the run's admission (created if new), owner and world size."""
+    _settings_limits(request.app.state.settings, payload)
+    await _admitted(request, payload, owner)
+
+
+def _settings_limits(settings: Settings, payload: IngestPayload) -> None:
+    """The limits that need no database: steps per batch, ranks per run."""
     n = len(payload.steps.time_s)
     if n > settings.max_steps_per_batch:
         raise _invalid(
@@ -219,6 +234,12 @@ async def _within_limits(request: Request, payload: IngestPayload, owner: str | 
             f"{payload.rank.world_size} ranks; this collector accepts at most {settings.max_ranks_per_run} "
             "per run (STEPWATCH_MAX_RANKS_PER_RUN)",
         )
+
+
+async def _admitted(request: Request, payload: IngestPayload, owner: str | None) -> None:
+    """The run's admission (created if new and the token has a run left), its owner and
+    its world size."""
+    settings: Settings = request.app.state.settings
     ingestor: Ingestor = request.app.state.ingestor
     key = ingestor.cached(payload.run)
     if key is None:  # not seen lately: admit it, creating it if new (rare, off-loop)

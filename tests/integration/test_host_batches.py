@@ -15,7 +15,7 @@ from sqlalchemy import Engine, func, select
 from stepwatch import wire
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
-from stepwatch_server.storage.models import IngestedBatch, JobStep, Rank, RankWindow
+from stepwatch_server.storage.models import IngestedBatch, JobStep, Rank, RankWindow, Run
 
 from ..payloads import comm_section, payload
 
@@ -114,6 +114,8 @@ def test_a_bad_entry_gets_its_alone_422_and_nothing_is_stored(
         ".".join(str(x) for x in e["loc"] if x != "body") + f": {e['msg']}" for e in want
     )
     assert _count(engine, IngestedBatch) == 0 and _count(engine, JobStep) == 0
+    # Not even the run of the good entry before it (admission comes after every check).
+    assert _count(engine, Run) == 0
 
 
 def test_the_envelope_is_validated(client: TestClient, engine: Engine) -> None:
