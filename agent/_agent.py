@@ -447,8 +447,10 @@ class Stepwatch:
         device_steps = None
         if window.device_events is not None:
             prev, events = window.device_events
-            step_times = CudaEventClock.resolve(prev, events, window.step_time_s)
-            device_steps = (prev, events, step_times)
+            step_times, on_device = CudaEventClock.resolve_all(prev, events, window.step_time_s)
+            # The hook's device offsets only beside step times that all came from the
+            # device (a step kept on the host clock at the deadline would mix units).
+            device_steps = (prev, events, step_times) if on_device else None
             window.device_events = None
             window.step_time_s = array("d", step_times)
         if window.comm is not None:  # summarised once, so a retry sends the same body

@@ -44,7 +44,6 @@ layout of arrays; split, each part would restate it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from array import array
@@ -52,7 +51,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._comm_device import CommEvents, DeviceSlots
+from ._comm_device import CommEvents, DeviceEnd, DeviceSlots
 from ._comm_device import resolve as resolve_device
 from ._device_clock import DeviceEvent
 from .sketch import LogSketch
@@ -158,8 +157,9 @@ class CommTiming:
         self._events: CommEvents | None = None
 
     def start_device(self, make_event: Callable[[], DeviceEvent]) -> None:
-        """Time the slots on the device too (the hook's first bucket is on CUDA): the one
-        allocation of the events, before the first :meth:`arrive` that records them."""
+        """Time the slots on the device too (the hook's first bucket is on CUDA): the
+        slots' generations (their events are made at each slot's first use in each,
+        see ``_comm_device``)."""
         if self._events is None:
             self._events = CommEvents(self._cap * MAX_BUCKETS, self._cap, make_event)
 
@@ -167,10 +167,10 @@ class CommTiming:
     def on_device(self) -> bool:
         return self._events is not None
 
-    def device_arrival(self, slot: int) -> DeviceEvent | None:
+    def device_arrival(self, slot: int) -> DeviceEnd | None:
         """Hook side, after :meth:`arrive`: record the bucket's device arrival on the
         current stream; returns the event its ``then()`` callback records at the end
-        (None on the host clock or past the window's capacity)."""
+        (None on the host clock, past the window's capacity, or with no generation free)."""
         ev = self._events
         if ev is None or slot < 0:
             return None
@@ -308,8 +308,8 @@ class CommTiming:
         times; None (host clock) without device events or when one is not complete."""
         if s.device is None:
             return None
-        if device_steps is None:  # no step clock on the device: nothing to measure from
-            s.device.pool.give_back(s.device.generation)
+        if device_steps is None:  # no step clock on the device, or a step kept host time
+            s.device.release()
             return None
         prev, boundaries, times = device_steps
         starts: list[DeviceEvent | None] = [prev, *boundaries[:-1]]
@@ -478,9 +478,13 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
         def finished(f: Any) -> Any:
             if end_event is not None:
                 # On the stream torch made current here, after the collective's kernels; a
-                # failed record (a CUDA error the training meets too) must not raise here.
-                with contextlib.suppress(Exception):
-                    end_event.record()
+                # failed record (a CUDA error the training meets too) must not raise here,
+                # and unmarks the slot (its event holds an earlier window's record).
+                ev, marks, k = end_event
+                try:
+                    ev.record()
+                except Exception:
+                    marks[k] = 0
             t.done(token, group)  # type: ignore[union-attr]
             return f.value() if inner is not None else f.value()[0]
 

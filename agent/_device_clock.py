@@ -69,16 +69,35 @@ class CudaEventClock:
         whose events are not complete by then keep their host-clock duration, so a
         stuck device never stalls the sender.
         """
+        return CudaEventClock.resolve_all(prev, events, host_times, deadline_s=deadline_s, poll_s=poll_s)[0]
+
+    @staticmethod
+    def resolve_all(
+        prev: DeviceEvent | None,
+        events: Sequence[DeviceEvent],
+        host_times: Sequence[float],
+        *,
+        deadline_s: float = 5.0,
+        poll_s: float = 0.005,
+    ) -> tuple[list[float], bool]:
+        """:meth:`resolve`, and whether every step that has a start on the device (all
+        but the run's first) took its duration from the device: what else is read of
+        the same steps' events later (the hook's, by ``query()`` alone) may be put beside
+        these durations only then, never beside a host duration kept at the deadline."""
         end = time.monotonic() + deadline_s
         while events and not events[-1].query() and time.monotonic() < end:
             time.sleep(poll_s)
         out = list(host_times)
+        complete = True
         before = prev
         for i, ev in enumerate(events):
-            if before is not None and before.query() and ev.query():
-                out[i] = before.elapsed_time(ev) / 1000.0
+            if before is not None:
+                if before.query() and ev.query():
+                    out[i] = before.elapsed_time(ev) / 1000.0
+                else:
+                    complete = False
             before = ev
-        return out
+        return out, complete
 
 
 def cuda_clock(capacity: int) -> CudaEventClock | None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from stepwatch import _comm_device
-from stepwatch._comm_timing import MAX_BUCKETS, CommTiming, TimingSlices, comm_hook
+from stepwatch._comm_timing import CommTiming, TimingSlices, comm_hook
 from stepwatch._device_clock import CudaEventClock, DeviceEvent
 
 
@@ -72,10 +72,10 @@ class Rank:
             token = self.timing.arrive("world", b, 4096)
             assert token is not None
             self.device[0] = t0 + a
-            end_ev = self.timing.device_arrival(token[1])
-            assert end_ev is not None
+            end = self.timing.device_arrival(token[1])
             self.device[0] = t0 + e
-            end_ev.record()  # the then() callback
+            if end is not None:  # None: no generation free, this window is on the host clock
+                end[0].record()  # the then() callback
             self.timing.done(token, "world")
         self.device[0] = t0 + step
         self.clock.record(self.pos[1])
@@ -97,8 +97,9 @@ class Rank:
         """What the agent's sender does: step clock first (its deadline), then the comm section."""
         prev, events = dev
         host = self.host_times[-len(events) :]
-        times = CudaEventClock.resolve(prev, events, host, deadline_s=0.0)
-        return self.timing.summarise(slices, first, host, perf_end, device_steps=(prev, events, times))
+        times, on_device = CudaEventClock.resolve_all(prev, events, host, deadline_s=0.0)
+        steps = (prev, events, times) if on_device else None
+        return self.timing.summarise(slices, first, host, perf_end, device_steps=steps)
 
 
 def test_offsets_come_from_the_device_events_relative_to_the_step_start() -> None:
@@ -149,7 +150,7 @@ def test_an_incomplete_event_keeps_the_whole_window_on_host_times(stuck: str) ->
     slices, dev, perf_end = r.close()
     assert slices.device is not None
     cap = slices.device.capacity
-    event = slices.device.generation[1][1 * cap + 2] if stuck == "bucket_end" else dev[1][2]
+    event = slices.device.generation.end[1 * cap + 2] if stuck == "bucket_end" else dev[1][2]
     event.done = False  # type: ignore[attr-defined]
     s = slices
     host_only = TimingSlices(s.step_of, s.n_buckets, s.bytes, s.cpu, s.arrive, s.end)
@@ -174,23 +175,102 @@ def test_without_device_step_boundaries_the_section_stays_host() -> None:
     assert out["clock"] == "host"
 
 
-def test_generations_are_recycled_and_never_rerecorded_while_the_sender_holds_them() -> None:
+def _events(slots: TimingSlices) -> list[Any]:
+    assert slots.device is not None
+    g = slots.device.generation
+    return [e for e in g.arrive + g.end if e is not None]
+
+
+def test_events_are_made_once_per_used_slot_and_never_rerecorded_while_the_sender_holds_them() -> None:
     r = Rank(cap=4)
-    per_generation = 2 * 4 * MAX_BUCKETS
-    assert len(r.made) == per_generation + 4  # one generation, one window of step boundaries
+    assert len(r.made) == 4, "a generation costs no event until a slot is used (4: the step clock's)"
     r.step([1.0], [2.0], 5.0)
-    s1, d1, e1 = r.close()  # window 1 goes to the sender: a spare generation is made
-    held = set(map(id, s1.device.generation[0] + s1.device.generation[1]))  # type: ignore[union-attr]
-    held_records = {id(e): e.records for e in r.made if id(e) in held}
-    r.step([1.0], [2.0], 5.0)  # window 2 records while the sender holds window 1
-    assert {id(e): e.records for e in r.made if id(e) in held} == held_records
-    r.encode(1, s1, d1, e1)  # read: window 1's generation comes back
+    assert len(r.made) == 4 + 2, "the slot's arrival and end"
+    s1, d1, e1 = r.close()  # window 1 goes to the sender (the step clock makes 4 more)
+    held = {id(e): e.records for e in _events(s1)}
+    r.step([1.0], [2.0], 5.0)  # window 2 records into another generation
+    assert {id(e): e.records for e in _events(s1)} == held
+    r.encode(1, s1, d1, e1)  # read: window 1's generation is free again
+    s2, d2, e2 = r.close()
+    r.step([1.0], [2.0], 5.0)  # window 3: the third generation
+    third = r.close()  # queued, unread: holds the third generation
+    assert third[0].device is not None
+    r.encode(2, s2, d2, e2)
     made = len(r.made)
-    s2, _, _ = r.close()
-    assert s2.device is not None and s2.device.generation[0] is not s1.device.generation[0]  # type: ignore[union-attr]
-    r.step([1.0], [2.0], 5.0)  # window 3 records into window 1's generation again
-    assert len(r.made) == made + 4, "no new generation once one came back (only the step clock's window)"
-    assert any(e.records == 2 for e in r.made if id(e) in held)
+    r.step([1.0], [2.0], 5.0)  # window 4: window 1's generation again, no event made
+    assert len(r.made) == made
+    assert all(e.records == 2 for e in _events(s1))
+    assert _events(s1) == _events(r.close()[0])
+
+
+def test_a_sender_far_behind_leaves_the_next_window_on_the_host_clock_until_one_comes_back() -> None:
+    """Three windows queued unread hold every generation: the fourth records no device
+    event and ships host times; a window dropped unread gives its generation back to the
+    window that starts after."""
+    import gc
+
+    r = Rank(cap=4)
+    queued = []
+    for _ in range(3):
+        r.step([1.0], [2.0], 5.0)
+        queued.append(r.close())
+    made = len(r.made)
+    r.step([1.0], [2.0], 5.0)
+    fourth = r.close()
+    assert fourth[0].device is None and len(r.made) == made + 4  # only the step clock's
+    assert r.encode(13, *fourth)["clock"] == "host"
+    del queued[0]  # the sender dropped the oldest window (its buffer was full)
+    gc.collect()
+    r.step([1.0], [2.0], 5.0)
+    assert r.close()[0].device is None  # recorded before its generation came back
+    r.step([1.0], [2.0], 5.0)
+    assert r.close()[0].device is not None  # the window after: on the device again
+
+
+def test_a_failed_end_record_leaves_the_window_on_host_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot's events are reused across windows: an end event whose record failed still
+    holds the previous window's time, which must not be read as this one's."""
+    device = [0.0]
+    failing = [False]
+
+    class Flaky(FakeEvent):
+        def record(self) -> None:
+            if failing[0] and self in ends:
+                raise RuntimeError("CUDA error")
+            super().record()
+
+    ends: list[FakeEvent] = []
+    made: list[FakeEvent] = []
+
+    def make() -> FakeEvent:
+        made.append(Flaky(device))
+        if len(made) % 2 == 0:  # the slots' events come in (arrival, end) pairs
+            ends.append(made[-1])
+        return made[-1]
+
+    monkeypatch.setattr(_comm_device, "cuda_event_factory", lambda: make)
+    pos = [1, 0]
+    timing = CommTiming(4, lambda: (pos[0], pos[1]))
+    hook = comm_hook(_inner, timing=timing)
+    clock = CudaEventClock(4, lambda: FakeEvent(device))
+    for window in range(4):
+        failing[0] = window == 3  # the fourth window reuses the first one's generation
+        for i in range(2):
+            pos[1] = i
+            device[0] = 1000.0 * window + 100.0 * i + 10.0
+            hook(None, FakeBucket(0, True)).wait()
+            device[0] += 50.0
+            clock.record(i)
+        slices = timing.take(2)
+        assert slices is not None
+        prev_ev, events = clock.take(2)
+        times, on_device = CudaEventClock.resolve_all(prev_ev, events, [0.1, 0.1], deadline_s=0.0)
+        assert on_device, "the step boundaries completed: only the slot's own record failed"
+        out = timing.summarise(
+            slices, pos[0], [0.1, 0.1], time.perf_counter(), device_steps=(prev_ev, events, times)
+        )
+        assert out["clock"] == ("host" if window == 3 else "device"), window
+        pos[0] += 2
 
 
 class FakeBuffer:
