@@ -371,7 +371,8 @@ class CommIn(_Strict):
 
     Per step, seconds after the step's start on this rank's ``clock`` (``null``: no collective
     in that step): ``arrive_s`` last bucket ready, ``end_s`` last collective ended,
-    ``sync_s`` end minus arrival of the last bucket, ``cpu_s`` the CPU time of the thread that runs the hook (the training thread on CPU; autograd's device thread on CUDA).
+    ``sync_s`` end minus arrival of the last bucket, ``cpu_s`` the CPU time of the thread
+    that runs the hook (the training thread on CPU; autograd's device thread on CUDA).
     Ingest stages ``sync_s`` and ``cpu_s`` per step (``step_timings``) for the late-arrival
     detectors until the step's window is analysed.
     """
