@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if step > args.steps:
             break
         if step == args.fault_from and faulty:
-            base = statistics.median(durations[-8:])
+            base = statistics.median(durations[-8:]) if durations else 0.0
             if args.fault == "compute":
                 extra["matmuls"] = max(1, round(args.size * base / _per_matmul_s()))
                 if len(fault_list) == world:  # job-wide: the same extra work on every rank
@@ -196,7 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif args.fault == "loader":
                 stall[0] = args.size * base
         if step == args.fault_from and side is not None and rank in pair:
-            extra["comm_rounds"] = _comm_rounds(args.size * statistics.median(durations[-8:]), comm_buf, side)
+            base = statistics.median(durations[-8:]) if durations else 0.0
+            extra["comm_rounds"] = _comm_rounds(args.size * base, comm_buf, side)
         logits = ddp(x)
         loss = loss_fn(logits, y, PAD_ID)
         if args.fault == "hang" and faulty and step == args.fault_from:

@@ -456,11 +456,12 @@ def rank_rows(conn: Connection, name: str, *, profile_windows: int = 1) -> list[
     # ``unix()`` rounds the same microseconds (parsing a timestamp per row cost ~5 ms).
     seen = cast(func.extract("epoch", RANKS.c.last_seen), Float) if pg else RANKS.c.last_seen
     n = win.c.n_steps
+    # coords as its stored text, the texts parsed in one call below: one parse per row
+    # by the driver cost a fifth of the request.
+    coords_text = cast(RANKS.c.coords, Text)
     cols = (
         *(RANKS.c[c] for c in ("rank", "host", "local_rank")),
-        # coords as its stored text, the texts parsed in one call below: one parse per
-        # row by the driver cost a fifth of the request.
-        cast(RANKS.c.coords, Text),
+        coords_text,
         RANKS.c.last_step,
         seen,
         *(RANKS.c[c] for c in ("clock", "dropped_windows", "dropped_steps")),
@@ -474,6 +475,11 @@ def rank_rows(conn: Connection, name: str, *, profile_windows: int = 1) -> list[
         case((and_(n != 0, win.c.step_time_sum != 0), cast(win.c.tokens_sum, Float) / win.c.step_time_sum)),
     )
 
+    # Positions in each row of the coords, of last_seen and of the window (None: none).
+    i_coords, i_seen, i_window = (
+        next(i for i, c in enumerate(cols) if c is col) for col in (coords_text, seen, win.c.window)
+    )
+
     def query(cond: ColumnElement[bool], on: ColumnElement[bool]) -> Any:
         on = and_(win.c.run_id == RANKS.c.run_id, win.c.rank == RANKS.c.rank, on)
         return conn.execute(
@@ -484,7 +490,7 @@ def rank_rows(conn: Connection, name: str, *, profile_windows: int = 1) -> list[
         ).all()
 
     rows = query(true(), and_(win.c.window == target, win.c.window.in_(common)))
-    missing = [r[0] for r in rows if r[_W_WINDOW] is None]
+    missing = [r[0] for r in rows if r[i_window] is None]
     if missing:
         latest = (
             select(func.max(RW.c.window))
@@ -494,12 +500,12 @@ def rank_rows(conn: Connection, name: str, *, profile_windows: int = 1) -> list[
         found = {r[0]: r for r in query(RANKS.c.rank.in_(missing), win.c.window == latest)}
         rows = [found.get(r[0], r) for r in rows]
     if not pg:  # SQLite returns the timestamp as a naive datetime
-        rows = [(*r[:_SEEN], unix(r[_SEEN]) or 0.0, *r[_SEEN + 1 :]) for r in rows]
-    all_coords = json.loads("[" + ",".join(r[_COORDS] for r in rows) + "]")
+        rows = [(*r[:i_seen], unix(r[i_seen]) or 0.0, *r[i_seen + 1 :]) for r in rows]
+    all_coords = json.loads("[" + ",".join(r[i_coords] for r in rows) + "]")
     no_profile: tuple[ProfileOut | None, str | None, list[CollectiveOut]] = (None, None, [])
     fields, get = _SUMMARY_FIELDS, profiles.get
     return [
-        dict(zip(fields, (*r[:_COORDS], coords, *r[_COORDS + 1 :], *get(r[0], no_profile)), strict=True))
+        dict(zip(fields, (*r[:i_coords], coords, *r[i_coords + 1 :], *get(r[0], no_profile)), strict=True))
         for coords, r in zip(all_coords, rows, strict=True)
     ]
 
@@ -507,11 +513,6 @@ def rank_rows(conn: Connection, name: str, *, profile_windows: int = 1) -> list[
 def ranks(conn: Connection, name: str, *, profile_windows: int = 1) -> list[RankSummary]:
     """:func:`rank_rows` as validated models (the run page's reader)."""
     return [RankSummary.model_validate(r) for r in rank_rows(conn, name, profile_windows=profile_windows)]
-
-
-#: Positions in :func:`rank_rows`' query of the coords, of last_seen and of the window
-#: (None: no window).
-_COORDS, _SEEN, _W_WINDOW = 3, 5, 10
 
 
 def events(
