@@ -247,9 +247,19 @@ def step_timings(
     conn: Connection, run: RunInfo, ranks: Sequence[RankRow], first: int, last: int
 ) -> dict[int, list[RankSteps]]:
     """Staged per-step collective timing of windows ``first..last``, by window index: per
-    window, one :class:`RankSteps` per rank that sent timing for it (a seek per rank)."""
+    window, one :class:`RankSteps` per rank that sent timing for it (a seek per rank).
+
+    Steps the agent tagged (warm-up, checkpoint, evaluation) are left out, unmeasured:
+    they are not the run's steady pace (the regression detector skips them too), and a
+    rank that saves the checkpoint, or starts last, arrives late there for a reason the
+    user has named (a clean real run flagged rank 3 a host stall over its warm-up)."""
     ws = run.window_steps
     lo, hi = first * ws + 1, (last + 1) * ws
+    tagged = set(
+        conn.execute(
+            select(JS.c.step).where(JS.c.run_id == run.id, JS.c.step.between(lo, hi), JS.c.tag != 0)
+        ).scalars()
+    )
     hosts = {r.rank: r.host for r in ranks}
     series: dict[tuple[int, int], list[tuple[int, float, float, float | None, float | None]]] = {}
     ids = sorted(hosts)
@@ -260,6 +270,8 @@ def step_timings(
             .order_by(ST.c.rank, ST.c.step)
         )
         for r in rows:
+            if r.step in tagged:
+                continue
             series.setdefault((window_of(r.step, ws), r.rank), []).append(
                 (r.step, r.step_time_s, r.data_wait_s, r.sync_s, r.cpu_s)
             )

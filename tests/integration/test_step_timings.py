@@ -57,6 +57,7 @@ def send(
     late_rank: int | None,
     extra_cpu: float = 0.05,
     clocks: tuple[str, ...] = ("host",) * W,
+    tag: str | None = None,
 ) -> None:
     for w in windows:
         for r in range(W):
@@ -66,6 +67,7 @@ def send(
                 first=w * STEPS + 1,
                 times=[0.5] * STEPS,
                 waits=[0.001] * STEPS,
+                tags=[tag] * STEPS if tag else None,
                 comm=comm(r, w, late_rank=late_rank, extra_cpu=extra_cpu, clock=clocks[r]),
             )
             for _ in range(2 if w == 0 else 1):  # the first window's batches are retried
@@ -146,6 +148,19 @@ def test_a_late_rank_without_extra_cpu_is_a_host_stall(client: TestClient, engin
     assert (opened.finding.key, opened.finding.cause) == ("straggler:host_stall:rank=1", "host_stall")
     (ev,) = client.get("/api/v1/runs/test-run/events").json()
     assert ev["cause"] == "host_stall"
+
+
+@pytest.mark.parametrize("tag", ["warmup", "checkpoint"])
+def test_a_rank_late_only_in_tagged_steps_raises_nothing(
+    client: TestClient, engine: Engine, tag: str
+) -> None:
+    """The same late rank as in the host-stall test above, but in steps the agent tagged
+    (the warm-up, a checkpoint one rank saves): not the run's pace, nothing to flag; the
+    untagged windows after them are judged as usual."""
+    send(client, range(0, 4), late_rank=1, extra_cpu=0.0, tag=tag)
+    send(client, range(4, 6), late_rank=None)
+    report = worker(engine).run_once()
+    assert report.windows == 5 and report.transitions == []
 
 
 def test_ranks_arriving_together_raise_nothing(client: TestClient, engine: Engine) -> None:
