@@ -58,21 +58,30 @@ def _profiles(engine: Engine) -> list[tuple[Any, ...]]:
         return [tuple(r) for r in conn.execute(q)]
 
 
+def _two_databases(
+    stack: ExitStack, backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> list[Engine]:
+    """Two fresh, migrated databases of ``backend`` (one written batch by batch, one by
+    groups), disposed of when ``stack`` closes."""
+    if backend == "sqlite":
+        urls = [f"sqlite:///{tmp_path / name}.db" for name in ("one", "group")]
+    else:
+        admin: str = request.getfixturevalue("pg_admin")
+        urls = [stack.enter_context(pg.fresh_database(admin)) for _ in range(2)]
+    engines = []
+    for url in urls:
+        migrate.upgrade(url)
+        engines.append(make_engine(url))
+        stack.callback(engines[-1].dispose)
+    return engines
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_one_group_stores_what_batch_by_batch_stores(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     with ExitStack() as stack:
-        if backend == "sqlite":
-            urls = [f"sqlite:///{tmp_path / name}.db" for name in ("one", "group")]
-        else:
-            admin: str = request.getfixturevalue("pg_admin")
-            urls = [stack.enter_context(pg.fresh_database(admin)) for _ in range(2)]
-        engines = []
-        for url in urls:
-            migrate.upgrade(url)
-            engines.append(make_engine(url))
-            stack.callback(engines[-1].dispose)
+        engines = _two_databases(stack, backend, tmp_path, request)
         one, group = (Ingestor(open_storage(e), window_seconds=2.0) for e in engines)
         batches = _batches()
         singly = [one.store_many([b])[0] for b in batches]
@@ -91,16 +100,7 @@ def test_a_group_holding_retries_of_stored_batches_stores_only_the_rest(
     transaction (``Ingestor.store_many``); its claims then find two batches stored, and
     what it stores must still be exactly the rest."""
     with ExitStack() as stack:
-        if backend == "sqlite":
-            urls = [f"sqlite:///{tmp_path / name}.db" for name in ("one", "group")]
-        else:
-            admin: str = request.getfixturevalue("pg_admin")
-            urls = [stack.enter_context(pg.fresh_database(admin)) for _ in range(2)]
-        engines = []
-        for url in urls:
-            migrate.upgrade(url)
-            engines.append(make_engine(url))
-            stack.callback(engines[-1].dispose)
+        engines = _two_databases(stack, backend, tmp_path, request)
         one, group = (Ingestor(open_storage(e), window_seconds=2.0) for e in engines)
         batches = _batches()
         singly = [one.store_many([b])[0] for b in batches]

@@ -1,10 +1,8 @@
 """The communication hook's device clock (``_comm_device``), driven by stand-in events.
 
 There is no GPU on the machines this suite runs on, so ``torch.cuda.Event`` cannot be
-created here: ``FakeEvent`` stands in for it with a device timestamp the test advances
-and a completion flag the test controls (like tests/unit/test_device_clock.py), and a
-``synchronize()`` that fails the test, since nothing here may wait for the device. What
-the real events do on a GPU is checked by ``make gpu-check`` (its ``ddp_device`` line).
+created here: ``tests/fake_cuda.FakeEvent`` stands in for it. What the real events do on
+a GPU is checked by ``make gpu-check`` (its ``ddp_device`` line).
 """
 
 from __future__ import annotations
@@ -19,29 +17,7 @@ from stepwatch import _comm_device
 from stepwatch._comm_timing import CommTiming, TimingSlices, comm_hook
 from stepwatch._device_clock import CudaEventClock, DeviceEvent
 
-
-class FakeEvent:
-    def __init__(self, device: list[float]) -> None:
-        self._device = device  # the shared "device clock" in ms, advanced by the test
-        self.t: float | None = None
-        self.done = True
-        self.records = 0
-
-    def record(self) -> None:
-        self.t = self._device[0]
-        self.records += 1
-
-    def query(self) -> bool:
-        return self.done
-
-    def elapsed_time(self, end_event: FakeEvent) -> float:
-        assert self.done and end_event.done, "elapsed_time on an incomplete event would block"
-        if self.t is None or end_event.t is None:
-            raise RuntimeError("event not recorded")  # what torch raises for an unrecorded event
-        return end_event.t - self.t
-
-    def synchronize(self) -> None:
-        raise AssertionError("the sender must never synchronise the device")
+from ..fake_cuda import FakeEvent
 
 
 class Rank:

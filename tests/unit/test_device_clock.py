@@ -1,8 +1,8 @@
 """The CUDA-event clock's logic, driven by stand-in events.
 
 There is no GPU on the machines this suite runs on, so ``torch.cuda.Event`` cannot be
-created here; ``FakeEvent`` implements the three methods the clock uses, with a device
-timestamp and a completion flag the test controls. This stands in for the GPU only.
+created here; ``tests/fake_cuda.FakeEvent`` stands in for it (here created incomplete,
+as a just-recorded event is). This stands in for the GPU only.
 """
 
 from __future__ import annotations
@@ -11,25 +11,12 @@ import pytest
 
 from stepwatch._device_clock import CudaEventClock
 
+from ..fake_cuda import FakeEvent as _Fake
 
-class FakeEvent:
+
+class FakeEvent(_Fake):
     def __init__(self, device: list[float]) -> None:
-        self._device = device  # shared "device clock" in ms, advanced by the test
-        self.t: float | None = None
-        self.done = False
-        self.records = 0
-
-    def record(self) -> None:
-        self.t = self._device[0]
-        self.records += 1
-
-    def query(self) -> bool:
-        return self.done
-
-    def elapsed_time(self, end_event: FakeEvent) -> float:
-        assert self.done and end_event.done, "elapsed_time on an incomplete event would block"
-        assert self.t is not None and end_event.t is not None
-        return end_event.t - self.t
+        super().__init__(device, done=False)
 
 
 def test_device_durations_replace_host_durations_once_events_complete() -> None:
