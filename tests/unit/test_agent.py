@@ -204,12 +204,14 @@ def test_the_sender_thread_starts_at_init_not_at_the_first_window() -> None:
 
     from stepwatch.demo.launch import free_port
 
-    before = {t.ident for t in threading.enumerate()}
+    # Thread objects, not idents: a thread that ends meanwhile (another test's sender,
+    # under xdist) frees its ident for the new one (seen on a fresh clone).
+    before = set(threading.enumerate())
     sw = stepwatch.Stepwatch(
         AgentConfig(run="r", url=f"http://127.0.0.1:{free_port()}"), detect({}, host="h"), convention=None
     )
     try:
-        started = [t for t in threading.enumerate() if t.ident not in before]
+        started = [t for t in threading.enumerate() if t not in before]
         assert [t.name for t in started] == ["stepwatch-sender"] and started[0].is_alive()
     finally:
         sw.close(0.1)
