@@ -118,6 +118,9 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
             env=_env(),
             cwd=tmp_path,
             start_new_session=True,  # the demo and everything it starts share this process group
+            # As from a terminal: a suite started in the background (``make test &``, a CI
+            # runner) passes SIGINT ignored to its children, and Python keeps it so.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     pgid = proc.pid
     try:
