@@ -139,11 +139,15 @@ def admin_url() -> Iterator[str]:
 
 
 @contextmanager
-def fresh_database(admin: str, prefix: str = "stepwatch_test") -> Iterator[str]:
-    """Create a uniquely named database; drop it afterwards. Yields its SQLAlchemy URL."""
+def fresh_database(admin: str, prefix: str = "stepwatch_test", template: str | None = None) -> Iterator[str]:
+    """Create a uniquely named database (a copy of ``template`` if given); drop it
+    afterwards. Yields its SQLAlchemy URL."""
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    create = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template is not None:
+        create = sql.SQL("{} TEMPLATE {}").format(create, sql.Identifier(template))
     with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        conn.execute(create)
     base = admin.rsplit("/", 1)[0]
     try:
         yield f"{base}/{name}".replace("postgresql://", "postgresql+psycopg://", 1)
