@@ -32,8 +32,8 @@ demo: venv
 # machine's own scheduling (a 2-step profiler window, a rank descheduled for seconds); a
 # test that fails twice fails the suite, and the first failure stays in the log.
 test: preflight venv
-	$(PY) -m pytest -n 2 -m "not e2e"
-	$(PY) -m pytest -m e2e || $(PY) -m pytest -m e2e --last-failed --last-failed-no-failures none
+	$(PY) -m pytest -n 4 --dist worksteal -m "not solo"
+	$(PY) -m pytest -m solo || $(PY) -m pytest -m solo --last-failed --last-failed-no-failures none
 
 preflight:
 	@tools/preflight

@@ -83,3 +83,22 @@ def engine(db_url: str) -> Iterator[Engine]:
     eng = make_engine(db_url)
     yield eng
     eng.dispose()
+
+
+#: The longest tests of the parallel phase (tens of seconds each on 2 cores), started
+#: first so that no worker is left running one of them alone at the end.
+LONG_FIRST = (
+    "tests/test_quality.py::test_mypy_strict_on_agent_and_server",
+    "tests/integration/test_fuzz.py::",
+    "tests/integration/test_admission.py::test_a_thousand_new_runs_at_once",
+    "tests/integration/test_benchmarks.py::",
+    "tests/e2e/test_evaluate.py::",
+    "tests/e2e/test_replicas.py::",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        return next((i for i, p in enumerate(LONG_FIRST) if item.nodeid.startswith(p)), len(LONG_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order

@@ -48,7 +48,7 @@ def _train_args(run: str, steps: int, *extra: str) -> list[str]:
     return ["--run", run, "--steps", str(steps), "--send-interval", "1", "--warmup-steps", "2", *extra]
 
 
-@pytest.mark.e2e
+@pytest.mark.solo
 def test_loader_stall_then_hang_in_real_gloo_training(tmp_path: Path) -> None:
     """One run, two faults (one spawn of torch ranks, to keep the suite fast): rank 2's
     loader stalls from the start, rank 1 hangs at step 24 and the others block."""
@@ -108,7 +108,6 @@ def test_loader_stall_then_hang_in_real_gloo_training(tmp_path: Path) -> None:
         assert sorted(stuck["waiting"] + stuck["went_past"]) == [0, 2, 3], stuck
 
 
-@pytest.mark.e2e
 def test_compute_straggler_via_simulator(tmp_path: Path) -> None:
     """Simulated ranks, real agent send path, real collector process (see module docstring)."""
     db = f"sqlite:///{tmp_path / 'c.db'}"

@@ -71,7 +71,7 @@ def _run(tmp_path: Path, run: str, fault: list[str]) -> list[dict[str, Any]]:
     return ranks
 
 
-@pytest.mark.e2e
+@pytest.mark.solo
 def test_compute_straggler_has_the_most_compute_and_the_least_collective_wait(tmp_path: Path) -> None:
     """Rank 2's forward runs an operator that takes 300 ms more (as on a throttled GPU; the
     demo's ``--slow-kind op``, which leaves the CPU to the other ranks): its compute is the
@@ -100,7 +100,7 @@ def test_compute_straggler_has_the_most_compute_and_the_least_collective_wait(tm
     assert longest[2] < min(longest[k] for k in (0, 1, 3)), longest
 
 
-@pytest.mark.e2e
+@pytest.mark.solo
 def test_stalled_loader_shows_as_data_wait_on_that_rank(tmp_path: Path) -> None:
     """Rank 1's loader takes 60 ms more per batch (a data straggler)."""
     stall = 0.06

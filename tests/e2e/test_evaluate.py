@@ -10,10 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-
-@pytest.mark.e2e
 def test_evaluate_fast_prints_the_table_and_meets_the_goals(tmp_path: Path) -> None:
     out_json = tmp_path / "eval.json"
     r = subprocess.run(

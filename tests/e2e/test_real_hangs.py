@@ -23,7 +23,7 @@ from stepwatch_server.evaluation import real
 STEPS, FAULT_FROM = 40, 14
 
 
-@pytest.mark.e2e
+@pytest.mark.solo
 def test_a_rank_that_never_enters_the_all_reduce_is_named_by_the_hang() -> None:
     s = next(x for x in real.SCENARIOS if x.name == "hang in all_reduce")
     o = real.run_scenario(s, steps=STEPS, fault_from=FAULT_FROM, profile_every=0, timeout_s=300.0)

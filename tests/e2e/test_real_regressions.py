@@ -27,7 +27,7 @@ def _keys(o: real.RealOutcome, kind: str) -> list[str]:
     return sorted(e["key"] for e in o.events if e["kind"] == kind)
 
 
-@pytest.mark.e2e
+@pytest.mark.solo
 def test_a_job_wide_ten_percent_slowdown_is_a_regression_within_five_windows() -> None:
     s = _scenario("job-wide +10%")
     o = real.run_scenario(s)
@@ -41,7 +41,7 @@ def test_a_job_wide_ten_percent_slowdown_is_a_regression_within_five_windows() -
     assert ev["evidence"]["change_ratio"] >= 0.05 and "compute +" in ev["message"]
 
 
-@pytest.mark.e2e
+@pytest.mark.solo
 def test_a_steady_run_raises_no_regression() -> None:
     s = _scenario("clean, steady load")
     o = real.run_scenario(s)

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from stepwatch.demo import launch
 from stepwatch.simulate import Simulation, TimingModel, Topology, parse_fault
@@ -61,7 +60,6 @@ def _windows_analysed(url: str) -> float:
     )
 
 
-@pytest.mark.e2e
 def test_two_collectors_give_the_same_flags_as_one(pg_admin: str, tmp_path: Path) -> None:
     with pg.fresh_database(pg_admin) as one_db, pg.fresh_database(pg_admin) as two_db:
         migrate.upgrade(two_db)  # once, before two processes start on it

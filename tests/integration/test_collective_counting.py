@@ -13,7 +13,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -209,7 +208,6 @@ def _worker(rank: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.e2e
 def test_wrappers_count_every_collective_exactly_and_diagnose_a_skipped_one(tmp_path: Path) -> None:
     init = f"file://{tmp_path / 'store'}"
     out = str(tmp_path / "rank{rank}.json")

@@ -7,7 +7,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -91,7 +90,6 @@ def _worker(rank: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.e2e
 def test_hook_keeps_gradients_bit_identical_and_times_every_bucket(tmp_path: Path) -> None:
     init = f"file://{tmp_path / 'store'}"
     out = str(tmp_path / "rank{rank}.json")
