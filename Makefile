@@ -24,13 +24,15 @@ demo: venv
 
 # Lint and type checks run inside the test suite (tests/test_quality.py). The preflight
 # installs the system packages the tests need (root with apt-get) or stops at once with one
-# line naming them (tools/preflight). The tests without real training (databases, HTTP,
-# subprocesses: mostly waiting) run on both cores; then the real-training ones (marked
-# e2e) alone, one at a time, so that the only load they share the cores with is the CPU
-# burner they start themselves. A real-training test that fails is run once more, alone
-# (--last-failed): on 2 shared cores a few of them fail about one run in five from the
-# machine's own scheduling (a 2-step profiler window, a rank descheduled for seconds); a
-# test that fails twice fails the suite, and the first failure stays in the log.
+# line naming them (tools/preflight). Two phases: everything but real training whose
+# assertions depend on the machine's timing runs on 4 workers (databases, HTTP,
+# subprocesses, multi-process gloo checks of exact results: mostly waiting, so 4 keep 2
+# cores busy), the longest first; then the timing-dependent real-training tests (marked
+# solo: detection, throughput) alone, one at a time, so that the only load they share the
+# cores with is the CPU burner they start themselves. A solo test that fails is run once
+# more, alone (--last-failed): on 2 shared cores a few of them fail about one run in five
+# from the machine's own scheduling (a rank descheduled for seconds); a test that fails
+# twice fails the suite, and the first failure stays in the log.
 test: preflight venv
 	$(PY) -m pytest -n 4 --dist worksteal -m "not solo"
 	$(PY) -m pytest -m solo || $(PY) -m pytest -m solo --last-failed --last-failed-no-failures none

@@ -38,12 +38,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = Path(
     os.environ.get("STEPWATCH_SCREENSHOT") or Path(tempfile.gettempdir()) / "stepwatch-dashboard.png"
 )
-#: The demo slows rank 2 over steps 30%-65%. With 60 steps and 300 ms the collector flagged
-#: nothing at load 17 on 2 cores (1.015 vs 0.740 s/step, about two profiled windows inside the
-#: slowdown; 120 steps and 300 ms: the load hid the slowdown itself). 120 steps and 1 s give
-#: the detector several profiled windows of an unmistakable compute straggler.
+#: The demo as a user runs it, with its defaults: 120 steps, rank 2 given 120 ms/step of
+#: extra compute over steps 30%-65%. (When detection read only the profiler's windows this
+#: test needed 1 s/step to be caught; the always-on timing of every step catches the
+#: default, which is what ``make demo`` promises.)
 STEPS, SLOW_FROM, SLOW_TO = 120, 36, 78
-SLOW_MS = 1000  # a real compute slowdown the detector must catch on a loaded 2-core machine
+SLOW_MS = 120
 
 
 @dataclass
@@ -62,8 +62,7 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     db = tmp_path_factory.mktemp("demo") / "demo.db"
-    cmd = [sys.executable, "-m", "stepwatch", "demo", "--steps", str(STEPS), "--slow-ms", str(SLOW_MS)]
-    cmd += ["--database", str(db)]
+    cmd = [sys.executable, "-m", "stepwatch", "demo", "--database", str(db)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
     out = " ".join(r.stdout.split())
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -76,7 +75,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     return DemoRun(r.stdout, f"sqlite:///{db}", run, float(cost[1]), float(cost[2]))
 
 
-@pytest.mark.e2e
+@pytest.mark.solo
 def test_demo_trains_with_a_straggler_and_reports_what_it_cost(demo: DemoRun) -> None:
     out = " ".join(demo.out.split())
     assert f"training 4 gloo ranks x {STEPS} steps" in out
@@ -107,7 +106,6 @@ def _processes_in_group(pgid: int) -> list[int]:
     return found
 
 
-@pytest.mark.e2e
 def test_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
     log = tmp_path / "demo.log"
     with open(log, "w") as f:
@@ -141,7 +139,7 @@ def _severe(driver: Any) -> list[dict[str, Any]]:
     return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
-@pytest.mark.e2e
+@pytest.mark.solo
 def test_web_page_in_chromium_shows_the_run_and_its_straggler(demo: DemoRun, browser: Any) -> None:  # noqa: F811
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
