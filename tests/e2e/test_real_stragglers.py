@@ -5,7 +5,7 @@ tiny GPT under DDP with the agent's communication hook, a real ``stepwatch serve
 burner the harness starts and stops by PID on every core), ``profile_every=0``: the only
 evidence is the always-on timing of every step. A rank given 20% more real compute (a
 matmul loop in forward) from mid-run must be flagged as a compute straggler, with its
-rank; a clean run must raise no straggler flag. The harness polls the collector's API
+rank, and no other rank may be flagged. The harness polls the collector's API
 until the ranks finished and the analysis passed the last step.
 
 The link tests run the ranks in network namespaces the harness creates (one per rank,
@@ -24,9 +24,11 @@ import pytest
 
 from stepwatch_server.evaluation import real
 
-#: The harness' 8 s windows hold 16 steps at about 0.5 s a step: the fault starts with
-#: window 3 of 8 (8 steps when the first steps were slow: window 6 of 16).
-STEPS, FAULT_FROM = 128, 49
+#: The harness' 8 s windows hold 16 steps at about 0.5 s a step (sized from the first
+#: batch that shows the pace, not from the slow first steps): the fault starts with window
+#: 2 of 6, and the flag must open within 3 windows of it. A straggler is judged against its
+#: peers in the same window, so no baseline has to form first.
+STEPS, FAULT_FROM = 96, 33
 
 
 def _scenario(name: str) -> real.RealScenario:
@@ -37,7 +39,7 @@ def _stragglers(o: real.RealOutcome) -> list[str]:
     return sorted(e["key"] for e in o.events if e["kind"] == "straggler")
 
 
-@pytest.mark.e2e
+@pytest.mark.solo
 def test_extra_compute_on_one_rank_is_named_as_compute() -> None:
     o = real.run_scenario(_scenario("compute +20%"), steps=STEPS, fault_from=FAULT_FROM, profile_every=0)
     assert o.analysed_through_step >= STEPS, "the analysis did not reach the last step"
@@ -47,13 +49,10 @@ def test_extra_compute_on_one_rank_is_named_as_compute() -> None:
     assert ev["ranks"] == [2] and ev["cause"] == "compute"
     assert ev["evidence"]["extra_cpu_s"] > 0 and ev["cost_seconds"] > 0
     assert [k for k in _stragglers(o) if k.endswith("rank=2")] == ["straggler:compute:rank=2"]
-
-
-@pytest.mark.e2e
-def test_a_clean_run_raises_no_straggler_flag() -> None:
-    o = real.run_scenario(_scenario("clean"), steps=STEPS, fault_from=FAULT_FROM, profile_every=0)
-    assert o.analysed_through_step >= STEPS, "the analysis did not reach the last step"
-    assert _stragglers(o) == []
+    # The three others ran clean for 96 steps: none of them may be flagged. (A whole clean
+    # run is the namespaced one below; ten of 300 steps: ``stepwatch evaluate --real
+    # --scenario clean --runs 10 --steps 300``.)
+    assert o.false_flags == 0, _stragglers(o)
 
 
 #: The link tests: 64 steps (4 windows of 16) are enough, the tbf link is shaped from step 1.
@@ -67,7 +66,7 @@ def _namespaces_left() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith(tag)]
 
 
-@pytest.mark.e2e
+@pytest.mark.solo
 def test_a_slowed_link_is_named_as_link_and_not_as_compute() -> None:
     try:
         o = real.run_scenario(_scenario("slow link (tbf)"), steps=LINK_STEPS, profile_every=0)
@@ -83,7 +82,7 @@ def test_a_slowed_link_is_named_as_link_and_not_as_compute() -> None:
     assert o.false_flags == 0, _stragglers(o)
 
 
-@pytest.mark.e2e
+@pytest.mark.solo
 def test_a_clean_run_in_namespaces_raises_no_flag() -> None:
     try:
         o = real.run_scenario(_scenario("clean (namespaces)"), steps=LINK_STEPS, profile_every=0)

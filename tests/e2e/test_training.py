@@ -21,7 +21,10 @@ def _own_measurements(tmp_path: Path) -> list[dict[str, Any]]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
 
 
-@pytest.mark.e2e
+#: PostgreSQL, the production backend; the demo's test trains on the embedded SQLite, and
+#: the storage tests hold both backends to the same rows.
+@pytest.mark.solo
+@pytest.mark.parametrize("backend", ["postgresql"])
 def test_four_gloo_ranks_end_to_end(empty_db_url: str, tmp_path: Path) -> None:
     run = "e2e-gloo"
     args = [
