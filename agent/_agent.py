@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from . import __version__, _collectives
 from ._comm_timing import CommTiming, comm_hook, count_buffer_broadcast
-from ._device_clock import CudaEventClock
+from ._device_clock import Boundaries, CudaEventClock
 from ._env import RankInfo
 from ._links import LinkSampler
 from ._payload import build_payload, encode, new_batch_id
@@ -445,12 +445,13 @@ class Stepwatch:
             window.comm_section = self.comm_timing.heartbeat_section(idle)
         host_times = window.step_time_s
         device_steps = None
+        read: Boundaries | None = None
         if window.device_events is not None:
-            prev, events = window.device_events
-            step_times, on_device = CudaEventClock.resolve_all(prev, events, window.step_time_s)
+            prev, read = window.device_events
+            step_times, on_device = CudaEventClock.resolve_all(prev, read, window.step_time_s)
             # The hook's device offsets only beside step times that all came from the
             # device (a step kept on the host clock at the deadline would mix units).
-            device_steps = (prev, events, step_times) if on_device else None
+            device_steps = (prev, read, step_times) if on_device else None
             window.device_events = None
             window.step_time_s = array("d", step_times)
         if window.comm is not None:  # summarised once, so a retry sends the same body
@@ -463,6 +464,8 @@ class Stepwatch:
             if links:
                 window.comm_section["links"] = links
             window.comm = None
+        if read is not None:  # every event of the window is read: its generation is free again
+            read.release()
         agent = {
             "version": __version__,
             "clock": "cuda_events" if self._dev is not None else "host",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._comm_timing import TimingSlices
+    from ._device_clock import Boundaries
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Window:
     padded_tokens: array[int] | None
     tags: array[int] | None
     wall_end: float
-    device_events: tuple[Any, list[Any]] | None = None
+    device_events: tuple[Any, Boundaries] | None = None
     batch_id: str = field(default="")
     #: The rank's last window (``close()``): the collector then knows the rank finished
     #: rather than hung. A final window may hold no steps.

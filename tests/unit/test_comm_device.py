@@ -64,18 +64,24 @@ class Rank:
         n = self.pos[1]
         slices = self.timing.take(n)
         assert slices is not None
-        prev, events = self.clock.take(n)
+        dev = self.clock.take(n)  # None: no generation was free, host times
         perf_end = self._last
         self.pos = [self.pos[0] + n, 0]
-        return slices, (prev, events), perf_end
+        return slices, dev, perf_end
 
     def encode(self, first: int, slices: TimingSlices, dev: Any, perf_end: float) -> dict[str, Any]:
         """What the agent's sender does: step clock first (its deadline), then the comm section."""
-        prev, events = dev
-        host = self.host_times[-len(events) :]
-        times, on_device = CudaEventClock.resolve_all(prev, events, host, deadline_s=0.0)
-        steps = (prev, events, times) if on_device else None
-        return self.timing.summarise(slices, first, host, perf_end, device_steps=steps)
+        n = len(slices.step_of)  # the window's steps
+        host = self.host_times[-n:] if n else []
+        steps = None
+        if dev is not None:
+            prev, events = dev
+            times, on_device = CudaEventClock.resolve_all(prev, events, host, deadline_s=0.0)
+            steps = (prev, events, times) if on_device else None
+        out = self.timing.summarise(slices, first, host, perf_end, device_steps=steps)
+        if dev is not None:
+            dev[1].release()  # as the sender does once it has read the window
+        return out
 
 
 def test_offsets_come_from_the_device_events_relative_to_the_step_start() -> None:
@@ -159,10 +165,10 @@ def _events(slots: TimingSlices) -> list[Any]:
 
 def test_events_are_made_once_per_used_slot_and_never_rerecorded_while_the_sender_holds_them() -> None:
     r = Rank(cap=4)
-    assert len(r.made) == 4, "a generation costs no event until a slot is used (4: the step clock's)"
+    assert r.made == [], "a generation costs no event until a slot is used"
     r.step([1.0], [2.0], 5.0)
-    assert len(r.made) == 4 + 2, "the slot's arrival and end"
-    s1, d1, e1 = r.close()  # window 1 goes to the sender (the step clock makes 4 more)
+    assert len(r.made) == 2 + 1, "the slot's arrival and end, and the step clock's boundary"
+    s1, d1, e1 = r.close()  # window 1 goes to the sender
     held = {id(e): e.records for e in _events(s1)}
     r.step([1.0], [2.0], 5.0)  # window 2 records into another generation
     assert {id(e): e.records for e in _events(s1)} == held
@@ -173,8 +179,9 @@ def test_events_are_made_once_per_used_slot_and_never_rerecorded_while_the_sende
     assert third[0].device is not None
     r.encode(2, s2, d2, e2)
     made = len(r.made)
-    r.step([1.0], [2.0], 5.0)  # window 4: window 1's generation again, no event made
-    assert len(r.made) == made
+    r.step([1.0], [2.0], 5.0)  # window 4: window 1's generations again
+    # No event made but the step clock's boundary: window 1's end left with it, as window 2's start.
+    assert len(r.made) == made + 1
     assert all(e.records == 2 for e in _events(s1))
     assert _events(s1) == _events(r.close()[0])
 
@@ -193,14 +200,17 @@ def test_a_sender_far_behind_leaves_the_next_window_on_the_host_clock_until_one_
     made = len(r.made)
     r.step([1.0], [2.0], 5.0)
     fourth = r.close()
-    assert fourth[0].device is None and len(r.made) == made + 4  # only the step clock's
+    assert fourth[0].device is None and fourth[1] is None and len(r.made) == made  # nor the step clock's
     assert r.encode(13, *fourth)["clock"] == "host"
     del queued[0]  # the sender dropped the oldest window (its buffer was full)
     gc.collect()
     r.step([1.0], [2.0], 5.0)
-    assert r.close()[0].device is None  # recorded before its generation came back
+    fifth = r.close()
+    assert fifth[0].device is None and fifth[1] is None  # recorded before the generations came back
     r.step([1.0], [2.0], 5.0)
-    assert r.close()[0].device is not None  # the window after: on the device again
+    sixth = r.close()
+    assert sixth[0].device is not None and sixth[1] is not None  # the window after: on the device again
+    assert sixth[1][0] is None, "its first step has no device start: the window before ended on the host"
 
 
 def test_a_failed_end_record_leaves_the_window_on_host_times(monkeypatch: pytest.MonkeyPatch) -> None:
