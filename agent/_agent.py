@@ -33,7 +33,7 @@ from ._sender import Sender, SenderStats, WindowSink
 from ._window import Window
 from .config import AgentConfig
 from .profiler._window import DATA_WAIT_SPAN, NEVER, ProfilerWindow
-from .wire import TAG_CODES
+from .wire import TAG_CODES, StepClock
 
 log = logging.getLogger("stepwatch")
 T = TypeVar("T")
@@ -435,6 +435,17 @@ class Stepwatch:
             profiles=[],  # profiler entries ride on the batch of the steps they profiled
         )
 
+    def _step_clock(self, window: Window) -> StepClock:
+        """The clock of this window's step times: on CUDA the device's only when every step
+        that has a start on the device took its time from it; a window with steps and no
+        device events (the sender more than two windows behind: no free generation) was
+        timed on the host. A heartbeat or a stepless final batch says the rank's clock."""
+        if window.step_clock is not None:
+            return window.step_clock
+        if self._dev is None or window.n_steps:
+            return "host"
+        return "cuda_events"
+
     def _encode(self, window: Window, stats: SenderStats) -> bytes:
         if not window.batch_id:
             window.batch_id = new_batch_id()
@@ -452,6 +463,7 @@ class Stepwatch:
             # The hook's device offsets only beside step times that all came from the
             # device (a step kept on the host clock at the deadline would mix units).
             device_steps = (prev, read, step_times) if on_device else None
+            window.step_clock = "cuda_events" if on_device else "host"
             window.device_events = None
             window.step_time_s = array("d", step_times)
         if window.comm is not None:  # summarised once, so a retry sends the same body
@@ -468,7 +480,7 @@ class Stepwatch:
             read.release()
         agent = {
             "version": __version__,
-            "clock": "cuda_events" if self._dev is not None else "host",
+            "clock": self._step_clock(window),
             # Every window this rank lost: evicted from the full buffer, or refused by the
             # collector / given up after max_attempts (see SenderStats).
             "dropped_windows": stats.lost_windows,

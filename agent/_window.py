@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._comm_timing import TimingSlices
-    from ._device_clock import Boundaries
+    from ._device_clock import Boundaries, DeviceEvent
+    from .wire import StepClock
 
 
 @dataclass
@@ -27,7 +28,10 @@ class Window:
     padded_tokens: array[int] | None
     tags: array[int] | None
     wall_end: float
-    device_events: tuple[Any, Boundaries] | None = None
+    #: On CUDA: (the previous window's last boundary event, this window's boundaries).
+    device_events: tuple[DeviceEvent | None, Boundaries] | None = None
+    #: The clock of ``step_time_s`` once resolved (first encoding; a retry keeps it).
+    step_clock: StepClock | None = None
     batch_id: str = field(default="")
     #: The rank's last window (``close()``): the collector then knows the rank finished
     #: rather than hung. A final window may hold no steps.

@@ -47,7 +47,9 @@ COLLECTIVE_OPS: tuple[str, ...] = get_args(CollectiveOp)
 #: recorded in the hook and its future's callback, read back on the sender thread.
 CommClock = Literal["host", "device"]
 #: The clock of a batch's step times (``agent.clock``, stored per rank as sent):
-#: ``cuda_events`` when a CUDA event marks each step boundary.
+#: ``cuda_events`` when CUDA events at the step boundaries gave every step its time
+#: (``host`` for a CUDA rank's window timed on the host: events incomplete at the
+#: sender's deadline, or none free while the sender was far behind).
 StepClock = Literal["host", "cuda_events"]
 
 #: Parallelism dimensions of a rank's coordinates and communicator groups.

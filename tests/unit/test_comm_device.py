@@ -414,3 +414,29 @@ def test_watching_a_cuda_model_before_the_first_step_starts_the_device_step_cloc
     late.step(tokens=1)
     late.watch(FakeDDP())
     assert late._dev is None, "watched after a step: the hook keeps host times"
+
+
+def test_a_window_timed_on_the_host_says_so_and_a_retry_keeps_the_clock() -> None:
+    """Three windows the sender has not read hold every generation of the step clock: the
+    fourth is timed on the host, and its batch says ``host`` (its times measure the launch
+    loop on a GPU); the others say ``cuda_events``, and so does a retry of a sent one."""
+    import json
+
+    from stepwatch._agent import Stepwatch
+    from stepwatch._env import detect
+    from stepwatch._sender import MemorySink
+    from stepwatch.config import AgentConfig
+
+    device = [0.0]
+    rec = MemorySink()  # keeps every window unread until the test encodes it
+    cfg = AgentConfig(run="r", max_window_steps=2, send_interval_s=1e9, warmup_steps=0)
+    clock = CudaEventClock(2, lambda: FakeEvent(device))
+    sw = Stepwatch(cfg, detect({}, host="h"), convention=None, sender=rec, device_clock=clock)
+    for _ in range(8):
+        device[0] += 100.0
+        sw.step(tokens=16)
+    assert len(rec.windows) == 4
+    clocks = [json.loads(sw._encode(w, rec.stats))["agent"]["clock"] for w in rec.windows]
+    assert clocks == ["cuda_events", "cuda_events", "cuda_events", "host"]
+    assert json.loads(sw._encode(rec.windows[0], rec.stats))["agent"]["clock"] == "cuda_events"
+    assert rec.windows[1].step_time_s[0] == pytest.approx(0.1), "device times, from the window before"
