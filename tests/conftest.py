@@ -85,8 +85,7 @@ def engine(db_url: str) -> Iterator[Engine]:
     eng.dispose()
 
 
-#: The longest tests of the parallel phase (tens of seconds each on 2 cores), started
-#: first so that no worker is left running one of them alone at the end.
+#: The longest tests of the parallel phase (tens of seconds each on 2 cores), longest first.
 LONG_FIRST = (
     "tests/test_quality.py::test_mypy_strict_on_agent_and_server",
     "tests/integration/test_fuzz.py::",
@@ -97,8 +96,28 @@ LONG_FIRST = (
 )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(trylast=True)  # after ``-m`` has deselected: the order of what runs
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deal the longest tests out to the pytest-xdist workers, each at the front of what
+    a worker gets first, so that none is left running several of them one after another
+    at the end. Work stealing (``--dist worksteal``) first hands each of n workers one of
+    n contiguous slices of this list, evenly, and lets an idle worker take only the tail
+    of another's queue: long tests at the list's front would all go to the first worker."""
+
     def rank(item: pytest.Item) -> int:
         return next((i for i, p in enumerate(LONG_FIRST) if item.nodeid.startswith(p)), len(LONG_FIRST))
 
     items.sort(key=rank)  # stable: the rest keep their order
+    workers = config.getoption("numprocesses", default=None)
+    n_long = sum(1 for item in items if rank(item) < len(LONG_FIRST))
+    if not isinstance(workers, int) or workers < 2 or n_long == 0:
+        return
+    long, rest = items[:n_long], items[n_long:]
+    dealt: list[pytest.Item] = []
+    for k in range(workers):
+        mine = long[k::workers]
+        size = (len(items) - len(dealt)) // (workers - k)  # the scheduler's even split
+        take = max(0, size - len(mine))
+        dealt += mine + rest[:take]
+        rest = rest[take:]
+    items[:] = dealt + rest
