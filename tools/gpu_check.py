@@ -285,6 +285,10 @@ def _event_times(sw: Any, rec: MemorySink) -> list[float]:
         if w.device_events is not None:
             prev, events = w.device_events
             out.extend(CudaEventClock.resolve(prev, events, w.step_time_s, deadline_s=30.0))
+        elif w.n_steps:  # the sink holds every window unread: more than the clock's generations
+            raise RuntimeError(
+                f"a window of {w.n_steps} steps has no device events: the check closed too many windows"
+            )
     return out
 
 

@@ -44,7 +44,8 @@ def test_extra_compute_on_one_rank_is_named_as_compute() -> None:
     o = real.run_scenario(_scenario("compute +20%"), steps=STEPS, fault_from=FAULT_FROM, profile_every=0)
     assert o.analysed_through_step >= STEPS, "the analysis did not reach the last step"
     assert o.right, f"expected straggler:compute:rank=2, got {_stragglers(o)} ({o.note})"
-    assert o.windows_to_flag is not None and o.windows_to_flag <= 3, o.windows_to_flag
+    # Opened at or after the onset's window (before it, the flag named a clean rank 2), within 3.
+    assert o.windows_to_flag is not None and 0 <= o.windows_to_flag <= 3, o.windows_to_flag
     (ev,) = [e for e in o.events if e["key"] == "straggler:compute:rank=2"]
     assert ev["ranks"] == [2] and ev["cause"] == "compute"
     assert ev["evidence"]["extra_cpu_s"] > 0 and ev["cost_seconds"] > 0
