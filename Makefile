@@ -27,7 +27,7 @@ demo: venv
 # line naming them (tools/preflight). Two phases: everything but real training whose
 # assertions depend on the machine's timing runs on 4 workers (databases, HTTP,
 # subprocesses, multi-process gloo checks of exact results: mostly waiting, so 4 keep 2
-# cores busy), the longest first; then the timing-dependent real-training tests (marked
+# cores busy), the longest dealt first to each worker; then the timing-dependent real-training tests (marked
 # solo: detection, throughput) alone, one at a time, so that the only load they share the
 # cores with is the CPU burner they start themselves. A solo test that fails is run once
 # more, alone (--last-failed): on 2 shared cores a few of them fail about one run in five

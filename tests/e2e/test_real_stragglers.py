@@ -51,8 +51,8 @@ def test_extra_compute_on_one_rank_is_named_as_compute() -> None:
     assert ev["evidence"]["extra_cpu_s"] > 0 and ev["cost_seconds"] > 0
     assert [k for k in _stragglers(o) if k.endswith("rank=2")] == ["straggler:compute:rank=2"]
     # The three others ran clean for 96 steps: none of them may be flagged. (A whole clean
-    # run is the namespaced one below; ten of 300 steps: ``stepwatch evaluate --real
-    # --scenario clean --runs 10 --steps 300``.)
+    # run is the namespaced one below; ten of 300 steps: ``python -m
+    # stepwatch_server.evaluation.real --scenario clean --runs 10 --steps 300``.)
     assert o.false_flags == 0, _stragglers(o)
 
 

@@ -5,7 +5,8 @@ generation: wrong types, out-of-range numbers, bad patterns, missing fields). Th
 collector must never answer 5xx, must answer only what it documents, and every 4xx must
 carry a ``detail`` that names the problem (for 422: the field). Examples per operation
 are bounded (50, ``STEPWATCH_FUZZ_EXAMPLES``): about 20 s per backend and mode on 2 quiet
-cores, the longest tests of the parallel phase after mypy (started first for that).
+cores, the longest tests of the parallel phase after mypy (dealt first to the workers for
+that: ``LONG_FIRST`` in ``tests/conftest.py``).
 """
 
 from __future__ import annotations
