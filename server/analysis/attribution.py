@@ -4,8 +4,10 @@ A window's breakdown comes from one of two measurements (:func:`.pipeline.window
 picks it, the same way for every window of a run):
 
 - the **always-on timing** of every step (the agent's DDP hook, staged in
-  ``step_timings``): data wait (loader), exposed communication (the sync at the step's
-  last collective), and the rest of the step (``compute_s``: forward, backward and the
+  ``step_timings``), along the step's critical path (its last arriver,
+  :func:`.pipeline.timing_means`): data wait (loader), exposed communication (the
+  transfer at the step's last collective; the other ranks' wait for the last arriver is
+  not communication), and the rest of the step (``compute_s``: forward, backward and the
   host time between collectives), with the training thread's CPU time (``cpu_s``) beside it;
 - the **profiler's breakdown** when only profiled windows have one: compute, exposed
   communication, data wait and idle measured from the trace.

@@ -15,19 +15,22 @@ month of steps.
 Job samples (:func:`window_sample`) aggregate the per-step job rows of one window: tagged
 steps (warm-up, checkpoint, evaluation) are left out of the means, and a window whose
 steps are mostly tagged becomes a tagged sample, which the regression detector skips.
-The sample's breakdown components are the means over ranks of the rank windows' profile
-fields (when the profiler covered the window) and of data-loader wait, so that they add
-up to the step time and a regression can be attributed to the component that moved.
+The sample's breakdown components add up to the step time, so that a regression can be
+attributed to the component that moved: with the always-on timing, those of each step's
+critical path (the last arriver's data wait, rest of the step and transfer,
+:func:`timing_means`); else the means over ranks of the rank windows' profile fields
+(when the profiler covered the window) and of data-loader wait.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from .arrivals import RankSteps
+from .arrivals import RankSteps, line_up
 from .efficiency import StageImbalance, stage_imbalance
 from .late_arrivals import ArrivalDetector
 from .links import LinkSample
@@ -194,28 +197,53 @@ def window_sample(
 
 
 def timing_means(timing: Sequence[Sequence[RankSteps]], excluded: Set[int] = frozenset()) -> dict[str, float]:
-    """A window's breakdown from the always-on timing: means over ranks and steps (those in
-    ``excluded``, the tagged ones, left out) of data wait, exposed communication (the sync at
-    the step's last collective), the rest of the step (``compute_s``) and the training
-    thread's CPU time (``cpu_s``); empty without timing. :mod:`.attribution` splits the
-    rest into compute and idle by the CPU time."""
+    """A window's breakdown from the always-on timing, along each step's critical path.
+
+    A synchronous step lasts as long as its last arriver takes to reach the step's last
+    collective, plus that collective's transfer; every other rank's exposed sync is mostly
+    waiting for it. So per step and peer group the sample is the last arriver's (the rank
+    with the smallest sync, :func:`.arrivals.line_up`): its data wait, its sync (the
+    transfer), the rest of its step (``compute_s``: forward, backward and the host time
+    between collectives) and its training thread's CPU time (``cpu_s``), averaged over the
+    window's steps (those in ``excluded``, the tagged ones, left out) and the groups. A mean
+    over all ranks would count the waits as communication: a job-wide slowdown of compute on
+    ranks that share cores (or that drift apart) then read as exposed communication.
+    A group with a single rank, or whose ranks have no step in common, contributes each
+    rank's own steps. :mod:`.attribution` splits the rest into compute and idle by the CPU
+    time. Empty without timing."""
     sums = {"data_wait_s": 0.0, "comm_exposed_s": 0.0, "compute_s": 0.0}
     cpu_sum, n, n_cpu = 0.0, 0, 0
+
+    def add(t: float, data: float, sync: float, cpu: float | None) -> None:
+        nonlocal cpu_sum, n, n_cpu
+        sums["data_wait_s"] += data
+        sums["comm_exposed_s"] += sync
+        sums["compute_s"] += max(0.0, t - data - sync)
+        n += 1
+        if cpu is not None and math.isfinite(cpu):
+            cpu_sum += cpu
+            n_cpu += 1
+
     for group in timing:
+        lined = line_up(group) if len(group) > 1 else None
+        if lined is not None and lined.steps:
+            last = lined.wait.argmin(axis=1)
+            for k, step in enumerate(lined.steps):
+                j = int(last[k])
+                t = float(lined.step_time[k, j])
+                if step in excluded or not t > 0:
+                    continue
+                data = float(lined.data_wait[k, j])
+                data = data if math.isfinite(data) else 0.0
+                add(t, data, float(lined.transfer[k, j]), float(lined.cpu[k, j]))
+            continue
         for r in group:
             for j, t in enumerate(r.step_time_s):
                 sync = r.sync_s[j] if j < len(r.sync_s) else None
                 if sync is None or t <= 0 or r.first_step + j in excluded:
                     continue
                 data = r.data_wait_s[j] if j < len(r.data_wait_s) else 0.0
-                sums["data_wait_s"] += data
-                sums["comm_exposed_s"] += sync
-                sums["compute_s"] += max(0.0, t - data - sync)
-                n += 1
-                cpu = r.cpu_s[j] if j < len(r.cpu_s) else None
-                if cpu is not None:
-                    cpu_sum += cpu
-                    n_cpu += 1
+                add(t, data, sync, r.cpu_s[j] if j < len(r.cpu_s) else None)
     if not n:
         return {}
     out = {k: v / n for k, v in sums.items()}

@@ -8,10 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stepwatch_server.analysis.arrivals import RankSteps
+from stepwatch_server.analysis.attribution import deltas, top_component
 from stepwatch_server.analysis.pipeline import (
     ProgressTally,
     RunAnalysis,
     StepRow,
+    timing_means,
     window_sample,
 )
 from stepwatch_server.analysis.types import RankWindow
@@ -45,6 +48,43 @@ def test_window_sample_mostly_tagged_is_a_tagged_sample_and_empty_is_none() -> N
     assert window_sample([], first_step=1, last_step=4, mfu_per_token_rate=RATE) is None
     no_peak = window_sample(steps[3:], first_step=1, last_step=4, mfu_per_token_rate=None)
     assert no_peak is not None and no_peak.mfu is None
+
+
+def _synced(rests: list[float], *, transfer: float = 0.02, steps: int = 8) -> list[RankSteps]:
+    """One window of a synchronous step: each rank computes ``rest`` seconds (all of it on
+    the CPU), then waits in the last collective for the slowest rank and the transfer."""
+    slowest = max(rests)
+    return [
+        RankSteps(
+            rank=r,
+            host=f"h{r // 2}",
+            first_step=1,
+            step_time_s=[slowest + transfer] * steps,
+            data_wait_s=[0.0] * steps,
+            sync_s=[slowest - rest + transfer] * steps,
+            cpu_s=[rest] * steps,
+        )
+        for r, rest in enumerate(rests)
+    ]
+
+
+def test_the_timing_breakdown_follows_the_critical_path_not_the_waits() -> None:
+    """The job's step is the last arriver's: its compute and the transfer. The other ranks'
+    wait for it is not communication time (a mean over ranks would call it that)."""
+    m = timing_means([_synced([0.05, 0.05, 0.05, 0.08])])
+    assert m["compute_s"] == pytest.approx(0.08)
+    assert m["comm_exposed_s"] == pytest.approx(0.02)
+    assert m["cpu_s"] == pytest.approx(0.08)
+    # Tagged steps stay out; a rank alone in its group is its own critical path.
+    assert timing_means([_synced([0.05, 0.08])], excluded=set(range(1, 9))) == {}
+    assert timing_means([_synced([0.05])])["comm_exposed_s"] == pytest.approx(0.02)
+    # Every rank's compute grew, one rank's most (ranks sharing cores drift apart): the
+    # others' waits grew more than their own compute, and still the step grew by compute.
+    before = timing_means([_synced([0.10, 0.10, 0.10, 0.10])])
+    after = timing_means([_synced([0.105, 0.105, 0.105, 0.14])])
+    moved = deltas(after, before)
+    assert top_component(moved) == "compute_s", moved
+    assert moved["comm_exposed_s"] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_progress_tally_counts_productive_time_and_the_wall_span() -> None:
