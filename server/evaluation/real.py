@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -202,6 +203,10 @@ class RealOutcome:
     #: A hang scenario: whether the first hang event read already named who never
     #: entered the stuck collective (None: no hang event read).
     first_hang_diagnosed: bool | None = None
+    #: The longest time the whole machine stood still during the run (:class:`Stillness`)
+    #: and when it began (epoch seconds).
+    paused_s: float = 0.0
+    paused_at: float | None = None
 
     @property
     def false_flags(self) -> int:
@@ -209,6 +214,46 @@ class RealOutcome:
 
 
 # -- the machine's load ---------------------------------------------------------------
+class Stillness:
+    """The longest stretch in which a thread that wakes every ``interval_s`` did not run.
+
+    On this kind of machine (a virtual machine on a shared host) everything sometimes
+    stops at once: measured during a clean scenario, training (one step of 34.9 s, on the
+    ranks' own monotonic clocks), the collector and a shell loop sampling them all stood
+    still for about 35 s together. No scheduler gives a waiting thread nothing for
+    seconds while it is runnable, so a gap of seconds is the machine, not the load. A run
+    with such a pause is not evidence about a detector: the collector rightly sees no step
+    for 35 s (a hang), and the job's speed after the pause can differ from before it (a
+    real step-time change). The tests that assume a steady machine read ``longest_s``.
+    """
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.longest_s = 0.0
+        self.at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stillness", daemon=True)
+
+    def _watch(self) -> None:
+        last = time.monotonic()
+        stopped = False
+        while not stopped:  # the wake-up that sees the stop measures its gap too
+            stopped = self._stop.wait(self.interval_s)
+            now = time.monotonic()
+            gap = now - last - self.interval_s
+            if gap > self.longest_s:
+                self.longest_s, self.at = gap, time.time() - (now - last)
+            last = now
+
+    def __enter__(self) -> Stillness:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @contextlib.contextmanager
 def cpu_burner(n: int | None = None, *, nice: int = 0) -> Iterator[list[int]]:
     """Busy-loop processes, one per core (at niceness ``nice``), stopped by their PIDs on exit."""
@@ -451,6 +496,30 @@ def run_scenario(
             record=record,
             timeout_s=timeout_s,
         )
+    with Stillness() as still:
+        o = _run_here(
+            s,
+            steps=steps,
+            fault_from=fault_from,
+            profile_every=profile_every,
+            timeout_s=timeout_s,
+            burn=burn,
+            record=record,
+        )
+    return replace(o, paused_s=still.longest_s, paused_at=still.at)
+
+
+def _run_here(
+    s: RealScenario,
+    *,
+    steps: int,
+    fault_from: int,
+    profile_every: int,
+    timeout_s: float,
+    burn: bool,
+    record: str | None,
+) -> RealOutcome:
+    """:func:`run_scenario` in this network namespace."""
     t0 = time.monotonic()
     steps = s.steps or steps
     fault_from = s.fault_from or fault_from
@@ -708,7 +777,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f" s_to_flag={o.seconds_to_flag:.1f} {o.note}"
                         if o.seconds_to_flag is not None
                         else ""
-                    ),
+                    )
+                    + (f" (the machine stood still for {o.paused_s:.0f} s)" if o.paused_s >= 1 else ""),
                     flush=True,
                 )
     if args.json:

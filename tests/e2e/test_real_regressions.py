@@ -9,7 +9,8 @@ onset (16-step windows, the baseline formed over the 8 windows after the tagged 
 attributed to compute; the same run without the fault must open no regression. The
 scenarios' processes run at a raised niceness of their session, so that the load they see
 is their own burner, not whatever else the machine runs (which would change the whole
-job's speed mid-run: a real change of its step time).
+job's speed mid-run: a real change of its step time); a run in which the whole machine
+stood still for seconds is run once more (``STILL_S``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,21 @@ def _scenario(name: str) -> real.RealScenario:
     return next(s for s in real.SCENARIOS if s.name == name)
 
 
+#: A run in which the whole machine stood still this long (:class:`real.Stillness`: the
+#: virtual machine stopped by its host, training and collector with it) is no evidence
+#: either way, as the job's speed after such a pause can differ from before it: it is run
+#: once more, and the second must not stand still.
+STILL_S = 5.0
+
+
+def _run(s: real.RealScenario) -> real.RealOutcome:
+    o = real.run_scenario(s)
+    if o.paused_s >= STILL_S:
+        o = real.run_scenario(s)
+    assert o.paused_s < STILL_S, f"the machine stood still for {o.paused_s:.0f} s in both runs"
+    return o
+
+
 def _keys(o: real.RealOutcome, kind: str) -> list[str]:
     return sorted(e["key"] for e in o.events if e["kind"] == kind)
 
@@ -30,7 +46,7 @@ def _keys(o: real.RealOutcome, kind: str) -> list[str]:
 @pytest.mark.solo
 def test_a_job_wide_ten_percent_slowdown_is_a_regression_within_five_windows() -> None:
     s = _scenario("job-wide +10%")
-    o = real.run_scenario(s)
+    o = _run(s)
     assert s.steps is not None and o.analysed_through_step >= s.steps, "the analysis did not reach the end"
     assert "regression:step_time" in _keys(o, "regression"), _keys(o, "straggler")
     assert o.right, [e["message"] for e in o.events if e["kind"] == "regression"]  # attributed to compute
@@ -44,6 +60,6 @@ def test_a_job_wide_ten_percent_slowdown_is_a_regression_within_five_windows() -
 @pytest.mark.solo
 def test_a_steady_run_raises_no_regression() -> None:
     s = _scenario("clean, steady load")
-    o = real.run_scenario(s)
+    o = _run(s)
     assert s.steps is not None and o.analysed_through_step >= s.steps, "the analysis did not reach the end"
     assert _keys(o, "regression") == [], [e["message"] for e in o.events]

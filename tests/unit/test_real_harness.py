@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from stepwatch_server.evaluation.real import autogroup_nice
+import sys
+import time
+
+from stepwatch_server.evaluation.real import Stillness, autogroup_nice
 
 
 def test_the_autogroup_niceness_is_read_where_the_kernel_keeps_one_and_none_elsewhere() -> None:
@@ -11,3 +14,24 @@ def test_the_autogroup_niceness_is_read_where_the_kernel_keeps_one_and_none_else
     # CI machines with sched_autogroup_enabled=0 show an empty file: not an IndexError.
     assert autogroup_nice("") is None
     assert autogroup_nice("garbage") is None
+
+
+def test_stillness_measures_a_stretch_in_which_its_thread_could_not_run() -> None:
+    """Every thread of this process held off for 0.6 s (the main thread keeps the GIL: a
+    long switch interval and a busy loop), as every process is when the machine stops."""
+    before = sys.getswitchinterval()
+    with Stillness(interval_s=0.01) as still:
+        while still.at is None and still.longest_s == 0.0:  # the watcher has run once
+            time.sleep(0.001)
+        sys.setswitchinterval(5.0)
+        try:
+            start_wall, start = time.time(), time.monotonic()
+            while time.monotonic() - start < 0.6:
+                pass
+        finally:
+            sys.setswitchinterval(before)
+        end_wall = time.time()
+    assert still.longest_s >= 0.5, still.longest_s
+    # When it began: before the busy loop ended (a load that held the thread off longer
+    # before the loop could only move it earlier).
+    assert still.at is not None and still.at <= end_wall - 0.5, (still.at, start_wall, end_wall)
