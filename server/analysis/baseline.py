@@ -50,6 +50,14 @@ class MetricBaseline:
     n: int
 
 
+#: What a baseline's breakdown components mean, kept with them: "critical-path" since
+#: the always-on timing's breakdown follows each step's last arriver
+#: (:func:`.pipeline.timing_means`); a baseline saved without it (means over all ranks,
+#: which count the others' wait as communication) keeps its medians, not its components,
+#: so that a later regression is not attributed to the difference of the two methods.
+COMPONENTS_BASIS = "critical-path"
+
+
 @dataclass(frozen=True, slots=True)
 class Baseline:
     """A run's frozen post-warm-up baseline: per-metric median/scale, component means."""
@@ -72,6 +80,7 @@ class Baseline:
             "step_time_s": self.step_time_s,
             "metrics": {k: asdict(v) for k, v in self.metrics.items()},
             "components": dict(self.components),
+            "components_basis": COMPONENTS_BASIS,
         }
 
     @classmethod
@@ -88,7 +97,11 @@ class Baseline:
                 str(k): MetricBaseline(float(v["median"]), float(v["scale"]), int(v["n"]))
                 for k, v in dict(data["metrics"]).items()
             },
-            components={str(k): float(v) for k, v in dict(data.get("components", {})).items()},
+            components=(
+                {str(k): float(v) for k, v in dict(data.get("components", {})).items()}
+                if data.get("components_basis") == COMPONENTS_BASIS
+                else {}
+            ),
         )
 
 

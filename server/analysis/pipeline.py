@@ -196,6 +196,10 @@ def window_sample(
     )
 
 
+#: A step over this many times its window's median step time stays out of the breakdown.
+LONG_STEP_RATIO = 3.0
+
+
 def timing_means(timing: Sequence[Sequence[RankSteps]], excluded: Set[int] = frozenset()) -> dict[str, float]:
     """A window's breakdown from the always-on timing, along each step's critical path.
 
@@ -208,25 +212,19 @@ def timing_means(timing: Sequence[Sequence[RankSteps]], excluded: Set[int] = fro
     window's steps (those in ``excluded``, the tagged ones, left out) and the groups. A mean
     over all ranks would count the waits as communication: a job-wide slowdown of compute on
     ranks that share cores (or that drift apart) then read as exposed communication.
-    A group with a single rank, or whose ranks have no step in common, contributes each
-    rank's own steps. :mod:`.attribution` splits the rest into compute and idle by the CPU
-    time. Empty without timing."""
-    sums = {"data_wait_s": 0.0, "comm_exposed_s": 0.0, "compute_s": 0.0}
-    cpu_sum, n, n_cpu = 0.0, 0, 0
+    A rank alone in its group is its own critical path; a step for which some rank of the
+    group has no sync is left out (its last arriver is unknown), as :func:`.arrivals.line_up`
+    does; so is a step over ``LONG_STEP_RATIO`` times the window's median (a stall owns a
+    mean). :mod:`.attribution` splits the rest into compute and idle by the CPU time. Empty
+    without timing."""
+    samples: list[tuple[float, float, float, float | None]] = []  # step, data, sync, cpu
 
     def add(t: float, data: float, sync: float, cpu: float | None) -> None:
-        nonlocal cpu_sum, n, n_cpu
-        sums["data_wait_s"] += data
-        sums["comm_exposed_s"] += sync
-        sums["compute_s"] += max(0.0, t - data - sync)
-        n += 1
-        if cpu is not None and math.isfinite(cpu):
-            cpu_sum += cpu
-            n_cpu += 1
+        samples.append((t, data, sync, cpu if cpu is not None and math.isfinite(cpu) else None))
 
     for group in timing:
-        lined = line_up(group) if len(group) > 1 else None
-        if lined is not None and lined.steps:
+        if len(group) > 1:
+            lined = line_up(group)
             last = lined.wait.argmin(axis=1)
             for k, step in enumerate(lined.steps):
                 j = int(last[k])
@@ -240,15 +238,27 @@ def timing_means(timing: Sequence[Sequence[RankSteps]], excluded: Set[int] = fro
         for r in group:
             for j, t in enumerate(r.step_time_s):
                 sync = r.sync_s[j] if j < len(r.sync_s) else None
-                if sync is None or t <= 0 or r.first_step + j in excluded:
+                if sync is None or not math.isfinite(sync) or not t > 0 or r.first_step + j in excluded:
                     continue
                 data = r.data_wait_s[j] if j < len(r.data_wait_s) else 0.0
-                add(t, data, sync, r.cpu_s[j] if j < len(r.cpu_s) else None)
-    if not n:
+                add(t, data if math.isfinite(data) else 0.0, sync, r.cpu_s[j] if j < len(r.cpu_s) else None)
+    # A step far longer than the window's median (a rank descheduled or stopped for
+    # seconds) would own the means: one 50 s step moves a 16-step window's compute by 3 s,
+    # and the baseline's for a whole run. The regression detector reads medians for the
+    # same reason; the breakdown leaves such steps out.
+    cap = LONG_STEP_RATIO * median([t for t, *_ in samples]) if samples else 0.0
+    kept = [x for x in samples if x[0] <= cap]
+    if not kept:
         return {}
-    out = {k: v / n for k, v in sums.items()}
-    if n_cpu == n:
-        out["cpu_s"] = cpu_sum / n_cpu
+    n = len(kept)
+    out = {
+        "data_wait_s": sum(d for _, d, _, _ in kept) / n,
+        "comm_exposed_s": sum(y for _, _, y, _ in kept) / n,
+        "compute_s": sum(max(0.0, t - d - y) for t, d, y, _ in kept) / n,
+    }
+    cpus = [c for *_, c in kept if c is not None]
+    if len(cpus) == n:
+        out["cpu_s"] = sum(cpus) / n
     return out
 
 

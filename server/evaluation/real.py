@@ -224,7 +224,9 @@ class Stillness:
     seconds while it is runnable, so a gap of seconds is the machine, not the load. A run
     with such a pause is not evidence about a detector: the collector rightly sees no step
     for 35 s (a hang), and the job's speed after the pause can differ from before it (a
-    real step-time change). The tests that assume a steady machine read ``longest_s``.
+    real step-time change). The tests that assume a steady machine read it as
+    :attr:`RealOutcome.paused_s`. (A gap can also be this process holding the GIL that
+    long; the harness does nothing of the kind while a scenario runs.)
     """
 
     def __init__(self, interval_s: float = 0.05) -> None:
@@ -242,7 +244,8 @@ class Stillness:
             now = time.monotonic()
             gap = now - last - self.interval_s
             if gap > self.longest_s:
-                self.longest_s, self.at = gap, time.time() - (now - last)
+                # It began when the wake-up after ``last`` was due.
+                self.longest_s, self.at = gap, time.time() - (now - last) + self.interval_s
             last = now
 
     def __enter__(self) -> Stillness:

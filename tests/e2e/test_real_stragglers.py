@@ -83,3 +83,6 @@ def test_a_slowed_link_is_named_as_link_and_not_as_compute() -> None:
     assert ev["cost_seconds"] > 0
     assert [k for k in _stragglers(o) if k.endswith("rank=1")] == ["straggler:link:rank=1"]
     assert o.false_flags == 0, _stragglers(o)  # the unshaped ranks: the control
+    # and in the namespaces nothing else: no hang (the collector behind the bridge hears
+    # every rank), no regression (the link is slow from the first step).
+    assert [e["key"] for e in o.events if e["kind"] in ("hang", "regression")] == [], o.events

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -78,6 +79,21 @@ def test_the_timing_breakdown_follows_the_critical_path_not_the_waits() -> None:
     # Tagged steps stay out; a rank alone in its group is its own critical path.
     assert timing_means([_synced([0.05, 0.08])], excluded=set(range(1, 9))) == {}
     assert timing_means([_synced([0.05])])["comm_exposed_s"] == pytest.approx(0.02)
+    # A step some rank has no sync for has no known last arriver: left out, not averaged
+    # over the ranks that have one (which would count their wait as communication).
+    lost = _synced([0.05, 0.05, 0.05, 0.08])
+    lost[3] = replace(lost[3], sync_s=[None] * 4 + list(lost[3].sync_s[4:]))
+    assert timing_means([lost])["compute_s"] == pytest.approx(0.08)
+    lost[3] = replace(lost[3], sync_s=[None] * 8)
+    assert timing_means([lost]) == {}
+    # One step of 50 s (the last arriver descheduled) stays out: in a mean it would be
+    # 3 s of compute per step for the whole window, and for a baseline built on it.
+    stalled = _synced([0.05, 0.05, 0.05, 0.08])
+    for r in range(4):
+        times = list(stalled[r].step_time_s)
+        times[5] = 50.0
+        stalled[r] = replace(stalled[r], step_time_s=times)
+    assert timing_means([stalled])["compute_s"] == pytest.approx(0.08)
     # Every rank's compute grew, one rank's most (ranks sharing cores drift apart): the
     # others' waits grew more than their own compute, and still the step grew by compute.
     before = timing_means([_synced([0.10, 0.10, 0.10, 0.10])])
@@ -85,6 +101,19 @@ def test_the_timing_breakdown_follows_the_critical_path_not_the_waits() -> None:
     moved = deltas(after, before)
     assert top_component(moved) == "compute_s", moved
     assert moved["comm_exposed_s"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_baseline_saved_without_the_critical_path_keeps_its_medians_not_its_components() -> None:
+    """Components from before the breakdown followed the critical path (means over all
+    ranks) do not compare with today's: a later regression would be attributed to the
+    change of method."""
+    from stepwatch_server.analysis.baseline import Baseline, MetricBaseline
+
+    b = Baseline("r", None, 1, 160, 0.13, {"step_time_s": MetricBaseline(0.13, 0.002, 8)}, {"compute_s": 0.1})
+    assert Baseline.from_dict(b.to_dict()) == b
+    old = {k: v for k, v in b.to_dict().items() if k != "components_basis"}
+    assert Baseline.from_dict(old).components == {}
+    assert Baseline.from_dict(old).metrics == b.metrics
 
 
 def test_progress_tally_counts_productive_time_and_the_wall_span() -> None:
