@@ -7,6 +7,8 @@ import time
 
 from stepwatch_server.evaluation.real import Stillness, autogroup_nice
 
+from ..wait import wait_until
+
 
 def test_the_autogroup_niceness_is_read_where_the_kernel_keeps_one_and_none_elsewhere() -> None:
     assert autogroup_nice("/autogroup-103 nice 0\n") == "0"
@@ -21,8 +23,7 @@ def test_stillness_measures_a_stretch_in_which_its_thread_could_not_run() -> Non
     long switch interval and a busy loop), as every process is when the machine stops."""
     before = sys.getswitchinterval()
     with Stillness(interval_s=0.01) as still:
-        while still.at is None and still.longest_s == 0.0:  # the watcher has run once
-            time.sleep(0.001)
+        wait_until(lambda: still.at is not None, "the watcher's first wake-up", every_s=0.001)
         sys.setswitchinterval(5.0)
         try:
             start_wall, start = time.time(), time.monotonic()
