@@ -28,7 +28,7 @@ from sqlalchemy import Connection, Table, or_, select, update
 from ..schemas.ingest import IngestPayload, PlanIn
 from ..storage.backend import Storage
 from ..storage.columns import Rows
-from ..storage.models import Run, unix
+from ..storage.models import RankWindow, Run, unix
 from . import admission, fold, profiles
 
 
@@ -93,42 +93,53 @@ def choose_window_steps(
     *,
     first: int = 1,
     tags: Sequence[str | None] | None = None,
+    rank_starts: bool = False,
 ) -> int:
     """Steps per stored rank window: a power of two near ``window_seconds`` of steps.
 
     Fixed per run at its first batch, so that every rank's windows cover the same steps
     and can be compared window by window. The pace is the median of the batch's steps
     (``first`` is the number of its first one), leaving out those that say least about it
-    when the batch holds others: the run's first step (process-group set-up, DDP's first
+    when the batch holds others: the start-up steps (process-group set-up, DDP's first
     bucket rebuild, the allocator's first requests: 4 s against 0.9-1.6 s steps on a
-    loaded host) and tagged steps (warm-up, checkpoint, evaluation). A pace read too slow
-    gives windows of fewer steps than ``window_seconds`` means; the late-arrival detector
-    pools short windows (``analysis/late_arrivals.py``), so detection holds either way.
+    loaded host), which are step 1 and, when the batch is its rank's first in the run
+    (``rank_starts``), the batch's first step (a job resumed from a checkpoint starts at
+    a later step with the same set-up), and tagged steps (warm-up, checkpoint,
+    evaluation). A pace read too slow gives windows of fewer steps than
+    ``window_seconds`` means; the late-arrival detector pools short windows
+    (``analysis/late_arrivals.py``), so detection holds either way.
     """
     timed = [(first + j, t, tags[j] if tags else None) for j, t in enumerate(step_times) if t > 0]
     if not timed:
         return 1
-    later = [x for x in timed if x[0] > 1] or timed
+    later = [x for x in timed if not _starts(x[0], first, rank_starts)] or timed
     steady = [t for _, t, tag in later if tag is None] or [t for _, t, _ in later]
     per_step = statistics.median(steady)
     target = max(1.0, window_seconds / per_step)
     return int(min(4096, 2 ** round(math.log2(target))))
 
 
-def pace_is_known(step_times: Sequence[float], *, first: int = 1) -> bool:
-    """Whether a batch tells the run's pace: it holds a step after the first.
+def _starts(step: int, first: int, rank_starts: bool) -> bool:
+    """Whether ``step`` of a batch starting at ``first`` is a start-up step."""
+    return step <= 1 or (rank_starts and step == first)
+
+
+def pace_is_known(step_times: Sequence[float], *, first: int = 1, rank_starts: bool = False) -> bool:
+    """Whether a batch tells the run's pace: it holds a step that is not a start-up step
+    (step 1, or the first step of its rank's first batch in the run: ``rank_starts``).
 
     A run's first batch often does not: a heartbeat (no step yet: compilation, a slow
-    first bucket rebuild) or the first step alone (it outlasted the send interval). Sized
-    from those the windows would hold one step for the whole run (a row per rank per
-    step, and detectors fed one step at a time), so such a run's window size stays a
-    placeholder, ``provisional``, until a batch that does tell it. Nothing stored
-    depends on the placeholder: every window size puts step 1 in window 0, and the first
-    batch with a later step settles the size before its rows are folded. (Decided on the
-    step numbers, not the times: a later step timed 0 still settles it.) A run resumed
-    from a checkpoint starts at a later step, so its first batch always settles it.
+    first bucket rebuild) or the first step alone (it outlasted the send interval), at
+    step 1 or, for a job resumed from a checkpoint, at a later step. Sized from those
+    the windows would hold one step for the whole run (a row per rank per step, and
+    detectors fed one step at a time), so such a run's window size stays a placeholder,
+    ``provisional``, until a batch that does tell it. Rows stored meanwhile are one step
+    each (a batch of two steps tells the pace): step 1 lies in window 0 whatever the
+    size, and a later step's row is moved to its window when the size settles
+    (:meth:`Ingestor._settle_window`), before the settling batch's rows are folded.
+    (Decided on the step numbers, not the times: a later step timed 0 still settles it.)
     """
-    return first + len(step_times) - 1 > 1
+    return any(not _starts(first + j, first, rank_starts) for j in range(len(step_times)))
 
 
 class Ingestor:
@@ -217,20 +228,46 @@ class Ingestor:
     def _settle_window(self, conn: Connection, p: IngestPayload, key: RunKey) -> RunKey:
         """Fix a provisional window size from the first batch that shows the run's pace.
 
-        The update is conditional, so concurrent writers (other groups, other replicas)
-        settle it once: a writer that loses re-reads the winner's size.
+        The run's row is read again, locked until the commit: concurrent writers (other
+        groups, other replicas) settle it once and in turn, and one that finds it settled
+        takes the winner's size. So no row is stored under the placeholder once the size
+        has settled, and the winner moves those stored before (one step each, see
+        :func:`pace_is_known`) to their windows of the settled size.
         """
-        if not key.window_provisional or not pace_is_known(p.steps.time_s, first=p.steps.first):
+        if not key.window_provisional:
             return key
+        current = self._select_key(conn, p.run, lock=True)
+        assert current is not None, "the run exists"
+        if not current.window_provisional:
+            return current
+        rank_starts = not self._has_windows(conn, key.id, p.rank.rank)
+        if not pace_is_known(p.steps.time_s, first=p.steps.first, rank_starts=rank_starts):
+            return key
+        steps = self._chosen_window_steps(p, rank_starts=rank_starts)
         runs = cast(Table, Run.__table__)
         conn.execute(
             update(runs)
             .where(runs.c.id == key.id, runs.c.window_provisional.is_(True))
-            .values(window_steps=self._chosen_window_steps(p), window_provisional=False)
+            .values(window_steps=steps, window_provisional=False)
+        )
+        windows = cast(Table, RankWindow.__table__)
+        conn.execute(
+            update(windows)
+            .where(windows.c.run_id == key.id, windows.c.first_step > 1)
+            .values(window=(windows.c.first_step - 1) // steps)
         )
         settled = self._select_key(conn, p.run)
         assert settled is not None, "the run exists"
         return settled
+
+    @staticmethod
+    def _has_windows(conn: Connection, run_id: int, rank: int) -> bool:
+        """Whether the rank has stored a step of the run (a heartbeat stores none)."""
+        windows = cast(Table, RankWindow.__table__)
+        found = conn.execute(
+            select(windows.c.window).where(windows.c.run_id == run_id, windows.c.rank == rank).limit(1)
+        ).first()
+        return found is not None
 
     def _remember(self, name: str, key: RunKey) -> None:
         with self._lock:
@@ -249,18 +286,21 @@ class Ingestor:
             assert key is not None
         return key
 
-    def _chosen_window_steps(self, p: IngestPayload) -> int:
+    def _chosen_window_steps(self, p: IngestPayload, *, rank_starts: bool) -> int:
         s = p.steps
-        return choose_window_steps(s.time_s, self.window_seconds, first=s.first, tags=s.tags)
+        return choose_window_steps(
+            s.time_s, self.window_seconds, first=s.first, tags=s.tags, rank_starts=rank_starts
+        )
 
     def _window(self, p: IngestPayload) -> dict[str, Any]:
         """A new run's window size: the setting's, else chosen from the batch's pace, else
         a provisional placeholder until a batch shows the pace."""
         if self.window_steps:
             return {"window_steps": self.window_steps, "window_provisional": False}
-        if not pace_is_known(p.steps.time_s, first=p.steps.first):
+        # The run's first batch is its rank's first.
+        if not pace_is_known(p.steps.time_s, first=p.steps.first, rank_starts=True):
             return {"window_steps": 1, "window_provisional": True}
-        return {"window_steps": self._chosen_window_steps(p), "window_provisional": False}
+        return {"window_steps": self._chosen_window_steps(p, rank_starts=True), "window_provisional": False}
 
     def _new_run(self, p: IngestPayload, plan: dict[str, Any] | None, owner: str | None) -> dict[str, Any]:
         """The run's row, from its first batch."""
@@ -277,9 +317,9 @@ class Ingestor:
         }
 
     @staticmethod
-    def _select_key(conn: Connection, name: str) -> RunKey | None:
+    def _select_key(conn: Connection, name: str, *, lock: bool = False) -> RunKey | None:
         runs = cast(Table, Run.__table__)
-        row = conn.execute(
+        query = (
             select(
                 runs.c.id,
                 runs.c.window_steps,
@@ -291,8 +331,11 @@ class Ingestor:
                 runs.c.baseline_run,
                 runs.c.created_by,
                 runs.c.window_provisional,
-            ).where(runs.c.name == name)
-        ).first()
+            )
+            .where(runs.c.name == name)
+            .limit(1)
+        )
+        row = conn.execute(query.with_for_update() if lock else query).first()
         if row is None:
             return None
         return RunKey(
@@ -363,6 +406,9 @@ class Ingestor:
         """The group's transaction; returns the batches it stored (not retries), with keys."""
         with self.engine.begin() as conn:
             keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
+            # A run's size settled by a batch of the group holds for the batches before it.
+            latest = {p.run: k for p, k in zip(unique, keys, strict=True)}
+            keys = [latest[p.run] for p in unique]
             run_ids = [k.id for k in keys]
             new = self.storage.claim(conn, unique, run_ids)
             fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if (k.id, p.batch_id) in new]

@@ -14,6 +14,7 @@ from stepwatch._comm_timing import CommTiming
 from stepwatch.flops import Convention
 from stepwatch_server.app import create_app
 from stepwatch_server.reads import queries
+from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.models import Event, IngestedBatch, JobStep, Rank, RankWindow, Run, unix
 
@@ -385,3 +386,58 @@ def test_a_run_whose_first_batches_show_no_pace_takes_its_window_from_the_first_
             )
         ).all()
     assert [tuple(r) for r in rows] == [(0, 0, 1, 16), (1, 0, 1, 16), (1, 1, 17, 20)]
+
+
+def test_a_run_resumed_from_a_checkpoint_is_sized_from_its_pace_not_its_start_up_step(
+    db_url: str, engine: Engine
+) -> None:
+    """A job resumed at step 5001 under a new run name: each rank's first step carries
+    the set-up (40 s, longer than the send interval, so it comes alone), then 0.5 s
+    steps. Sized from that first batch the run's windows held one step each for the
+    whole run. The size waits for a batch timing an ordinary step (16 steps in 8 s
+    windows), and the rows stored meanwhile, the ranks' first steps, move to the
+    windows of that size: one in the same group as the batch that settles it, one
+    stored before it."""
+    settings = Settings(database_url=db_url, window_seconds=8.0, analysis_enabled=False)
+    with TestClient(create_app(settings, engine=engine)) as c:
+        ingestor = c.app.state.ingestor  # type: ignore[attr-defined]
+
+        def store(*bodies: dict[str, object]) -> None:
+            assert ingestor.store_many([IngestPayload.model_validate(b) for b in bodies]) == [True] * len(
+                bodies
+            )
+
+        def window() -> tuple[int, bool]:
+            with engine.connect() as conn:
+                row = conn.execute(select(Run.window_steps, Run.window_provisional)).one()
+            return int(row[0]), bool(row[1])
+
+        resumed = {"run": "resumed", "world": 3}
+        store(payload(**resumed, rank=0, first=5001, times=[40.0]))
+        assert window() == (1, True)
+        store(payload(**resumed, rank=1, first=5001, times=[40.0]))  # its rank's first step too
+        assert window() == (1, True)
+        # Rank 2's start-up step and rank 0's next steps arrive in one group.
+        store(
+            payload(**resumed, rank=2, first=5001, times=[40.0]),
+            payload(**resumed, rank=0, first=5002, times=[0.5] * 15),
+        )
+        assert window() == (16, False)
+        store(payload(**resumed, rank=1, first=5002, times=[0.5] * 7))
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(
+                RankWindow.rank,
+                RankWindow.window,
+                RankWindow.first_step,
+                RankWindow.last_step,
+                RankWindow.n_steps,
+            ).order_by(RankWindow.rank, RankWindow.window)
+        ).all()
+    # Window 312 holds steps 4993-5008, window 313 steps 5009-5024.
+    assert [tuple(r) for r in rows] == [
+        (0, 312, 5001, 5008, 8),
+        (0, 313, 5009, 5016, 8),
+        (1, 312, 5001, 5008, 8),
+        (2, 312, 5001, 5001, 1),
+    ]

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, select
 
-from stepwatch_server.ingest.store import Ingestor, pace_is_known
+from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.storage import migrate, rollups
 from stepwatch_server.storage.backend import Storage, open_storage
@@ -190,7 +190,8 @@ def _store(storage: Storage, batches: list[dict[str, Any]], rnd: random.Random, 
     while first and rest:
         p = IngestPayload.model_validate(rest.pop(0))
         assert ingestor.store_many([p]) == [True]
-        first = not pace_is_known(p.steps.time_s, first=p.steps.first)
+        key = ingestor.cached(p.run)
+        first = key is None or key.window_provisional
     rnd.shuffle(rest)
     while rest:
         k = rnd.randint(1, len(rest))
