@@ -238,11 +238,11 @@ class Ingestor:
             return key
         current = self._select_key(conn, p.run, lock=True)
         assert current is not None, "the run exists"
-        if not current.window_provisional:
+        if not current.window_provisional or not p.steps.time_s:
             return current
         rank_starts = not self._has_windows(conn, key.id, p.rank.rank)
         if not pace_is_known(p.steps.time_s, first=p.steps.first, rank_starts=rank_starts):
-            return key
+            return current
         steps = self._chosen_window_steps(p, rank_starts=rank_starts)
         runs = cast(Table, Run.__table__)
         conn.execute(
