@@ -26,6 +26,7 @@ from typing import Any, cast
 from sqlalchemy import Connection, Table, or_, select, update
 
 from ..schemas.ingest import IngestPayload, PlanIn
+from ..storage import placement
 from ..storage.backend import Storage
 from ..storage.columns import Rows
 from ..storage.models import RankWindow, Run, unix
@@ -97,17 +98,18 @@ def choose_window_steps(
 ) -> int:
     """Steps per stored rank window: a power of two near ``window_seconds`` of steps.
 
-    Fixed per run at its first batch, so that every rank's windows cover the same steps
-    and can be compared window by window. The pace is the median of the batch's steps
-    (``first`` is the number of its first one), leaving out those that say least about it
-    when the batch holds others: the start-up steps (process-group set-up, DDP's first
-    bucket rebuild, the allocator's first requests: 4 s against 0.9-1.6 s steps on a
-    loaded host), which are step 1 and, when the batch is its rank's first in the run
-    (``rank_starts``), the batch's first step (a job resumed from a checkpoint starts at
-    a later step with the same set-up), and tagged steps (warm-up, checkpoint,
-    evaluation). A pace read too slow gives windows of fewer steps than
-    ``window_seconds`` means; the late-arrival detector pools short windows
-    (``analysis/late_arrivals.py``), so detection holds either way.
+    Fixed per run at its first batch that tells its pace (:func:`pace_is_known`), so
+    that every rank's windows cover the same steps and can be compared window by window.
+    The pace is the median of the batch's steps (``first`` is the number of its first
+    one), leaving out those that say least about it when the batch holds others: the
+    start-up steps (process-group set-up, DDP's first bucket rebuild, the allocator's
+    first requests: 4 s against 0.9-1.6 s steps on a loaded host), which are step 1
+    and, when the batch is its rank's first in the run (``rank_starts``), the batch's
+    first step (a job resumed from a checkpoint starts at a later step with the same
+    set-up), and tagged steps (warm-up, checkpoint, evaluation). A pace read too slow
+    gives windows of fewer steps than ``window_seconds`` means; the late-arrival
+    detector pools short windows (``analysis/late_arrivals.py``), so detection holds
+    either way.
     """
     timed = [(first + j, t, tags[j] if tags else None) for j, t in enumerate(step_times) if t > 0]
     if not timed:
@@ -133,11 +135,11 @@ def pace_is_known(step_times: Sequence[float], *, first: int = 1, rank_starts: b
     step 1 or, for a job resumed from a checkpoint, at a later step. Sized from those
     the windows would hold one step for the whole run (a row per rank per step, and
     detectors fed one step at a time), so such a run's window size stays a placeholder,
-    ``provisional``, until a batch that does tell it. Rows stored meanwhile are one step
-    each (a batch of two steps tells the pace): step 1 lies in window 0 whatever the
-    size, and a later step's row is moved to its window when the size settles
-    (:meth:`Ingestor._settle_window`), before the settling batch's rows are folded.
-    (Decided on the step numbers, not the times: a later step timed 0 still settles it.)
+    ``provisional``, until a batch that does tell it. Of the steps stored meanwhile,
+    steps 0 and 1 lie in window 0 whatever the size; a later one (a resumed rank's
+    first) goes to an unplaced window and is moved to its window when the size settles
+    (``storage/placement.py``). (Decided on the step numbers, not the times: a later
+    step timed 0 still settles it.)
     """
     return any(not _starts(first + j, first, rank_starts) for j in range(len(step_times)))
 
@@ -228,44 +230,43 @@ class Ingestor:
     def _settle_window(self, conn: Connection, p: IngestPayload, key: RunKey) -> RunKey:
         """Fix a provisional window size from the first batch that shows the run's pace.
 
-        The run's row is read again, locked until the commit: concurrent writers (other
-        groups, other replicas) settle it once and in turn, and one that finds it settled
-        takes the winner's size. So no row is stored under the placeholder once the size
-        has settled, and the winner moves those stored before (one step each, see
-        :func:`pace_is_known`) to their windows of the settled size.
+        The run's row is read again first (another writer may have settled it since it
+        was cached). The update is conditional, so concurrent writers (other groups,
+        other replicas) settle it once: a writer that loses re-reads the winner's size.
+        The winner moves the rows stored unplaced meanwhile to their windows
+        (``storage/placement.py``).
         """
         if not key.window_provisional:
             return key
-        current = self._select_key(conn, p.run, lock=True)
+        current = self._select_key(conn, p.run)
         assert current is not None, "the run exists"
         if not current.window_provisional or not p.steps.time_s:
             return current
-        rank_starts = not self._has_windows(conn, key.id, p.rank.rank)
+        rank_starts = not self._stored_before(conn, key.id, p.rank.rank, p.steps.first)
         if not pace_is_known(p.steps.time_s, first=p.steps.first, rank_starts=rank_starts):
             return current
         steps = self._chosen_window_steps(p, rank_starts=rank_starts)
         runs = cast(Table, Run.__table__)
-        conn.execute(
+        won = conn.execute(
             update(runs)
             .where(runs.c.id == key.id, runs.c.window_provisional.is_(True))
             .values(window_steps=steps, window_provisional=False)
-        )
-        windows = cast(Table, RankWindow.__table__)
-        conn.execute(
-            update(windows)
-            .where(windows.c.run_id == key.id, windows.c.first_step > 1)
-            .values(window=(windows.c.first_step - 1) // steps)
-        )
+        ).rowcount
+        if won:
+            placement.place_unplaced(conn, self.storage, key.id, steps)
         settled = self._select_key(conn, p.run)
         assert settled is not None, "the run exists"
         return settled
 
     @staticmethod
-    def _has_windows(conn: Connection, run_id: int, rank: int) -> bool:
-        """Whether the rank has stored a step of the run (a heartbeat stores none)."""
+    def _stored_before(conn: Connection, run_id: int, rank: int, step: int) -> bool:
+        """Whether the rank stored a step of the run before ``step`` (a heartbeat stores
+        none; a retry of the batch finds only its own steps, not earlier ones)."""
         windows = cast(Table, RankWindow.__table__)
         found = conn.execute(
-            select(windows.c.window).where(windows.c.run_id == run_id, windows.c.rank == rank).limit(1)
+            select(windows.c.window)
+            .where(windows.c.run_id == run_id, windows.c.rank == rank, windows.c.first_step < step)
+            .limit(1)
         ).first()
         return found is not None
 
@@ -317,7 +318,7 @@ class Ingestor:
         }
 
     @staticmethod
-    def _select_key(conn: Connection, name: str, *, lock: bool = False) -> RunKey | None:
+    def _select_key(conn: Connection, name: str) -> RunKey | None:
         runs = cast(Table, Run.__table__)
         query = (
             select(
@@ -335,7 +336,7 @@ class Ingestor:
             .where(runs.c.name == name)
             .limit(1)
         )
-        row = conn.execute(query.with_for_update() if lock else query).first()
+        row = conn.execute(query).first()
         if row is None:
             return None
         return RunKey(
@@ -383,7 +384,7 @@ class Ingestor:
         cached = self._cached_keys(unique)
         folded = None
         if cached is not None:
-            folded = fold.fold(unique, [k.id for k in cached], [k.window_steps for k in cached])
+            folded = fold.fold(unique, [k.id for k in cached], _fold_sizes(cached))
         try:
             fresh = self._write_group(unique, owner_of, cached, folded)
         except BaseException:
@@ -418,7 +419,7 @@ class Ingestor:
                     rows = folded
                 else:
                     rows = fold.fold(
-                        [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
+                        [p for p, _ in fresh], [k.id for _, k in fresh], _fold_sizes([k for _, k in fresh])
                     )
                 self.storage.write(conn, rows)
                 for p, k in fresh:  # profiler windows: a few batches in a thousand
@@ -443,3 +444,9 @@ class Ingestor:
                     return None
                 keys.append(key)
         return keys
+
+
+def _fold_sizes(keys: Sequence[RunKey]) -> list[int]:
+    """Each batch's window size for the fold: 0 while its run's is provisional (its
+    steps after step 1 go to unplaced windows, ``storage/placement.py``)."""
+    return [0 if k.window_provisional else k.window_steps for k in keys]
