@@ -29,9 +29,7 @@ from ..storage.columns import Columns, Rows
 
 
 def fold(payloads: Sequence[IngestPayload], run_ids: Sequence[int], window_steps: Sequence[int]) -> Rows:
-    """Rows for a group of batches; ``payloads`` must be distinct batches (claimed).
-    ``window_steps`` of a batch is 0 while its run's window size is provisional: its steps
-    after step 1 go to unplaced windows (``columns.placed_window``)."""
+    """Rows for a group of batches; ``payloads`` must be distinct batches (claimed)."""
     # A rank's final batch may carry no step: it updates the rank's row only.
     stepped = [i for i, p in enumerate(payloads) if p.steps.time_s]
     windows: Columns = {}
@@ -198,7 +196,7 @@ def _fold_steps(
     run = np.repeat(np.array(run_ids, dtype=np.int64), lengths)
     rank = np.repeat(np.array([p.rank.rank for p in payloads], dtype=np.int64), lengths)
     ws = np.repeat(np.array(window_steps, dtype=np.int64), lengths)
-    window = columns.placed_window(step, ws)
+    window = columns.window_of(step, ws)
     batch_end = np.array([p.steps.wall_end for p in payloads], dtype=np.float64)
     # End of each step: its batch's end minus the durations of the later steps in the batch.
     later = np.cumsum(t[::-1])[::-1] - t  # suffix sums over the whole group...

@@ -26,10 +26,9 @@ from typing import Any, cast
 from sqlalchemy import Connection, Table, or_, select, update
 
 from ..schemas.ingest import IngestPayload, PlanIn
-from ..storage import placement
 from ..storage.backend import Storage
 from ..storage.columns import Rows
-from ..storage.models import RankWindow, Run, unix
+from ..storage.models import Run, unix
 from . import admission, fold, profiles
 
 
@@ -94,54 +93,42 @@ def choose_window_steps(
     *,
     first: int = 1,
     tags: Sequence[str | None] | None = None,
-    rank_starts: bool = False,
 ) -> int:
     """Steps per stored rank window: a power of two near ``window_seconds`` of steps.
 
-    Fixed per run at its first batch that tells its pace (:func:`pace_is_known`), so
-    that every rank's windows cover the same steps and can be compared window by window.
-    The pace is the median of the batch's steps (``first`` is the number of its first
-    one), leaving out those that say least about it when the batch holds others: the
-    start-up steps (process-group set-up, DDP's first bucket rebuild, the allocator's
-    first requests: 4 s against 0.9-1.6 s steps on a loaded host), which are step 1
-    and, when the batch is its rank's first in the run (``rank_starts``), the batch's
-    first step (a job resumed from a checkpoint starts at a later step with the same
-    set-up), and tagged steps (warm-up, checkpoint, evaluation). A pace read too slow
-    gives windows of fewer steps than ``window_seconds`` means; the late-arrival
-    detector pools short windows (``analysis/late_arrivals.py``), so detection holds
-    either way.
+    Fixed per run at its first batch, so that every rank's windows cover the same steps
+    and can be compared window by window. The pace is the median of the batch's steps
+    (``first`` is the number of its first one), leaving out those that say least about it
+    when the batch holds others: the run's first step (process-group set-up, DDP's first
+    bucket rebuild, the allocator's first requests: 4 s against 0.9-1.6 s steps on a
+    loaded host) and tagged steps (warm-up, checkpoint, evaluation). A pace read too slow
+    gives windows of fewer steps than ``window_seconds`` means; the late-arrival detector
+    pools short windows (``analysis/late_arrivals.py``), so detection holds either way.
     """
     timed = [(first + j, t, tags[j] if tags else None) for j, t in enumerate(step_times) if t > 0]
     if not timed:
         return 1
-    later = [x for x in timed if not _starts(x[0], first, rank_starts)] or timed
+    later = [x for x in timed if x[0] > 1] or timed
     steady = [t for _, t, tag in later if tag is None] or [t for _, t, _ in later]
     per_step = statistics.median(steady)
     target = max(1.0, window_seconds / per_step)
     return int(min(4096, 2 ** round(math.log2(target))))
 
 
-def _starts(step: int, first: int, rank_starts: bool) -> bool:
-    """Whether ``step`` of a batch starting at ``first`` is a start-up step."""
-    return step <= 1 or (rank_starts and step == first)
-
-
-def pace_is_known(step_times: Sequence[float], *, first: int = 1, rank_starts: bool = False) -> bool:
-    """Whether a batch tells the run's pace: it holds a step that is not a start-up step
-    (step 1, or the first step of its rank's first batch in the run: ``rank_starts``).
+def pace_is_known(step_times: Sequence[float], *, first: int = 1) -> bool:
+    """Whether a batch tells the run's pace: it holds a step after the first.
 
     A run's first batch often does not: a heartbeat (no step yet: compilation, a slow
-    first bucket rebuild) or the first step alone (it outlasted the send interval), at
-    step 1 or, for a job resumed from a checkpoint, at a later step. Sized from those
-    the windows would hold one step for the whole run (a row per rank per step, and
-    detectors fed one step at a time), so such a run's window size stays a placeholder,
-    ``provisional``, until a batch that does tell it. Of the steps stored meanwhile,
-    steps 0 and 1 lie in window 0 whatever the size; a later one (a resumed rank's
-    first) goes to an unplaced window and is moved to its window when the size settles
-    (``storage/placement.py``). (Decided on the step numbers, not the times: a later
-    step timed 0 still settles it.)
+    first bucket rebuild) or the first step alone (it outlasted the send interval). Sized
+    from those the windows would hold one step for the whole run (a row per rank per
+    step, and detectors fed one step at a time), so such a run's window size stays a
+    placeholder, ``provisional``, until a batch that does tell it. Nothing stored
+    depends on the placeholder: every window size puts step 1 in window 0, and the first
+    batch with a later step settles the size before its rows are folded. (Decided on the
+    step numbers, not the times: a later step timed 0 still settles it.) A run resumed
+    from a checkpoint starts at a later step, so its first batch always settles it.
     """
-    return any(not _starts(first + j, first, rank_starts) for j in range(len(step_times)))
+    return first + len(step_times) - 1 > 1
 
 
 class Ingestor:
@@ -230,45 +217,20 @@ class Ingestor:
     def _settle_window(self, conn: Connection, p: IngestPayload, key: RunKey) -> RunKey:
         """Fix a provisional window size from the first batch that shows the run's pace.
 
-        The run's row is read again first (another writer may have settled it since it
-        was cached). The update is conditional, so concurrent writers (other groups,
-        other replicas) settle it once: a writer that loses re-reads the winner's size.
-        The winner moves the rows stored unplaced meanwhile to their windows
-        (``storage/placement.py``).
+        The update is conditional, so concurrent writers (other groups, other replicas)
+        settle it once: a writer that loses re-reads the winner's size.
         """
-        if not key.window_provisional:
+        if not key.window_provisional or not pace_is_known(p.steps.time_s, first=p.steps.first):
             return key
-        current = self._select_key(conn, p.run)
-        assert current is not None, "the run exists"
-        if not current.window_provisional or not p.steps.time_s:
-            return current
-        rank_starts = not self._stored_before(conn, key.id, p.rank.rank, p.steps.first)
-        if not pace_is_known(p.steps.time_s, first=p.steps.first, rank_starts=rank_starts):
-            return current
-        steps = self._chosen_window_steps(p, rank_starts=rank_starts)
         runs = cast(Table, Run.__table__)
-        won = conn.execute(
+        conn.execute(
             update(runs)
             .where(runs.c.id == key.id, runs.c.window_provisional.is_(True))
-            .values(window_steps=steps, window_provisional=False)
-        ).rowcount
-        if won:
-            placement.place_unplaced(conn, self.storage, key.id, steps)
+            .values(window_steps=self._chosen_window_steps(p), window_provisional=False)
+        )
         settled = self._select_key(conn, p.run)
         assert settled is not None, "the run exists"
         return settled
-
-    @staticmethod
-    def _stored_before(conn: Connection, run_id: int, rank: int, step: int) -> bool:
-        """Whether the rank stored a step of the run before ``step`` (a heartbeat stores
-        none; a retry of the batch finds only its own steps, not earlier ones)."""
-        windows = cast(Table, RankWindow.__table__)
-        found = conn.execute(
-            select(windows.c.window)
-            .where(windows.c.run_id == run_id, windows.c.rank == rank, windows.c.first_step < step)
-            .limit(1)
-        ).first()
-        return found is not None
 
     def _remember(self, name: str, key: RunKey) -> None:
         with self._lock:
@@ -287,21 +249,18 @@ class Ingestor:
             assert key is not None
         return key
 
-    def _chosen_window_steps(self, p: IngestPayload, *, rank_starts: bool) -> int:
+    def _chosen_window_steps(self, p: IngestPayload) -> int:
         s = p.steps
-        return choose_window_steps(
-            s.time_s, self.window_seconds, first=s.first, tags=s.tags, rank_starts=rank_starts
-        )
+        return choose_window_steps(s.time_s, self.window_seconds, first=s.first, tags=s.tags)
 
     def _window(self, p: IngestPayload) -> dict[str, Any]:
         """A new run's window size: the setting's, else chosen from the batch's pace, else
         a provisional placeholder until a batch shows the pace."""
         if self.window_steps:
             return {"window_steps": self.window_steps, "window_provisional": False}
-        # The run's first batch is its rank's first.
-        if not pace_is_known(p.steps.time_s, first=p.steps.first, rank_starts=True):
+        if not pace_is_known(p.steps.time_s, first=p.steps.first):
             return {"window_steps": 1, "window_provisional": True}
-        return {"window_steps": self._chosen_window_steps(p, rank_starts=True), "window_provisional": False}
+        return {"window_steps": self._chosen_window_steps(p), "window_provisional": False}
 
     def _new_run(self, p: IngestPayload, plan: dict[str, Any] | None, owner: str | None) -> dict[str, Any]:
         """The run's row, from its first batch."""
@@ -320,7 +279,7 @@ class Ingestor:
     @staticmethod
     def _select_key(conn: Connection, name: str) -> RunKey | None:
         runs = cast(Table, Run.__table__)
-        query = (
+        row = conn.execute(
             select(
                 runs.c.id,
                 runs.c.window_steps,
@@ -332,11 +291,8 @@ class Ingestor:
                 runs.c.baseline_run,
                 runs.c.created_by,
                 runs.c.window_provisional,
-            )
-            .where(runs.c.name == name)
-            .limit(1)
-        )
-        row = conn.execute(query).first()
+            ).where(runs.c.name == name)
+        ).first()
         if row is None:
             return None
         return RunKey(
@@ -384,7 +340,7 @@ class Ingestor:
         cached = self._cached_keys(unique)
         folded = None
         if cached is not None:
-            folded = fold.fold(unique, [k.id for k in cached], _fold_sizes(cached))
+            folded = fold.fold(unique, [k.id for k in cached], [k.window_steps for k in cached])
         try:
             fresh = self._write_group(unique, owner_of, cached, folded)
         except BaseException:
@@ -407,9 +363,6 @@ class Ingestor:
         """The group's transaction; returns the batches it stored (not retries), with keys."""
         with self.engine.begin() as conn:
             keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
-            # A run's size settled by a batch of the group holds for the batches before it.
-            latest = {p.run: k for p, k in zip(unique, keys, strict=True)}
-            keys = [latest[p.run] for p in unique]
             run_ids = [k.id for k in keys]
             new = self.storage.claim(conn, unique, run_ids)
             fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if (k.id, p.batch_id) in new]
@@ -419,7 +372,7 @@ class Ingestor:
                     rows = folded
                 else:
                     rows = fold.fold(
-                        [p for p, _ in fresh], [k.id for _, k in fresh], _fold_sizes([k for _, k in fresh])
+                        [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
                     )
                 self.storage.write(conn, rows)
                 for p, k in fresh:  # profiler windows: a few batches in a thousand
@@ -444,9 +397,3 @@ class Ingestor:
                     return None
                 keys.append(key)
         return keys
-
-
-def _fold_sizes(keys: Sequence[RunKey]) -> list[int]:
-    """Each batch's window size for the fold: 0 while its run's is provisional (its
-    steps after step 1 go to unplaced windows, ``storage/placement.py``)."""
-    return [0 if k.window_provisional else k.window_steps for k in keys]

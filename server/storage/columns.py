@@ -235,17 +235,6 @@ def window_of(step: Any, window_steps: Any) -> Any:
     return (max(int(step), 1) - 1) // int(window_steps)
 
 
-def placed_window(step: npt.NDArray[np.int64], window_steps: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """:func:`window_of` where the run's window size is known; where it is not yet
-    (``window_steps`` 0: a provisional run, ``ingest/store.py``) the step's *unplaced*
-    window ``-step``, one per step, which ingest or the analysis moves to its window once
-    the size settles (``placement.py``). Step 0 and 1 lie in window 0 whatever the
-    size, so they are placed at once."""
-    known = window_steps > 0
-    placed = window_of(step, np.where(known, window_steps, 1))
-    return np.where(known | (step <= 1), placed, -step)
-
-
 # -- numpy (the fold) -----------------------------------------------------------------
 def reduce(rule: Rule, values: npt.NDArray[Any], first_idx: npt.NDArray[np.intp]) -> npt.NDArray[Any]:
     """Fold ``values`` (sorted by key) over each run of equal keys starting at

@@ -89,8 +89,7 @@ class Run(Base):
     #: (``ingest/store.py``: ``pace_is_known``).
     window_steps: Mapped[int] = mapped_column(Integer)
     #: True while ``window_steps`` is a placeholder: every batch so far was a heartbeat or
-    #: a rank's first step alone (step 1, or the step a resumed job starts at). The
-    #: analysis waits for the settled size.
+    #: the first step alone. The analysis waits for the settled size.
     window_provisional: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     #: Name of the write token that created the run (null: writes were open); runs per

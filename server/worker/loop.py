@@ -41,7 +41,6 @@ from ..analysis.pipeline import Change, RunAnalysis
 from ..analysis.regressions import Baseline, RegressionConfig
 from ..analysis.types import Finding
 from ..reads.runs import RunInfo, find_run
-from ..storage import placement
 from ..storage.backend import Storage
 from . import inputs
 from .outputs import (
@@ -185,8 +184,6 @@ class AnalysisWorker:
         with self.engine.connect() as conn, conn.begin():
             if not self.storage.lock_run(conn, run.id):
                 return _RunResult(0, True, [])
-            if not run.window_provisional:  # rows a writer stored unplaced as it settled
-                placement.place_unplaced(conn, self.storage, run.id, run.window_steps)
             stored = load_state(conn, run.id)
             analysis, source = self._analysis(conn, run, stored)
             next_window = stored.next_window if stored else 0

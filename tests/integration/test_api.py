@@ -13,13 +13,9 @@ from sqlalchemy import Engine, func, select
 from stepwatch._comm_timing import CommTiming
 from stepwatch.flops import Convention
 from stepwatch_server.app import create_app
-from stepwatch_server.ingest import fold
 from stepwatch_server.reads import queries
-from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.settings import Settings
-from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.models import Event, IngestedBatch, JobStep, Rank, RankWindow, Run, unix
-from stepwatch_server.worker.loop import AnalysisWorker, WorkerConfig
 
 from ..payloads import CONVENTION, comm_section, payload
 
@@ -389,74 +385,3 @@ def test_a_run_whose_first_batches_show_no_pace_takes_its_window_from_the_first_
             )
         ).all()
     assert [tuple(r) for r in rows] == [(0, 0, 1, 16), (1, 0, 1, 16), (1, 1, 17, 20)]
-
-
-def test_a_run_resumed_from_a_checkpoint_is_sized_from_its_pace_not_its_start_up_step(
-    db_url: str, engine: Engine
-) -> None:
-    """A job resumed at step 5001 under a new run name: each rank's first step carries
-    the set-up (40 s, longer than the send interval, so it comes alone), then 0.5 s
-    steps. Sized from that first batch the run's windows held one step each for the
-    whole run. The size waits for a batch timing an ordinary step (16 steps in 8 s
-    windows), and the steps stored meanwhile move to their windows of that size: a
-    rank's start-up step stored before (and retried: a retry shows no earlier step),
-    two steps of one rank that arrived alone in one group, a start-up step in the same
-    group as the batch that settles the size, and a row a writer stored unplaced after
-    the size settled (it had read the run as provisional), moved by the analysis."""
-    settings = Settings(database_url=db_url, window_seconds=8.0, analysis_enabled=False)
-    with TestClient(create_app(settings, engine=engine)) as c:
-        ingestor = c.app.state.ingestor  # type: ignore[attr-defined]
-
-        def store(*bodies: dict[str, object], new: bool = True) -> None:
-            stored = ingestor.store_many([IngestPayload.model_validate(b) for b in bodies])
-            assert stored == [new] * len(bodies)
-
-        def window() -> tuple[int, bool]:
-            with engine.connect() as conn:
-                row = conn.execute(select(Run.window_steps, Run.window_provisional)).one()
-            return int(row[0]), bool(row[1])
-
-        resumed = {"run": "resumed", "world": 4}
-        start = payload(**resumed, rank=0, first=5001, times=[40.0])
-        store(start)
-        assert window() == (1, True)
-        store(start, new=False)  # its answer was lost: the agent sends it again
-        assert window() == (1, True)
-        store(  # rank 1: two batches of one step each, the first of them its start-up
-            payload(**resumed, rank=1, first=5001, times=[40.0]),
-            payload(**resumed, rank=1, first=5002, times=[0.5]),
-        )
-        assert window() == (1, True)
-        # Rank 2's start-up step and rank 0's next steps arrive in one group.
-        store(
-            payload(**resumed, rank=2, first=5001, times=[40.0]),
-            payload(**resumed, rank=0, first=5002, times=[0.5] * 15),
-        )
-        assert window() == (16, False)
-        store(payload(**resumed, rank=1, first=5003, times=[0.5] * 6))
-        # Rank 3's start-up step, stored unplaced by a writer that still saw the run as
-        # provisional (as the fold does for such a run's batches).
-        late = IngestPayload.model_validate(payload(**resumed, rank=3, first=5001, times=[40.0]))
-        run_id = ingestor.cached("resumed").id
-        with engine.begin() as conn:
-            ingestor.storage.write(conn, fold.fold([late], [run_id], [0]))
-        AnalysisWorker(open_storage(engine), WorkerConfig()).run_once()
-    with engine.connect() as conn:
-        rows = conn.execute(
-            select(
-                RankWindow.rank,
-                RankWindow.window,
-                RankWindow.first_step,
-                RankWindow.last_step,
-                RankWindow.n_steps,
-                RankWindow.step_time_sum,
-            ).order_by(RankWindow.rank, RankWindow.window)
-        ).all()
-    # Window 312 holds steps 4993-5008, window 313 steps 5009-5024.
-    assert [tuple(r) for r in rows] == [
-        (0, 312, 5001, 5008, 8, 43.5),
-        (0, 313, 5009, 5016, 8, 4.0),
-        (1, 312, 5001, 5008, 8, 43.5),
-        (2, 312, 5001, 5001, 1, 40.0),
-        (3, 312, 5001, 5001, 1, 40.0),
-    ]

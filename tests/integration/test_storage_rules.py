@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, select
 
-from stepwatch_server.ingest.store import Ingestor
+from stepwatch_server.ingest.store import Ingestor, pace_is_known
 from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.storage import migrate, rollups
 from stepwatch_server.storage.backend import Storage, open_storage
@@ -182,16 +182,15 @@ def _same(a: dict[str, list[dict[str, Any]]], b: dict[str, list[dict[str, Any]]]
 def _store(storage: Storage, batches: list[dict[str, Any]], rnd: random.Random, *, first: bool) -> None:
     """Store ``batches`` in a random order and grouping; ``first``: the batches that fix
     the run's window size go first, alone and in their order, so that it is the same on
-    both sides: up to the first that shows the pace, as the ingestor says (a batch of a
-    rank's first step alone leaves the size provisional, and shuffled, a different batch
-    on each backend settled it: 4-step windows on one, 8 on the other)."""
+    both sides: up to the first that shows the pace (a step after the first; a batch of
+    step 1 alone leaves the size provisional, and shuffled, a different batch on each
+    backend settled it: 4-step windows on one, 8 on the other)."""
     ingestor = Ingestor(storage, window_seconds=2.0)
     rest = list(batches)
     while first and rest:
         p = IngestPayload.model_validate(rest.pop(0))
         assert ingestor.store_many([p]) == [True]
-        key = ingestor.cached(p.run)
-        first = key is None or key.window_provisional
+        first = not pace_is_known(p.steps.time_s, first=p.steps.first)
     rnd.shuffle(rest)
     while rest:
         k = rnd.randint(1, len(rest))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stepwatch_server.ingest.store import choose_window_steps, pace_is_known
+from stepwatch_server.ingest.store import choose_window_steps
 
 
 def test_a_power_of_two_near_the_window_seconds() -> None:
@@ -24,18 +24,3 @@ def test_the_first_step_and_tagged_steps_are_left_out_when_the_batch_has_others(
     assert choose_window_steps([1.0, 0.5, 0.5], 8.0, first=40) == 16
     # Step 1 alone is all there is.
     assert choose_window_steps([4.0], 8.0, first=1) == 2
-
-
-def test_a_resumed_rank_s_first_step_is_start_up_too() -> None:
-    # A job resumed from a checkpoint at step 5001: its first step carries the same
-    # set-up as step 1 (40 s against 0.5 s steps). Read as pace it gives 1-step windows.
-    assert choose_window_steps([40.0, 0.5], 8.0, first=5001) == 1
-    assert choose_window_steps([40.0, 0.5], 8.0, first=5001, rank_starts=True) == 16
-    # Alone, it is all there is, but it does not tell the pace: the size waits.
-    assert not pace_is_known([40.0], first=5001, rank_starts=True)
-    assert pace_is_known([40.0, 0.5], first=5001, rank_starts=True)
-    # A later batch of a rank already seen: its first step is an ordinary one.
-    assert pace_is_known([0.5], first=5002)
-    # Step 1 alone never tells it; a heartbeat (no step) neither.
-    assert not pace_is_known([4.0], first=1)
-    assert not pace_is_known([], first=7, rank_starts=True)
