@@ -29,6 +29,7 @@ from ._device_clock import Boundaries, CudaEventClock
 from ._env import RankInfo
 from ._links import LinkSampler
 from ._payload import build_payload, encode, new_batch_id
+from ._sched import RunQueueClock
 from ._sender import Sender, SenderStats, WindowSink
 from ._window import Window
 from .config import AgentConfig
@@ -115,6 +116,9 @@ class Stepwatch:
         self.comm_timing = CommTiming(cap, self._position)
         #: Per-connection link timing (TCP_INFO), sampled with each timed window.
         self._links = LinkSampler(exclude_ports=_url_ports(config.url))
+        #: The training thread's run-queue wait, read at each window close (``_sched``):
+        #: tells a rank that waited for a core from one that stalled.
+        self._runq = RunQueueClock()
         # Profiler window: the hot path compares its slot with the next edge's slot only.
         self._pw = profiler
         self._prof_at = profiler.next_start(start_step) if profiler is not None else NEVER
@@ -257,6 +261,7 @@ class Stepwatch:
             final=final,
             comm=self.comm_timing.take(n),
             perf_end=self._last,
+            runq_s=self._runq.take(),
         )
         self._first_step = first + n
         self._n = 0
@@ -380,6 +385,7 @@ class Stepwatch:
             return False
         finally:
             _collectives.release(self.comm_timing)
+            self._runq.close()
             atexit.unregister(self._atexit)
 
     def _drain_profiler(self, timeout_s: float | None) -> float:
@@ -472,6 +478,8 @@ class Stepwatch:
             window.comm_section = self.comm_timing.summarise(
                 window.comm, window.first_step, host_times, window.perf_end, device_steps=device_steps
             )
+            if window.runq_s is not None:
+                window.comm_section["runq_s"] = round(window.runq_s, 6)
             links = self._links.sample()
             if links:
                 window.comm_section["links"] = links

@@ -45,6 +45,9 @@ class Window:
     comm_section: dict[str, Any] | None = None
     #: Host clock (``perf_counter``) at the end of the last step: places the hook's times.
     perf_end: float = 0.0
+    #: Seconds the training thread waited on the run queue (runnable, no core free)
+    #: during these steps (``_sched``); None where not measured.
+    runq_s: float | None = None
     #: A heartbeat (no step): built by the sender thread while the training thread has
     #: closed no window for a while, to carry the collective counters of a rank that may
     #: be stuck in (or before) a collective. ``wall_end`` is then the last window's.

@@ -108,13 +108,16 @@ def _link_samples(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> 
 
 def _step_timings(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:
     """One ``step_timings`` row per (run, rank, step) of the batches with a ``comm``
-    section; a step two batches of the group both carry keeps the later one (LAST)."""
-    rows: dict[tuple[int, int, int], tuple[float, float, float | None, float | None]] = {}
+    section; a step two batches of the group both carry keeps the later one (LAST). The
+    window's run-queue wait goes to each of its steps as the window's mean per step."""
+    rows: dict[tuple[int, int, int], tuple[float, float, float | None, float | None, float | None]] = {}
     for p, run_id in zip(payloads, run_ids, strict=True):
         s, c = p.steps, p.comm
         assert c is not None
+        n = len(s.time_s)
+        runq = c.runq_s / n if c.runq_s is not None and n else None
         for j, (t, w, sync, cpu) in enumerate(zip(s.time_s, s.data_wait_s, c.sync_s, c.cpu_s, strict=True)):
-            rows[(run_id, p.rank.rank, s.first + j)] = (t, w, sync, cpu)
+            rows[(run_id, p.rank.rank, s.first + j)] = (t, w, sync, cpu, runq)
     keys = sorted(rows)
     values = [rows[k] for k in keys]
 
@@ -132,6 +135,7 @@ def _step_timings(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> 
         "data_wait_s": np.array([v[1] for v in values], dtype=np.float64),
         "sync_s": nullable(2),
         "cpu_s": nullable(3),
+        "runq_s": nullable(4),
     }
 
 

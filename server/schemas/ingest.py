@@ -373,8 +373,8 @@ class CommIn(_Strict):
     in that step): ``arrive_s`` last bucket ready, ``end_s`` last collective ended,
     ``sync_s`` end minus arrival of the last bucket, ``cpu_s`` the CPU time of the thread
     that runs the hook (the training thread on CPU; autograd's device thread on CUDA).
-    Ingest stages ``sync_s`` and ``cpu_s`` per step (``step_timings``) for the late-arrival
-    detectors until the step's window is analysed.
+    Ingest stages ``sync_s``, ``cpu_s`` and the window's ``runq_s`` per step
+    (``step_timings``) for the late-arrival detectors until the step's window is analysed.
     """
 
     version: Literal[1]
@@ -391,6 +391,10 @@ class CommIn(_Strict):
     links: list[LinkIn] = Field(default_factory=list, max_length=wire.MAX_LINKS)
     #: A heartbeat's: seconds since the rank's last step ended when the counters were read.
     idle_s: Seconds | None = None
+    #: Seconds the training thread waited on the run queue (runnable, no core free) during
+    #: these steps (Linux schedstat; absent elsewhere): a rank late for want of a core is
+    #: told from one that stalled. Staged per step as the window's mean (``step_timings``).
+    runq_s: Seconds | None = None
 
     @model_validator(mode="after")
     def _groups_once(self) -> CommIn:

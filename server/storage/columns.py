@@ -144,7 +144,7 @@ STEP_TIMINGS = Summed(
     StepTiming.__table__,  # type: ignore[arg-type]
     (
         *_cols(Rule.KEY, "run_id", "rank", "step"),
-        *_cols(Rule.LAST, "step_time_s", "data_wait_s", "sync_s", "cpu_s"),
+        *_cols(Rule.LAST, "step_time_s", "data_wait_s", "sync_s", "cpu_s", "runq_s"),
     ),
 )
 

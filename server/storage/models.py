@@ -353,6 +353,8 @@ class StepTiming(Base):
     sync_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     #: Training-thread CPU time of the step (null: not measured).
     cpu_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: Training-thread run-queue wait, the window's mean per step (null: not measured).
+    runq_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class RankGroup(Base):

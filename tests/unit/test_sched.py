@@ -1,0 +1,96 @@
+"""The training thread's run-queue wait (``stepwatch._sched``), measured for real: this
+thread pinned to one core beside CPU burners pinned to it (started and stopped by PID),
+then asleep. Linux only, as the product's measurement (these machines and CI are Linux)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import stepwatch
+from stepwatch._env import detect
+from stepwatch._sched import RunQueueClock
+from stepwatch._sender import MemorySink, SenderStats
+from stepwatch.config import AgentConfig
+from stepwatch_server.evaluation.real import cpu_burner
+from stepwatch_server.schemas.ingest import IngestPayload
+
+BURNERS = 2  # on this thread's core: it gets about a third of it
+
+
+@contextlib.contextmanager
+def beside_burners() -> Iterator[None]:
+    """This thread and ``BURNERS`` busy loops on one core, for the ``with`` block."""
+    before = os.sched_getaffinity(0)
+    core = {min(before)}
+    os.sched_setaffinity(0, core)  # 0: the calling thread
+    try:
+        with cpu_burner(BURNERS) as pids:
+            for pid in pids:
+                os.sched_setaffinity(pid, core)
+            yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def spin(cpu_s: float) -> float:
+    """Busy this thread for ``cpu_s`` of its own CPU time; returns the wall time it took."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    x = 0
+    while time.thread_time() - c0 < cpu_s:
+        x += 1
+    return time.perf_counter() - t0
+
+
+def test_a_thread_waiting_for_a_core_accrues_run_queue_wait_and_a_sleeping_one_does_not() -> None:
+    with beside_burners():
+        clock = RunQueueClock()
+        wall = spin(0.15)
+        busy = clock.take()
+        time.sleep(0.3)  # the stall under test, not a synchronisation
+        asleep = clock.take()
+    assert busy is not None and asleep is not None
+    # A thread that never blocks is off its core only while it waits for it: nearly all
+    # of its wall time beyond its CPU time is run-queue wait.
+    assert busy >= 0.7 * (wall - 0.15) and busy >= 0.1, (busy, wall)
+    assert asleep < 0.05 < busy, (asleep, busy)
+
+
+def test_another_thread_or_process_is_not_charged_to_the_measured_one() -> None:
+    clock = RunQueueClock()
+    got: list[float | None] = []
+    t = threading.Thread(target=lambda: got.append(clock.take()))
+    t.start()
+    t.join()
+    assert got == [None], "a take() from another thread starts measuring that thread"
+    assert clock.take() is None, "... and back on this one, from then on"
+    assert clock.take() is not None
+
+
+def test_each_window_carries_its_run_queue_wait_in_a_valid_comm_section() -> None:
+    rec = MemorySink()
+    cfg = AgentConfig(run="r", max_window_steps=4, send_interval_s=1e9, warmup_steps=0)
+    sw = stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=rec)
+    with beside_burners():
+        for _ in range(4):
+            spin(0.02)
+            sw.comm_timing.done(sw.comm_timing.arrive("world", 0, 8), "world")
+            sw.step(tokens=1)
+    for _ in range(4):
+        time.sleep(0.02)  # steps that stall: no run-queue wait to speak of
+        sw.comm_timing.done(sw.comm_timing.arrive("world", 0, 8), "world")
+        sw.step(tokens=1)
+    sw.flush()
+    busy, stalled = rec.windows
+    assert busy.runq_s is not None and stalled.runq_s is not None
+    assert busy.runq_s > 0.04 and stalled.runq_s < 0.02, (busy.runq_s, stalled.runq_s)
+    body = json.loads(sw._encode(busy, SenderStats()))
+    assert body["comm"]["runq_s"] == pytest.approx(busy.runq_s, abs=1e-6)
+    p = IngestPayload.model_validate(body)
+    assert p.comm is not None and p.comm.runq_s == pytest.approx(busy.runq_s, abs=1e-6)
