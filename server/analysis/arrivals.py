@@ -15,8 +15,11 @@ smallest sync (the last arriver waited for nobody) and ``wait`` = sync - transfe
 
 Causes are named for what was measured on the late rank, per step, against its peers'
 median: extra data-loader wait explains it (``data``), extra training-thread CPU explains
-it (``compute``), neither does (``host_stall``: the host sat idle, a sleep, a slow
-callback, a GC pause). Ranks of one host late together make a ``host`` finding.
+it (``compute``), extra run-queue wait of the training thread explains it
+(``cpu_contention``: it was runnable but the host's cores were busy with other work, the
+Linux schedstat the agent reads per window), none does (``host_stall``: the host sat
+idle, a sleep, a slow callback, a blocking call). Ranks of one host late together make a
+``host`` finding.
 
 Pure functions over plain data (numpy arrays in, dataclasses out).
 """
@@ -32,7 +35,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-ArrivalCause = Literal["compute", "host_stall", "data", "host"]
+ArrivalCause = Literal["compute", "host_stall", "data", "host", "cpu_contention"]
 Matrix = NDArray[np.float64]
 
 #: Exact leave-one-out medians up to this many ranks; above it the group median (the
@@ -45,7 +48,9 @@ class RankSteps:
     """One rank's per-step timing in one window (seconds; NaN where not measured).
 
     ``sync_s``: end of the last bucket's collective minus its arrival; ``cpu_s``:
-    training-thread CPU time of the step; ``data_wait_s``: host blocked in the loader.
+    training-thread CPU time of the step; ``data_wait_s``: host blocked in the loader;
+    ``runq_s``: training-thread run-queue wait, its window's mean per step (empty or
+    ``None``: not measured).
     """
 
     rank: int
@@ -55,6 +60,7 @@ class RankSteps:
     data_wait_s: Sequence[float]
     sync_s: Sequence[float | None]
     cpu_s: Sequence[float | None]
+    runq_s: Sequence[float | None] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,7 @@ class Aligned:
     transfer: Matrix  # end - last arrival (the same for every rank of a step)
     cpu: Matrix
     data_wait: Matrix
+    runq: Matrix
 
 
 def _col(values: Sequence[float | None], first: int, steps: Sequence[int]) -> NDArray[np.float64]:
@@ -118,6 +125,7 @@ def line_up(ranks: Sequence[RankSteps]) -> Aligned:
         transfer=np.broadcast_to(transfer, sync.shape).copy(),
         cpu=cols("cpu_s"),
         data_wait=cols("data_wait_s"),
+        runq=cols("runq_s"),
     )
 
 
@@ -135,6 +143,7 @@ def stack(first: Aligned, then: Aligned) -> Aligned:
         transfer=np.vstack([first.transfer, then.transfer]),
         cpu=np.vstack([first.cpu, then.cpu]),
         data_wait=np.vstack([first.data_wait, then.data_wait]),
+        runq=np.vstack([first.runq, then.runq]),
     )
 
 
@@ -180,6 +189,10 @@ class Config:
     #: share of the lateness: on a busy host a rank gets part of a core, so extra work
     #: costs more wall time than CPU time; a stalled host adds wall time and no CPU.
     extra_cpu: float = 0.1
+    #: Share of the lateness that extra run-queue wait must explain to name
+    #: ``cpu_contention`` rather than ``host_stall`` (a rank waiting for a core is
+    #: runnable; a stalled one is not).
+    explain_runq: float = 0.5
     #: Ranks of one host that must be late (and share of its ranks) for a host finding.
     host_min_ranks: int = 2
     host_fraction: float = 0.75
@@ -235,6 +248,7 @@ def late_ranks(a: Aligned, cfg: Config = Config()) -> list[LateRank]:
     peer_cpu_all = loo_median(a.cpu)
     extra_cpu = a.cpu - peer_cpu_all
     extra_data = a.data_wait - loo_median(a.data_wait)
+    extra_runq = a.runq - loo_median(a.runq)
     out = []
     for i in range(n):
         col = late[:, i]
@@ -262,10 +276,14 @@ def late_ranks(a: Aligned, cfg: Config = Config()) -> list[LateRank]:
         cpu = float(np.nanmedian(cpu_i)) if measured else math.nan
         peer_cpu = float(np.nanmedian(peer_cpu_all[:, i])) if measured else math.nan
         data = float(np.nanmedian(extra_data[:, i]))
+        runq_i = extra_runq[:, i]
+        runq = float(np.nanmedian(runq_i)) if not np.isnan(runq_i).all() else math.nan
         if data >= cfg.explain * lateness:
             cause: ArrivalCause = "data"
         elif measured and cpu > max(cfg.min_seconds, cfg.extra_cpu * peer_cpu):
             cause = "compute"
+        elif runq >= cfg.explain_runq * lateness:  # NaN (not measured) compares False
+            cause = "cpu_contention"
         else:
             cause = "host_stall"
         out.append(
@@ -287,6 +305,7 @@ def late_ranks(a: Aligned, cfg: Config = Config()) -> list[LateRank]:
                     "transfer_s": float(np.median(a.transfer[:, i])),
                     "step_time_s": step_ref,
                     "cpu_p_value": cpu_p,
+                    "extra_runq_s": runq,
                 },
             )
         )
@@ -327,13 +346,16 @@ def concat(batches: Sequence[RankSteps]) -> RankSteps:
     ordered = sorted(batches, key=lambda b: b.first_step)
     first = ordered[0]
     out: dict[str, list[float | None]] = {k: [] for k in ("step_time_s", "data_wait_s", "sync_s", "cpu_s")}
+    runq: list[float | None] = []
     expect = first.first_step
     for b in ordered:
         if b.first_step != expect:
             raise ValueError(f"rank {b.rank}: batch starts at step {b.first_step}, expected {expect}")
         for k, v in out.items():
             v.extend(getattr(b, k))
-        expect += len(b.sync_s)
+        n = len(b.sync_s)
+        runq.extend([*b.runq_s[:n], *[None] * (n - len(b.runq_s))])
+        expect += n
     return RankSteps(
         first.rank,
         first.host,
@@ -342,6 +364,7 @@ def concat(batches: Sequence[RankSteps]) -> RankSteps:
         [float(x or 0.0) for x in out["data_wait_s"]],
         out["sync_s"],
         out["cpu_s"],
+        runq if any(v is not None for v in runq) else (),
     )
 
 
@@ -357,6 +380,7 @@ def window(series: RankSteps, first: int, last: int) -> RankSteps:
         series.data_wait_s[lo:hi],
         series.sync_s[lo:hi],
         series.cpu_s[lo:hi],
+        series.runq_s[lo:hi],
     )
 
 

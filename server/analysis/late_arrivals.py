@@ -30,6 +30,15 @@ A late rank opens a flag after ``OPEN_AFTER`` (2) consecutive late windows, the
 persistence of :func:`.arrivals.persistent`: the sign test already needs most steps of a
 window, and one late window (a GC pause, a scheduler hiccup) opens nothing.
 
+A rank late because its training thread waited for a core (``cpu_contention``: extra
+run-queue wait explains the lateness) needs ``CONTENTION_OPEN_AFTER`` (4) windows, and so
+does a host whose ranks were late together for that reason: on a host whose cores are
+all busy the scheduler leaves one rank, then another, waiting for a few seconds by
+chance (ten clean real runs beside a CPU burner had two such ranks named host stalls
+over two 8-step windows), while contention that holds a rank back for minutes (another
+job's processes on its host, too many loader workers) is worth a flag. Its flags run in
+a detector of their own, with that persistence.
+
 Each test holds at least :attr:`.arrivals.Config.min_steps` (8) steps: a peer group's
 consecutive windows are pooled until they do, and judged together as one verdict (at the
 window that completed the pool); windows that leave a pool short give no verdict (they
@@ -75,10 +84,12 @@ from .types import Cause, Finding
 #: Consecutive late windows that open a flag, clean ones that close it.
 OPEN_AFTER = 2
 CLOSE_AFTER = 3
+#: Consecutive late windows that open a ``cpu_contention`` flag (module docstring).
+CONTENTION_OPEN_AFTER = 4
 #: The per-rank causes this detector flags. A late rank whose loader wait explains it is
 #: left to the window detector (``peers.py``), which sees loader wait on every step and
 #: names it as ``straggler:data:rank=N`` already: two detectors would open the same key.
-CAUSES: tuple[Cause, ...] = ("compute", "host_stall", "link")
+CAUSES: tuple[Cause, ...] = ("compute", "host_stall", "link", "cpu_contention")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +107,10 @@ class ArrivalDetector:
         self.config = config or Config()
         self.link_config = links or LinkConfig()
         self.flags = StragglerDetector(run, StragglerConfig(open_after=OPEN_AFTER, close_after=CLOSE_AFTER))
+        #: ``cpu_contention`` flags, of ranks and of hosts (see the module docstring).
+        self.contention = StragglerDetector(
+            run, StragglerConfig(open_after=CONTENTION_OPEN_AFTER, close_after=CLOSE_AFTER)
+        )
         self._pools: dict[tuple[int, ...], _Pool] = {}
 
     def update(
@@ -137,7 +152,13 @@ class ArrivalDetector:
                 hits[hit.key] = hit
         if not observed:
             return []  # no group judged in this window: it neither advances nor resets a flag
-        return self.flags.apply(WindowVerdict(window, first, last, hits, frozenset(observed)))
+        slow_cpu = {k: h for k, h in hits.items() if _contention(h)}
+        others = {k: h for k, h in hits.items() if k not in slow_cpu}
+        seen = frozenset(observed)
+        return [
+            *self.flags.apply(WindowVerdict(window, first, last, others, seen)),
+            *self.contention.apply(WindowVerdict(window, first, last, slow_cpu, seen)),
+        ]
 
     def _pooled(
         self, groups: Sequence[Sequence[RankSteps]], links: Sequence[LinkSample]
@@ -178,23 +199,29 @@ class ArrivalDetector:
         }
 
     def open_findings(self) -> list[Finding]:
-        return self.flags.open_findings()
+        return [*self.flags.open_findings(), *self.contention.open_findings()]
 
     def to_state(self) -> dict[str, Any]:
         """The flags' state, and the pools of steps not judged yet."""
-        return {**self.flags.to_state(), "pools": [_pool_to_dict(p) for _, p in sorted(self._pools.items())]}
+        return {
+            **self.flags.to_state(),
+            "pools": [_pool_to_dict(p) for _, p in sorted(self._pools.items())],
+            "contention": self.contention.to_state(),
+        }
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> ArrivalDetector:
         out = cls(str(state["run"]))
         out.flags = StragglerDetector.from_state(state)
+        if "contention" in state:  # absent in a state saved before it
+            out.contention = StragglerDetector.from_state(state["contention"])
         for raw in state.get("pools", ()):  # absent in a state saved before pooling
             pool = _pool_from_dict(raw)
             out._pools[pool.aligned.ranks] = pool
         return out
 
 
-_MATRICES = ("step_time", "wait", "transfer", "cpu", "data_wait")
+_MATRICES = ("step_time", "wait", "transfer", "cpu", "data_wait", "runq")
 
 
 def _pool_to_dict(p: _Pool) -> dict[str, Any]:
@@ -226,12 +253,20 @@ def _pool_from_dict(d: Mapping[str, Any]) -> _Pool:
         transfer=matrix(d["transfer"]),
         cpu=matrix(d["cpu"]),
         data_wait=matrix(d["data_wait"]),
+        # Absent in a state saved before the run-queue wait: not measured.
+        runq=matrix(d.get("runq") or [[None] * n for _ in d["steps"]]),
     )
     links = tuple(
         LinkSample(int(r), int(lo), int(pe), int(b), int(rc), float(busy), int(st))
         for r, lo, pe, b, rc, busy, st in d["links"]
     )
     return _Pool(aligned, links)
+
+
+def _contention(h: Hit) -> bool:
+    """A hit of the ``cpu_contention`` detector: a rank's, or a host's whose ranks were
+    late for want of a core."""
+    return h.cause == "cpu_contention" or (h.cause == "host" and h.underlying == "cpu_contention")
 
 
 def _evidence(x: LateRank) -> dict[str, float]:
@@ -245,6 +280,11 @@ def _why(x: LateRank) -> str:
         return (
             f"{fmt.secs(x.evidence['extra_cpu_s'])} more training-thread CPU per step than its peers' "
             f"{fmt.secs(x.evidence['peer_cpu_s'])}"
+        )
+    if x.cause == "cpu_contention":
+        return (
+            f"it waited {fmt.secs(x.evidence['extra_runq_s'])} per step longer than its peers for a CPU core "
+            "(run-queue wait, no extra work): other work competes with it for its host's cores"
         )
     return "no extra CPU or loader wait: the host stalled (a sleep, a slow callback, a pause)"
 

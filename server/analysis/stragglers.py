@@ -223,6 +223,7 @@ _OPEN_VERB = {
     "link": "has a slow link since step {first}",
     "host": "is slow since step {first}",
     "host_stall": "stalls on the host since step {first}",
+    "cpu_contention": "waits for CPU cores since step {first}",
 }
 _CLOSED_VERB = {
     "compute": "was a compute straggler from step {first} to {last}",
@@ -230,6 +231,7 @@ _CLOSED_VERB = {
     "link": "had a slow link from step {first} to {last}",
     "host": "was slow from step {first} to {last}",
     "host_stall": "stalled on the host from step {first} to {last}",
+    "cpu_contention": "waited for CPU cores from step {first} to {last}",
 }
 
 

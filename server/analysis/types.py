@@ -15,8 +15,9 @@ from typing import Any, Literal, cast
 from stepwatch import wire
 
 Kind = Literal["straggler", "regression", "hang"]
-#: ``host_stall``: a rank arrived late with no extra CPU or loader wait (its host sat idle).
-Cause = Literal["compute", "link", "data", "host", "host_stall"]
+#: ``host_stall``: a rank arrived late with no extra CPU or loader wait (its host sat idle);
+#: ``cpu_contention``: late for want of a core (its training thread runnable, waiting).
+Cause = Literal["compute", "link", "data", "host", "host_stall", "cpu_contention"]
 Status = Literal["open", "closed"]
 StepTag = wire.Tag
 

@@ -26,12 +26,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 from stepwatch import wire
 from stepwatch.flops import per_token_rate
 
 from ..analysis.robust import median
+from ..analysis.types import Cause
 from ..reads.status import DEFAULT_RULE, RunStatus, StatusRule
 from ..storage.columns import window_of
 
@@ -43,7 +44,8 @@ QUANTILES: tuple[float, ...] = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
 #: The parts of a step (DESIGN §3); they sum to the step time.
 PHASES: tuple[str, ...] = tuple(p.removesuffix("_s") for p in wire.STEP_PARTS)
 EVENT_KINDS: tuple[str, ...] = ("straggler", "regression", "hang")
-STRAGGLER_CAUSES: tuple[str, ...] = ("compute", "link", "data", "host", "unknown")
+#: The analysis' causes (one contract), and ``unknown`` for an event without one.
+STRAGGLER_CAUSES: tuple[str, ...] = (*get_args(Cause), "unknown")
 #: (kind, cause) pairs of the open-events family: causes only for stragglers.
 EVENT_SLOTS: tuple[tuple[str, str], ...] = (
     *(("straggler", c) for c in STRAGGLER_CAUSES),

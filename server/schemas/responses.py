@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from ..analysis.types import Cause
 from ..reads.status import RunStatus
 
 
@@ -236,7 +237,7 @@ class EventOut(BaseModel):
     id: int
     key: str
     kind: Literal["straggler", "regression", "hang"]
-    cause: Literal["compute", "link", "data", "host", "host_stall"] | None
+    cause: Cause | None
     ranks: list[int]
     hosts: list[str]
     first_step: int

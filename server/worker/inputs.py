@@ -243,6 +243,11 @@ def job_steps(conn: Connection, run: RunInfo, first: int, last: int) -> dict[int
     return steps
 
 
+#: A staged step's timing: step, then :data:`_TIMING_COLUMNS` in order.
+_TimingRow = tuple[int, float, float, float | None, float | None, float | None]
+_TIMING_COLUMNS = ("step_time_s", "data_wait_s", "sync_s", "cpu_s", "runq_s")
+
+
 def step_timings(
     conn: Connection, run: RunInfo, ranks: Sequence[RankRow], first: int, last: int
 ) -> dict[int, list[RankSteps]]:
@@ -261,11 +266,11 @@ def step_timings(
         ).scalars()
     )
     hosts = {r.rank: r.host for r in ranks}
-    series: dict[tuple[int, int], list[tuple[int, float, float, float | None, float | None]]] = {}
+    series: dict[tuple[int, int], list[_TimingRow]] = {}
     ids = sorted(hosts)
     for i in range(0, len(ids), RANK_CHUNK):
         rows = conn.execute(
-            select(ST.c.rank, ST.c.step, ST.c.step_time_s, ST.c.data_wait_s, ST.c.sync_s, ST.c.cpu_s)
+            select(*(ST.c[k] for k in ("rank", "step", *_TIMING_COLUMNS)))
             .where(ST.c.run_id == run.id, ST.c.rank.in_(ids[i : i + RANK_CHUNK]), ST.c.step.between(lo, hi))
             .order_by(ST.c.rank, ST.c.step)
         )
@@ -273,7 +278,7 @@ def step_timings(
             if r.step in tagged:
                 continue
             series.setdefault((window_of(r.step, ws), r.rank), []).append(
-                (r.step, r.step_time_s, r.data_wait_s, r.sync_s, r.cpu_s)
+                (r.step, r.step_time_s, r.data_wait_s, r.sync_s, r.cpu_s, r.runq_s)
             )
     out: dict[int, list[RankSteps]] = {}
     for (w, rank), rows_ in sorted(series.items()):
@@ -284,10 +289,13 @@ def step_timings(
         wait: list[float] = [0.0] * n
         sync: list[float | None] = [None] * n
         cpu: list[float | None] = [None] * n
-        for step, t, d, sy, c in rows_:
+        runq: list[float | None] = [None] * n
+        for step, t, d, sy, c, q in rows_:
             j = step - first_step
-            step_time[j], wait[j], sync[j], cpu[j] = t, d, sy, c
-        out.setdefault(w, []).append(RankSteps(rank, hosts[rank], first_step, step_time, wait, sync, cpu))
+            step_time[j], wait[j], sync[j], cpu[j], runq[j] = t, d, sy, c, q
+        out.setdefault(w, []).append(
+            RankSteps(rank, hosts[rank], first_step, step_time, wait, sync, cpu, runq)
+        )
     return out
 
 

@@ -33,10 +33,18 @@ def client(db_url: str, engine: Engine) -> Iterator[TestClient]:
 
 
 def comm(
-    rank: int, window: int, *, late_rank: int | None, extra_cpu: float, clock: str = "host"
+    rank: int,
+    window: int,
+    *,
+    late_rank: int | None,
+    extra_cpu: float,
+    clock: str = "host",
+    extra_runq: float | None = None,
 ) -> dict[str, Any]:
     """Per step: ``late_rank`` arrives 0.05 s after its peers (so its sync is the short
-    one: nobody is left to wait for) and burns ``extra_cpu`` more CPU; small jitter."""
+    one: nobody is left to wait for) and burns ``extra_cpu`` more CPU; small jitter. With
+    ``extra_runq``, every rank's window carries its run-queue wait (5 ms per step), the
+    late rank's ``extra_runq`` seconds per step more."""
     sync: list[float | None] = []
     cpu: list[float | None] = []
     for j in range(STEPS):
@@ -47,7 +55,10 @@ def comm(
     sync[3] = None if rank == 0 and window == 0 else sync[3]  # a step without a collective
     arrive = [0.4] * STEPS
     end: list[float | None] = [0.45] * STEPS
-    return {"version": 1, "clock": clock, "arrive_s": arrive, "end_s": end, "sync_s": sync, "cpu_s": cpu}
+    out = {"version": 1, "clock": clock, "arrive_s": arrive, "end_s": end, "sync_s": sync, "cpu_s": cpu}
+    if extra_runq is not None:
+        out["runq_s"] = STEPS * (0.005 + 0.0002 * rank + (extra_runq if rank == late_rank else 0.0))
+    return out
 
 
 def send(
@@ -58,6 +69,7 @@ def send(
     extra_cpu: float = 0.05,
     clocks: tuple[str, ...] = ("host",) * W,
     tag: str | None = None,
+    extra_runq: float | None = None,
 ) -> None:
     for w in windows:
         for r in range(W):
@@ -68,7 +80,9 @@ def send(
                 times=[0.5] * STEPS,
                 waits=[0.001] * STEPS,
                 tags=[tag] * STEPS if tag else None,
-                comm=comm(r, w, late_rank=late_rank, extra_cpu=extra_cpu, clock=clocks[r]),
+                comm=comm(
+                    r, w, late_rank=late_rank, extra_cpu=extra_cpu, clock=clocks[r], extra_runq=extra_runq
+                ),
             )
             for _ in range(2 if w == 0 else 1):  # the first window's batches are retried
                 assert client.post("/api/v1/ingest", json=body).status_code == 200
@@ -148,6 +162,39 @@ def test_a_late_rank_without_extra_cpu_is_a_host_stall(client: TestClient, engin
     assert (opened.finding.key, opened.finding.cause) == ("straggler:host_stall:rank=1", "host_stall")
     (ev,) = client.get("/api/v1/runs/test-run/events").json()
     assert ev["cause"] == "host_stall"
+
+
+def test_a_late_rank_that_waited_for_a_core_is_cpu_contention_and_needs_four_windows(
+    client: TestClient, engine: Engine
+) -> None:
+    """The host-stall test's rank, but its window says it waited on the run queue 45 ms
+    per step more than its peers (runnable, no core free) for its 50 ms of lateness: not a
+    stall. Such a rank opens a ``cpu_contention`` flag after four late windows, not two
+    (on a busy host the scheduler leaves some rank waiting for a few seconds by chance)."""
+    send(client, range(0, 4), late_rank=1, extra_cpu=0.0, extra_runq=0.045)
+    rows = {(r.rank, r.step): r for r in staged(engine)}
+    assert rows[(1, 9)].runq_s == pytest.approx(0.005 + 0.0002 + 0.045), "the window's mean per step"
+    assert rows[(0, 9)].runq_s == pytest.approx(0.005)
+    w = worker(engine)
+    assert w.run_once().transitions == [], "windows 0+1 and 2 judged: two verdicts, a stall's persistence"
+    send(client, range(4, 6), late_rank=1, extra_cpu=0.0, extra_runq=0.045)
+    [(_, opened)] = w.run_once().transitions
+    f = opened.finding
+    assert (f.key, f.cause, f.ranks) == ("straggler:cpu_contention:rank=1", "cpu_contention", (1,))
+    (ev,) = client.get("/api/v1/runs/test-run/events").json()
+    assert ev["cause"] == "cpu_contention" and ev["evidence"]["opened_window"] == 4
+    assert ev["evidence"]["extra_runq_s"] == pytest.approx(0.045, abs=0.001)
+    assert "waits for CPU cores since step" in ev["message"] and "run-queue wait" in ev["message"]
+
+
+def test_run_queue_wait_that_does_not_explain_the_lateness_leaves_a_host_stall(
+    client: TestClient, engine: Engine
+) -> None:
+    """10 ms more run-queue wait per step explains a fifth of 50 ms of lateness: the
+    rest stalled (asleep, not runnable), a host stall as without the measurement."""
+    send(client, range(0, 4), late_rank=1, extra_cpu=0.0, extra_runq=0.010)
+    [(_, opened)] = worker(engine).run_once().transitions
+    assert (opened.finding.key, opened.finding.cause) == ("straggler:host_stall:rank=1", "host_stall")
 
 
 @pytest.mark.parametrize("tag", ["warmup", "checkpoint"])

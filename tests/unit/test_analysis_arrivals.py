@@ -43,11 +43,15 @@ def synthetic(
 ) -> list[RankSteps]:
     """A group's window: every step, each rank is ready after its compute (plus jitter);
     the collective ends ``transfer`` after the last arrival; ``late`` ranks arrive later by
-    a share of the step, from extra CPU (``compute``), a sleep (``host_stall``) or the loader."""
+    a share of the step, from extra CPU (``compute``), a sleep (``host_stall``), the loader
+    (``data``) or waiting for a core (``cpu_contention``: run-queue wait, no extra CPU).
+    Every rank waits a little on the run queue (1-2% of the step)."""
     rng = random.Random(seed)
     late = late or {}
     transfer = 0.02
-    cols: dict[int, dict[str, list[float]]] = {r: {"t": [], "d": [], "s": [], "c": []} for r in range(n)}
+    cols: dict[int, dict[str, list[float]]] = {
+        r: {"t": [], "d": [], "s": [], "c": [], "q": []} for r in range(n)
+    }
     for _ in range(steps):
         base = step_s * (1 + rng.uniform(-0.1, 0.1))  # what the step shares on every rank
         ready = {}
@@ -57,6 +61,9 @@ def synthetic(
             cpu = 0.8 * base + (extra if kind == "compute" else 0.0) + rng.uniform(0, 0.01)
             cols[r]["c"].append(cpu)
             cols[r]["d"].append(0.002 + (extra if kind == "data" else 0.0))
+            cols[r]["q"].append(
+                step_s * rng.uniform(0.01, 0.02) + (extra if kind == "cpu_contention" else 0.0)
+            )
         end = max(ready.values()) + transfer
         for r in range(n):
             cols[r]["s"].append(end - ready[r])
@@ -64,7 +71,14 @@ def synthetic(
     per_host = max(1, n // hosts)
     return [
         RankSteps(
-            r, f"node{r // per_host}", 1, cols[r]["t"], cols[r]["d"], list(cols[r]["s"]), list(cols[r]["c"])
+            r,
+            f"node{r // per_host}",
+            1,
+            cols[r]["t"],
+            cols[r]["d"],
+            list(cols[r]["s"]),
+            list(cols[r]["c"]),
+            list(cols[r]["q"]),
         )
         for r in range(n)
     ]
@@ -108,7 +122,7 @@ def test_sign_test() -> None:
     n=st.sampled_from([4, 5, 6, 8, 64, 1024]),
     seed=st.integers(0, 10_000),
     share=st.floats(0.15, 0.6),
-    kind=st.sampled_from(["compute", "host_stall", "data"]),
+    kind=st.sampled_from(["compute", "host_stall", "data", "cpu_contention"]),
 )
 def test_a_late_rank_is_named_with_the_cause_that_was_measured(
     n: int, seed: int, share: float, kind: str
@@ -279,6 +293,19 @@ def test_clean_windows_of_a_few_steps_open_nothing(n: int, seed: int, ws: int) -
     assert _opened_keys(ArrivalDetector("r"), _cut(synthetic(n, 48, seed=seed), ws)) == []
 
 
+def _through_state(
+    windows: list[tuple[int, list[RankSteps]]],
+) -> tuple[ArrivalDetector, list[tuple[int, str]]]:
+    """The windows judged by a detector rebuilt from its strict-JSON state before each
+    (as the worker does between passes); the last detector and the flags it opened."""
+    det = ArrivalDetector("r")
+    out = []
+    for w, ranks in windows:
+        det = ArrivalDetector.from_state(json.loads(json.dumps(det.to_state(), allow_nan=False)))
+        out += [(w, f.key) for f in det.update(w, [ranks]) if f.status == "open"]
+    return det, out
+
+
 def test_a_pool_survives_the_state_round_trip() -> None:
     # The worker saves the detector's state after each pass: a pool cut in the middle (and
     # through strict JSON: NaN as null) must judge the same steps as an unbroken run.
@@ -288,12 +315,48 @@ def test_a_pool_survives_the_state_round_trip() -> None:
             r.cpu_s[4] = None  # type: ignore[index]
     windows = _cut(series, 2)
     whole = _opened_keys(ArrivalDetector("r"), windows)
-    det = ArrivalDetector("r")
-    out = []
-    for w, ranks in windows:
-        det = ArrivalDetector.from_state(json.loads(json.dumps(det.to_state(), allow_nan=False)))
-        out += [(w, f.key) for f in det.update(w, [ranks]) if f.status == "open"]
+    _, out = _through_state(windows)
     assert out == whole == [(7, "straggler:host_stall:rank=1")]
+
+
+def test_run_queue_wait_not_measured_leaves_a_host_stall() -> None:
+    """An agent that could not read schedstat (not Linux, an older agent) sends no
+    run-queue wait: a rank late for want of a core is then named as before, a host stall."""
+    ranks = synthetic(4, 8, seed=3, late={1: 0.3}, kind="cpu_contention")
+    blind = [
+        RankSteps(r.rank, r.host, r.first_step, r.step_time_s, r.data_wait_s, r.sync_s, r.cpu_s)
+        for r in ranks
+    ]
+    assert [(x.rank, x.cause) for x in late_ranks(line_up(blind))] == [(1, "host_stall")]
+    [x] = late_ranks(line_up(ranks))
+    assert x.cause == "cpu_contention" and x.evidence["extra_runq_s"] == pytest.approx(0.09, rel=0.2)
+
+
+def test_cpu_contention_opens_after_four_late_windows_and_survives_the_state_round_trip() -> None:
+    """A stall opens after two judged windows; waiting for a core, after four (the
+    scheduler's chance leaves some rank waiting for a few seconds on a busy host). The
+    contention detector's streaks are part of the saved state; a state saved before it
+    existed (no ``contention``, pools without ``runq``) still loads."""
+    stall = _opened_keys(
+        ArrivalDetector("r"), _cut(synthetic(4, 32, seed=2, late={1: 0.3}, kind="host_stall"), 2)
+    )
+    assert stall == [(7, "straggler:host_stall:rank=1")]
+    windows = _cut(synthetic(4, 40, seed=2, late={1: 0.3}, kind="cpu_contention"), 2)
+    whole = _opened_keys(ArrivalDetector("r"), windows)
+    det, out = _through_state(windows)
+    assert out == whole == [(15, "straggler:cpu_contention:rank=1")]
+    assert [f.key for f in det.open_findings()] == ["straggler:cpu_contention:rank=1"]
+    det = ArrivalDetector("r")
+    for w, ranks in windows[:17]:  # window 16 (steps 33-34) is held in a pool
+        det.update(w, [ranks])
+    old = det.to_state()
+    del old["contention"]
+    for pool in old["pools"]:
+        del pool["runq"]
+    loaded = ArrivalDetector.from_state(json.loads(json.dumps(old)))
+    [pool] = loaded.to_state()["pools"]
+    assert pool["steps"] == [33, 34] and pool["runq"] == [[None] * 4] * 2
+    assert loaded.open_findings() == []
 
 
 def test_a_group_whose_ranks_changed_starts_a_new_pool() -> None:

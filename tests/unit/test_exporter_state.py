@@ -187,6 +187,16 @@ def test_open_event_counts_have_every_slot() -> None:
     assert len(counts) == len(state.EVENT_SLOTS)
 
 
+def test_every_cause_the_analysis_names_is_its_own_label() -> None:
+    """The late-arrival causes (a stall, waiting for a core) were exported as
+    ``unknown``: the label set is the analysis' own list of causes."""
+    counts = state.open_event_counts(
+        [event((1,), 0.1, cause="host_stall"), event((2,), 0.1, cause="cpu_contention")]
+    )
+    assert counts[("straggler", "host_stall")] == 1 and counts[("straggler", "cpu_contention")] == 1
+    assert counts[("straggler", "unknown")] == 0
+
+
 def test_series_bound_grows_with_the_configuration_not_the_data() -> None:
     assert series_bound(10, 8, 16) - series_bound(9, 8, 16) == series_per_run(8, 16)
     per_rank = sum(1 for f in FAMILIES if f.scope == "rank")
