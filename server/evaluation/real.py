@@ -76,6 +76,10 @@ class RealScenario:
     expect_ranks: tuple[int, ...] = ()
     link_rate: str | None = None  # tbf rate of the faulty rank's veth (link scenario)
     comm_mb: float = 4.0
+    #: Busy loops pinned beside a contended rank's training thread (``contention``), and
+    #: their niceness.
+    burners: int = 1
+    contention_nice: int = -5
     #: Niceness of every process the scenario starts (collector, ranks, burner). Negative
     #: keeps other work on the machine from changing the job's speed mid-run, so that the
     #: load is the scenario's own burner: what a job-wide regression test needs, since
@@ -161,6 +165,16 @@ SCENARIOS: tuple[RealScenario, ...] = (
         expect_key="straggler:link:rank=1",
         expect_ranks=(1, 2),
         comm_mb=4.0,
+    ),
+    # Other work takes rank 1's cores: its training thread pinned to one core beside a
+    # busy loop of higher priority; it waits on the run queue and does no more work than
+    # its peers. Its flag needs 4 windows: run it with room for them (--steps 256).
+    RealScenario(
+        "cpu contention (rank 1)",
+        "contention",
+        (1,),
+        expect_key="straggler:cpu_contention:rank=1",
+        expect_ranks=(1,),
     ),
     # The whole run stops: one run-level flag naming rank 2 as the one that never
     # entered the all-reduce its peers wait in.
@@ -400,6 +414,7 @@ def _start_ranks(
         cmd = [sys.executable, "-m", "stepwatch_server.evaluation.real_rank", "--run", run]
         cmd += ["--steps", str(steps), "--fault", s.fault, "--fault-ranks", ",".join(map(str, s.fault_ranks))]
         cmd += ["--fault-from", str(fault_from), "--size", str(s.size), "--comm-mb", str(s.comm_mb)]
+        cmd += ["--burners", str(s.burners), "--burner-nice", str(s.contention_nice)]
         cmd += ["--profile-every", str(profile_every), "--out", os.path.join(work, "rank{rank}.json")]
         cmd += ["--bucket-cap-mb", str(s.bucket_cap_mb), "--warmup-steps", str(s.warmup_steps)]
         if s.hosts:

@@ -27,6 +27,12 @@ step ``--fault-from`` on the ranks in ``--fault-ranks``. Faults are real, not si
     sleeps before backward until killed, and its peers wait inside the collective.
 ``link``
     Nothing in the process: the harness limits this rank's veth with ``tc tbf``.
+``contention``
+    Other work on the rank's host takes its cores: its training thread is pinned to one
+    core with ``--burners`` busy-loop processes pinned beside it at niceness
+    ``--burner-nice`` (started by this rank, killed with it), so the thread waits on the
+    run queue; it does no extra work. (At niceness 0 two such loops slowed the whole
+    job, since the scheduler moved the other ranks off that core, and rank 1 barely more.)
 
 Each rank writes its own step end times to ``--out`` so the harness can tell when the
 fault began on the wall clock.
@@ -38,8 +44,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -50,7 +58,7 @@ import stepwatch
 from stepwatch.demo.model import GPTConfig, TinyGPT, loss_fn
 
 PAD_ID = 0
-FAULTS = ("none", "compute", "host_stall", "loader", "comm", "hang", "link")
+FAULTS = ("none", "compute", "host_stall", "loader", "comm", "hang", "link", "contention")
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -63,6 +71,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-from", type=int, default=1 << 30, help="first faulty step (1-based)")
     p.add_argument("--size", type=float, default=0.2, help="fault size as a fraction of the step")
     p.add_argument("--comm-mb", type=float, default=4.0)
+    p.add_argument("--burners", type=int, default=1, help="busy loops beside a contended rank")
+    p.add_argument("--burner-nice", type=int, default=-5, help="their niceness (negative: root)")
     p.add_argument("--host", default=None, help="host name the agent reports (default: the real one)")
     p.add_argument("--bucket-cap-mb", type=float, default=0.05)
     p.add_argument("--send-interval", type=float, default=2.0)
@@ -121,8 +131,45 @@ def _batches(
         yield seq[:, :-1], seq[:, 1:], int(n.sum())
 
 
+def _burner_child(nice: int) -> Callable[[], None]:
+    def prepare() -> None:
+        """In a burner's child before exec: its niceness, and SIGKILL when the rank's
+        thread that started it ends, so a rank the harness kills leaves no burner behind
+        (Linux ``prctl``)."""
+        import ctypes
+        import signal
+
+        os.nice(nice)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+    return prepare
+
+
+def _contend(n: int, nice: int) -> list[subprocess.Popen[bytes]]:
+    """Pin the calling (training) thread to one core and ``n`` busy loops beside it."""
+    core = {min(os.sched_getaffinity(0))}
+    os.sched_setaffinity(0, core)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=_burner_child(nice))
+        for _ in range(n)
+    ]
+    for p in procs:
+        os.sched_setaffinity(p.pid, core)
+    return procs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    burners: list[subprocess.Popen[bytes]] = []
+    try:
+        return _train(args, burners)
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+
+
+def _train(args: argparse.Namespace, burners: list[subprocess.Popen[bytes]]) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -195,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 extra["sleep_s"] = args.size * base
             elif args.fault == "loader":
                 stall[0] = args.size * base
+            elif args.fault == "contention":
+                burners.extend(_contend(args.burners, args.burner_nice))
         if step == args.fault_from and side is not None and rank in pair:
             base = statistics.median(durations[-8:]) if durations else 0.0
             extra["comm_rounds"] = _comm_rounds(args.size * base, comm_buf, side)
