@@ -14,8 +14,10 @@ Measured on a 2-core machine: a busy thread beside three CPU burners for 2 s wai
 Cost: one ``pread`` of a file opened once (procfs regenerates it at offset 0), about
 1.6 us, at each window close (every ``send_interval_s``), never per step. No I/O that can
 block: procfs reads a counter of the kernel's task struct. The file is opened on the
-thread that steps (the window close runs there), so it names that thread's task; a
-process forked from the training process (or a close from another thread) reopens it.
+thread that creates the agent (``init``, on the training thread), so it names that
+thread's task whichever thread reads it later (a ``flush()`` or ``close()`` from another
+thread still reads the training thread's wait); a process forked from the training
+process reopens it, for its own thread.
 Elsewhere than Linux, or when the file cannot be read, the wait is ``None`` (unmeasured).
 """
 
@@ -33,23 +35,21 @@ def _path(tid: int) -> str:
 
 
 class RunQueueClock:
-    """Run-queue wait of the thread that closes the windows, window by window."""
+    """Run-queue wait of the thread that created it, window by window."""
 
-    __slots__ = ("_fd", "_last", "_pid", "_tid")
+    __slots__ = ("_fd", "_last", "_pid")
 
     def __init__(self) -> None:
         self._fd = -1
         self._pid = 0
-        self._tid = 0
         self._last: int | None = None
         self._open()
 
     def _open(self) -> None:
         self._close_fd()
         self._pid = os.getpid()
-        self._tid = threading.get_native_id()
         try:
-            self._fd = os.open(_path(self._tid), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self._fd = os.open(_path(threading.get_native_id()), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             self._fd = -1
         self._last = self._read()
@@ -70,10 +70,10 @@ class RunQueueClock:
             return None
 
     def take(self) -> float | None:
-        """Seconds this thread waited on the run queue since the previous call (or since
-        construction); None when not measured, or when the caller is another thread or
-        process than the one measured so far (it is measured from now on)."""
-        if os.getpid() != self._pid or threading.get_native_id() != self._tid:
+        """Seconds the measured thread waited on the run queue since the previous call (or
+        since construction); None when not measured, or in a process forked since (its
+        calling thread is measured from now on)."""
+        if os.getpid() != self._pid:
             self._open()
             return None
         now = self._read()

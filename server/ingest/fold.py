@@ -109,14 +109,16 @@ def _link_samples(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> 
 def _step_timings(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:
     """One ``step_timings`` row per (run, rank, step) of the batches with a ``comm``
     section; a step two batches of the group both carry keeps the later one (LAST). The
-    window's run-queue wait goes to each of its steps as the window's mean per step."""
+    window's run-queue wait is shared among its steps in proportion to their time (a
+    longer step, a checkpoint's, had longer to wait)."""
     rows: dict[tuple[int, int, int], tuple[float, float, float | None, float | None, float | None]] = {}
     for p, run_id in zip(payloads, run_ids, strict=True):
         s, c = p.steps, p.comm
         assert c is not None
-        n = len(s.time_s)
-        runq = c.runq_s / n if c.runq_s is not None and n else None
+        total = sum(s.time_s)
+        per_s = c.runq_s / total if c.runq_s is not None and total > 0 else None
         for j, (t, w, sync, cpu) in enumerate(zip(s.time_s, s.data_wait_s, c.sync_s, c.cpu_s, strict=True)):
+            runq = per_s * t if per_s is not None else None
             rows[(run_id, p.rank.rank, s.first + j)] = (t, w, sync, cpu, runq)
     keys = sorted(rows)
     values = [rows[k] for k in keys]

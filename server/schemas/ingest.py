@@ -393,7 +393,7 @@ class CommIn(_Strict):
     idle_s: Seconds | None = None
     #: Seconds the training thread waited on the run queue (runnable, no core free) during
     #: these steps (Linux schedstat; absent elsewhere): a rank late for want of a core is
-    #: told from one that stalled. Staged per step as the window's mean (``step_timings``).
+    #: told from one that stalled. Staged per step in proportion to its time (``step_timings``).
     runq_s: Seconds | None = None
 
     @model_validator(mode="after")

@@ -353,7 +353,7 @@ class StepTiming(Base):
     sync_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     #: Training-thread CPU time of the step (null: not measured).
     cpu_s: Mapped[float | None] = mapped_column(Float, nullable=True)
-    #: Training-thread run-queue wait, the window's mean per step (null: not measured).
+    #: Training-thread run-queue wait: the window's, shared in proportion to step time.
     runq_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
