@@ -49,8 +49,8 @@ class RankSteps:
 
     ``sync_s``: end of the last bucket's collective minus its arrival; ``cpu_s``:
     training-thread CPU time of the step; ``data_wait_s``: host blocked in the loader;
-    ``runq_s``: training-thread run-queue wait, its window's mean per step (empty or
-    ``None``: not measured).
+    ``runq_s``: training-thread run-queue wait, its window's shared by step time (empty
+    or ``None``: not measured).
     """
 
     rank: int
@@ -312,6 +312,10 @@ def late_ranks(a: Aligned, cfg: Config = Config()) -> list[LateRank]:
     return out
 
 
+#: Tie-break of a host finding's cause (see :func:`slow_hosts`).
+_HOST_CAUSE_ORDER: tuple[ArrivalCause, ...] = ("compute", "data", "host_stall", "cpu_contention", "host")
+
+
 def slow_hosts(a: Aligned, late: Sequence[LateRank], cfg: Config = Config()) -> list[HostFinding]:
     """Hosts whose local ranks are late together (enough of them to be the host's fault)."""
     by_host: dict[str, list[int]] = {}
@@ -324,8 +328,11 @@ def slow_hosts(a: Aligned, late: Sequence[LateRank], cfg: Config = Config()) -> 
         hits = [x for x in late if x.host == host]
         need = max(cfg.host_min_ranks, math.ceil(cfg.host_fraction * len(ranks) - 1e-9))
         if len(hits) >= need:
+            # The most common cause; a tie goes to the first in ``_HOST_CAUSE_ORDER``
+            # (deterministic, and a host is named for contention only when most of its late
+            # ranks waited for a core).
             causes = [x.cause for x in hits]
-            cause = max(set(causes), key=causes.count)
+            cause = min(set(causes), key=lambda c: (-causes.count(c), _HOST_CAUSE_ORDER.index(c)))
             out.append(
                 HostFinding(host, tuple(sorted(x.rank for x in hits)), cause, max(x.lateness_s for x in hits))
             )

@@ -168,13 +168,15 @@ SCENARIOS: tuple[RealScenario, ...] = (
     ),
     # Other work takes rank 1's cores: its training thread pinned to one core beside a
     # busy loop of higher priority; it waits on the run queue and does no more work than
-    # its peers. Its flag needs 4 windows: run it with room for them (--steps 256).
+    # its peers. Its flag needs 4 windows: 256 steps leave room for them after the onset.
     RealScenario(
         "cpu contention (rank 1)",
         "contention",
         (1,),
         expect_key="straggler:cpu_contention:rank=1",
         expect_ranks=(1,),
+        steps=256,
+        fault_from=49,
     ),
     # The whole run stops: one run-level flag naming rank 2 as the one that never
     # entered the all-reduce its peers wait in.

@@ -47,7 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -72,7 +72,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", type=float, default=0.2, help="fault size as a fraction of the step")
     p.add_argument("--comm-mb", type=float, default=4.0)
     p.add_argument("--burners", type=int, default=1, help="busy loops beside a contended rank")
-    p.add_argument("--burner-nice", type=int, default=-5, help="their niceness (negative: root)")
+    p.add_argument("--burner-nice", type=int, default=-5, help="their niceness relative to the rank's")
     p.add_argument("--host", default=None, help="host name the agent reports (default: the real one)")
     p.add_argument("--bucket-cap-mb", type=float, default=0.05)
     p.add_argument("--send-interval", type=float, default=2.0)
@@ -131,28 +131,24 @@ def _batches(
         yield seq[:, :-1], seq[:, 1:], int(n.sum())
 
 
-def _burner_child(nice: int) -> Callable[[], None]:
-    def prepare() -> None:
-        """In a burner's child before exec: its niceness, and SIGKILL when the rank's
-        thread that started it ends, so a rank the harness kills leaves no burner behind
-        (Linux ``prctl``)."""
-        import ctypes
-        import signal
-
-        os.nice(nice)
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-    return prepare
+#: A busy loop that dies with the rank: ``PR_SET_PDEATHSIG`` set by the loop itself (not in
+#: a ``preexec_fn``, unsafe in a process with gloo's threads), then a check that the rank
+#: had not already gone before it was set.
+_BURNER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(0)\n"
+    "while True: pass\n"
+)
 
 
 def _contend(n: int, nice: int) -> list[subprocess.Popen[bytes]]:
-    """Pin the calling (training) thread to one core and ``n`` busy loops beside it."""
+    """Pin the calling (training) thread to one core and ``n`` busy loops beside it, at
+    ``nice`` relative to this rank."""
     core = {min(os.sched_getaffinity(0))}
     os.sched_setaffinity(0, core)
-    procs = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=_burner_child(nice))
-        for _ in range(n)
-    ]
+    cmd = ["nice", "-n", str(nice), sys.executable, "-c", _BURNER, str(os.getpid())]
+    procs = [subprocess.Popen(cmd) for _ in range(n)]
     for p in procs:
         os.sched_setaffinity(p.pid, core)
     return procs
