@@ -173,7 +173,7 @@ def test_a_late_rank_that_waited_for_a_core_is_cpu_contention_and_needs_four_win
     (on a busy host the scheduler leaves some rank waiting for a few seconds by chance)."""
     send(client, range(0, 4), late_rank=1, extra_cpu=0.0, extra_runq=0.045)
     rows = {(r.rank, r.step): r for r in staged(engine)}
-    assert rows[(1, 9)].runq_s == pytest.approx(0.005 + 0.0002 + 0.045), "the window's mean per step"
+    assert rows[(1, 9)].runq_s == pytest.approx(0.005 + 0.0002 + 0.045), "shared by step time"
     assert rows[(0, 9)].runq_s == pytest.approx(0.005)
     w = worker(engine)
     assert w.run_once().transitions == [], "windows 0+1 and 2 judged: two verdicts, a stall's persistence"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,8 +22,6 @@ from stepwatch_server.evaluation.real import cpu_burner
 from stepwatch_server.schemas.ingest import IngestPayload
 
 BURNERS = 2  # on this thread's core: it gets about a third of it
-
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="schedstat is Linux's")
 
 
 @contextlib.contextmanager
