@@ -161,6 +161,9 @@ def test_built_wheel_carries_everything_and_works(wheel: Path, tmp_path: Path) -
     assert not any(
         line.startswith("Requires-Dist: torch") and "extra" not in line for line in meta.splitlines()
     )
+    # The license as an SPDX expression (PEP 639): the TOML-table form made every
+    # `pip install -e .` print a long setuptools deprecation block.
+    assert "License-Expression: Apache-2.0" in meta.splitlines(), meta[:600]
 
     # Install the wheel alone into a target folder and run its migrations from there,
     # in a process where the editable install is not on the path.
