@@ -35,7 +35,7 @@ LIGHT_CHECK = (
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
+    built = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -50,10 +50,20 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ],
         check=True,
         capture_output=True,
+        text=True,
         timeout=300,
     )
-    (built,) = out.glob("stepwatch-*.whl")
-    return built
+    # What the build printed, for the test that the configuration draws no warnings.
+    (out / "build.log").write_text(built.stdout + built.stderr)
+    (whl,) = out.glob("stepwatch-*.whl")
+    return whl
+
+
+def test_the_build_draws_no_setuptools_warning(wheel: Path) -> None:
+    """A deprecated ``license`` table or a data folder missing from ``packages`` makes
+    setuptools print a long block at every install, which buries what the user needs."""
+    log = (wheel.parent / "build.log").read_text()
+    assert "Warning" not in log, log
 
 
 def test_import_stepwatch_stays_light_with_everything_installed() -> None:
