@@ -26,12 +26,15 @@ from rich.table import Table
 from rich.text import Text
 
 from ..views.client import CollectorClient, CollectorError, Snapshot
-from ..views.terminal import events_view, num, pct, run_view
+from ..views.terminal import num, pct, run_view
 from . import launch
 
 #: The collector closes a stored rank window about every this many seconds, so that the
 #: straggler detection (3 windows to open a flag, 3 clean ones to close it) fits the demo.
 WINDOW_SECONDS = 1.0
+#: ... and analyses them every second (default 5 s), so the flag opens and closes sooner
+#: and the report waits little for the last pass.
+ANALYSIS_INTERVAL_S = 1.0
 #: The demo profiles 2 steps in every 8 (about one window per stored 1 s window).
 PROFILE_EVERY = 8
 PROFILE_BUDGET = 0.5
@@ -92,11 +95,13 @@ class Plan:
         return args
 
     def phase(self, step: int) -> str:
+        """What the demo itself does to the training at ``step``: the fault it injects,
+        not what the collector concluded (its flag, open or closed, is in the events)."""
         if not self.has_straggler or step < self.slow_from:
-            return "clean"
+            return "no fault injected"
         if step <= self.slow_to:
-            return f"rank {self.slow_rank} slowed +{self.slow_ms:.0f} ms, {self.slow_from}-{self.slow_to}"
-        return f"straggler cleared at {self.slow_to}"
+            return f"rank {self.slow_rank}: +{self.slow_ms:.0f} ms injected, {self.slow_from}-{self.slow_to}"
+        return f"rank {self.slow_rank}: injection ended at {self.slow_to}"
 
 
 @contextmanager
@@ -131,18 +136,18 @@ def _progress(plan: Plan, snap: Snapshot | None, started: float) -> Table:
         Text("training", style="bold"),
         ProgressBar(total=plan.steps, completed=min(step, plan.steps), width=16),
         f"step {step}/{plan.steps}  {time.monotonic() - started:.0f} s",
-        Text(phase, style="yellow" if "slowed" in phase else "dim"),
+        Text(phase, style="yellow" if " injected" in phase else "dim"),
     )
     return line
 
 
 def live_frame(plan: Plan, snap: Snapshot | None, started: float, page: str) -> RenderableType:
-    head = Group(
-        _progress(plan, snap, started), Text(f"web page: {page}   (Ctrl-C stops everything)", style="dim")
-    )
+    """The live view: compact, so that 4 ranks and a few events fit an 80x24 terminal
+    (the report at the end has every event's whole message)."""
+    head = Group(_progress(plan, snap, started), Text(f"page {page} · Ctrl-C stops all", style="dim"))
     if snap is None:
         return Group(head, Text("waiting for the first window from the ranks ...", style="dim"))
-    return Group(head, run_view(snap))
+    return Group(head, run_view(snap, compact=True))
 
 
 def straggler_cost(steps: list[dict[str, Any]], plan: Plan) -> tuple[float, float] | None:
@@ -161,8 +166,22 @@ def straggler_cost(steps: list[dict[str, Any]], plan: Plan) -> tuple[float, floa
     return statistics.median(inside), statistics.median(clean)
 
 
+def settle(client: CollectorClient, run: str, timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until the collector has analysed the run's last
+    windows, i.e. no straggler flag is open any more, so that the report does not show a
+    flag as open that the next analysis pass would close. A flag still open after that
+    stays in the report as the collector has it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events = client.events(run)
+        if not any(e.get("kind") == "straggler" and e.get("status") == "open" for e in events):
+            return
+        time.sleep(0.5)  # the collector's analysis pass runs every ANALYSIS_INTERVAL_S
+
+
 def report(console: Console, client: CollectorClient, run: str, plan: Plan) -> Snapshot:
-    """The closing summary: the numbers, what the straggler cost, the events."""
+    """The closing summary: the run (its events with their whole messages, once), then
+    what the straggler cost."""
     snap = client.snapshot(run, last_steps=plan.steps, points=60)
     console.print(run_view(snap))
     ov = snap.overview
@@ -193,9 +212,7 @@ def report(console: Console, client: CollectorClient, run: str, plan: Plan) -> S
                     "other load on this machine hid the difference this time."
                 )
         named = [e for e in snap.events if e.get("kind") == "straggler"]
-        if named:
-            console.print(events_view(named))
-        else:
+        if not named:  # the events above already list the ones it flagged
             console.print(
                 "[yellow]no straggler event from this collector[/yellow]: naming the rank takes the "
                 "collector's straggler detection (and, for the compute/wait split per rank, the "
@@ -236,12 +253,16 @@ def run_demo(
                     launch.collector(
                         f"sqlite:///{database}",
                         log_path=os.path.join(workdir, "collector.log"),
-                        env={"STEPWATCH_WINDOW_SECONDS": str(WINDOW_SECONDS)},
+                        env={
+                            "STEPWATCH_WINDOW_SECONDS": str(WINDOW_SECONDS),
+                            "STEPWATCH_ANALYSIS_INTERVAL_S": str(ANALYSIS_INTERVAL_S),
+                        },
                     )
                 )
             client = stack.enter_context(CollectorClient(col.url))
             page = f"{col.url}/runs/{run}"
-            console.print(f"collector on [bold]{col.url}[/bold] (SQLite {database}); web page: {page}")
+            console.print(f"collector [bold]{col.url}[/bold] (SQLite {database})")
+            console.print(f"web page  [bold]{page}[/bold]")
             straggler = (
                 f"; rank {plan.slow_rank} will be slowed by {plan.slow_ms:.0f} ms/step in steps "
                 f"{plan.slow_from}-{plan.slow_to}"
@@ -252,6 +273,8 @@ def run_demo(
             args = plan.train_args(run, peak)
             with launch.ranks(ranks, args, env={"STEPWATCH_URL": col.url}, log_dir=workdir) as procs:
                 _watch(console, client, plan, run, procs, workdir, page, refresh_s)
+            with console.status("waiting for the collector's last analysis of the run ..."):
+                settle(client, run, timeout_s=5 * ANALYSIS_INTERVAL_S + 5)
             report(console, client, run, plan)
             console.print(f"[green]demo finished in {time.monotonic() - t0:.1f} s[/green]")
             _next_steps(console, run, database, kept=kept)
@@ -316,19 +339,18 @@ def _watch(
 
 
 def _next_steps(console: Console, run: str, database: str, *, kept: bool) -> None:
+    """Where to go from here, each line within 80 columns (a wrapped command is easy to
+    copy wrong)."""
     console.print("[bold]where to look next[/bold]")
     if kept:
-        console.print(
-            f"  web page:  stepwatch serve --database-url sqlite:///{database}  then open "
-            f"http://127.0.0.1:8321/runs/{run}"
-        )
+        console.print(f"  web page  stepwatch serve --database-url sqlite:///{database}")
+        console.print(f"            then open http://127.0.0.1:8321/runs/{run}")
     else:
-        console.print(
-            "  web page:  stepwatch demo --hold   (keeps the collector and its page up until Ctrl-C)"
-        )
-    console.print("  terminal:  stepwatch top --url URL   (any collector)")
+        console.print("  web page  stepwatch demo --hold  (collector and page stay up until Ctrl-C)")
+    console.print("  terminal  stepwatch top --url URL  (any collector)")
     console.print(
-        "  Grafana:   STEPWATCH_DB_PASSWORD=... GRAFANA_ADMIN_PASSWORD=... docker compose up\n"
-        "             (collector, PostgreSQL, Prometheus, Alertmanager and the dashboards in dashboards/;\n"
-        "             both secrets are required, from the environment or an .env file)"
+        "  Grafana   STEPWATCH_DB_PASSWORD=... GRAFANA_ADMIN_PASSWORD=... \\\n"
+        "              docker compose up\n"
+        "            (collector, PostgreSQL, Prometheus, Alertmanager and dashboards/;\n"
+        "            both secrets are required, from the environment or an .env file)"
     )

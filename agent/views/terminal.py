@@ -192,28 +192,46 @@ def ranks_table(ranks: Sequence[JSON], events: Sequence[JSON] = (), max_rows: in
     return table
 
 
-def events_view(events: Sequence[JSON], max_rows: int = 8) -> RenderableType:
+#: What an event's status means, said once above the events (a demo's own fault
+#: injection ending is not the collector clearing its flag).
+EVENTS_LEGEND = "open: flagged now · closed: flagged, then cleared"
+
+
+def events_view(events: Sequence[JSON], max_rows: int = 8, *, compact: bool = False) -> RenderableType:
+    """One line per event (status, what, ranks, steps, cost), its message on the full
+    width below it: a message column beside five others was ~17 characters wide at 80
+    columns, and one message took 24 lines. ``compact`` (the live view, which must fit
+    a 24-line terminal) crops each message to one line."""
     if not events:
         return Text(
             "events: none (stragglers, regressions and hangs are listed here when flagged)", style="dim"
         )
-    table = Table(title="events", title_justify="left")
-    for col in ("status", "what", "ranks", "steps", "cost", "message"):
-        table.add_column(col, justify="right" if col in ("steps", "cost") else "left")
-    for e in list(events)[:max_rows]:
+    lines: list[RenderableType] = [Text.assemble(("events", "bold"), ("  " + EVENTS_LEGEND, "dim"))]
+    shown = list(events)[:max_rows]
+    for e in shown:
         is_open = e.get("status") == "open"
         what = e.get("kind", "") + (f"/{e['cause']}" if e.get("cause") else "")
-        steps = f"{e.get('first_step')}–{e.get('last_step')}"
-        cost = f"{num(e.get('cost_seconds'))} s ({pct(e.get('cost_ratio'))})"
-        table.add_row(
-            Text(e.get("status", ""), style="bold red" if is_open else "green"),
-            what,
-            ",".join(str(r) for r in e.get("ranks") or []),
-            steps,
-            cost,
-            str(e.get("message", "")),
+        ranks = ",".join(str(r) for r in e.get("ranks") or [])
+        cost = f"cost {num(e.get('cost_seconds'))} s/step ({pct(e.get('cost_ratio'))})"
+        head = Text.assemble(
+            (f"{e.get('status', '')}", "bold red" if is_open else "green"),
+            f"  {what}",
+            f"  rank{'s' if ',' in ranks else ''} {ranks}" if ranks else "",
+            f"  steps {e.get('first_step')}–{e.get('last_step')}",
+            f"  {pct(e.get('cost_ratio'))}" if compact else f"  {cost}",
         )
-    return table
+        message = str(e.get("message", ""))
+        if compact:  # one line: the numbers, then as much of the message as fits
+            head.append("  " + message, style="dim")
+            head.no_wrap, head.overflow = True, "ellipsis"
+            lines.append(head)
+        else:
+            lines += [head, Text("  " + message, style="dim")]
+    if len(events) > len(shown):
+        lines.append(
+            Text(f"  ... {len(events) - len(shown)} more (the web page lists them all)", style="dim")
+        )
+    return Group(*lines)
 
 
 def progress_view(overview: Mapping[str, Any]) -> RenderableType | None:
@@ -226,6 +244,9 @@ def progress_view(overview: Mapping[str, Any]) -> RenderableType | None:
         filled = round(float(done) * 30)
         text.append("█" * filled, style="green").append("░" * (30 - filled), style="dim")
         text.append(f" {float(done):.1%}")
+    elif p.get("tokens_done") is not None:  # no target: say what is known and how to get the rest
+        text.append(f"{float(p['tokens_done']):,.0f} tokens done")
+        text.append("  no target (target_tokens= gives % done and ETA)", style="dim")
     eta = p.get("eta_s")
     if eta is not None:
         text.append(f"  ETA {duration(float(eta))}")
@@ -233,7 +254,7 @@ def progress_view(overview: Mapping[str, Any]) -> RenderableType | None:
         text.append(f"  needs ≤ {num(p['required_step_time_s'])} s/step for the deadline")
     if p.get("on_track") is False:
         text.append("  behind plan", style="bold red")
-    return text
+    return text if text.plain.strip() != "progress" else None  # never a bare "progress"
 
 
 def headline(overview: Mapping[str, Any]) -> Table:
@@ -272,9 +293,11 @@ def dtype_note(conv: JSON) -> str:
     return f" (dtype {conv.get('dtype')} {how})" if how else ""
 
 
-def run_view(snap: Snapshot, *, max_rows: int = 16) -> Group:
+def run_view(snap: Snapshot, *, max_rows: int = 16, compact: bool = False) -> Group:
     """Everything about one run, top to bottom: numbers, step-time trend, breakdown,
-    ranks, events."""
+    ranks, events. ``compact``: the newest 36 step-time points, events one line each and
+    at most 2 of them, so that a live view of a few ranks fits an 80x24 terminal (rich's
+    Live crops what does not fit, and the events are at the bottom)."""
     ov = snap.overview
     conv = ov.get("convention") or {}
     title = Text.assemble(
@@ -289,9 +312,10 @@ def run_view(snap: Snapshot, *, max_rows: int = 16) -> Group:
     progress = progress_view(ov)
     if progress is not None:
         parts.append(progress)
-    if snap.step_times:
-        means = [p.get("mean") for p in snap.step_times]
-        first, last = snap.step_times[0]["step_from"], snap.step_times[-1]["step_to"]
+    step_times = snap.step_times[-36:] if compact else snap.step_times  # one line at 80 columns
+    if step_times:
+        means = [p.get("mean") for p in step_times]
+        first, last = step_times[0]["step_from"], step_times[-1]["step_to"]
         parts.append(
             Text.assemble(
                 ("step time ", ""),
@@ -302,7 +326,7 @@ def run_view(snap: Snapshot, *, max_rows: int = 16) -> Group:
         )
     parts.append(breakdown_bar(job_breakdown(snap.ranks)))
     parts.append(ranks_table(snap.ranks, snap.events, max_rows=max_rows))
-    parts.append(events_view(snap.events))
+    parts.append(events_view(snap.events, max_rows=2, compact=True) if compact else events_view(snap.events))
     return Group(*parts)
 
 

@@ -88,6 +88,12 @@ def test_demo_trains_with_a_straggler_and_reports_what_it_cost(demo: DemoRun) ->
     assert f"straggler: rank 2 ran {SLOW_MS} ms/step slower in steps {SLOW_FROM}-{SLOW_TO}" in out
     assert demo.slow_s > demo.clean_s * 1.02, "the others waited for rank 2 in the all-reduce"
     assert "where to look next" in out and "demo finished in" in out
+    # Events once (they were printed twice, the second time beside the report), and the
+    # straggler flag as the collector left it after its last pass over the finished run:
+    # closed, since rank 2 recovered 42 steps before the end.
+    assert out.count("events open: flagged now") == 1, out[-3000:]
+    assert re.search(r"closed straggler/compute rank 2 steps \d+–\d+", out), out[-3000:]
+    assert not re.search(r"^progress\s*$", demo.out, re.M), "a bare progress line"
 
 
 def _processes_in_group(pgid: int) -> list[int]:
