@@ -182,7 +182,7 @@ def settle(client: CollectorClient, run: str, timeout_s: float) -> None:
 def report(console: Console, client: CollectorClient, run: str, plan: Plan) -> Snapshot:
     """The closing summary: the run (its events with their whole messages, once), then
     what the straggler cost."""
-    snap = client.snapshot(run, last_steps=plan.steps, points=60)
+    snap = client.snapshot(run, last_steps=plan.steps, points=36)
     console.print(run_view(snap))
     ov = snap.overview
     tps, mfu = num(ov["tokens_per_s"]["mean"], ",.0f"), pct(ov["mfu"]["mean"])

@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from rich.console import Group, RenderableType
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -226,7 +227,7 @@ def events_view(events: Sequence[JSON], max_rows: int = 8, *, compact: bool = Fa
             head.no_wrap, head.overflow = True, "ellipsis"
             lines.append(head)
         else:
-            lines += [head, Text("  " + message, style="dim")]
+            lines += [head, Padding(Text(message, style="dim"), (0, 0, 0, 2))]
     if len(events) > len(shown):
         lines.append(
             Text(f"  ... {len(events) - len(shown)} more (the web page lists them all)", style="dim")
@@ -295,8 +296,8 @@ def dtype_note(conv: JSON) -> str:
 
 def run_view(snap: Snapshot, *, max_rows: int = 16, compact: bool = False) -> Group:
     """Everything about one run, top to bottom: numbers, step-time trend, breakdown,
-    ranks, events. ``compact``: the newest 36 step-time points, events one line each and
-    at most 2 of them, so that a live view of a few ranks fits an 80x24 terminal (rich's
+    ranks, events (the step-time trend: its newest 36 points, one line at 80 columns).
+    ``compact``: events one line each and at most 2 of them, so that a live view of a few ranks fits an 80x24 terminal (rich's
     Live crops what does not fit, and the events are at the bottom)."""
     ov = snap.overview
     conv = ov.get("convention") or {}
@@ -312,7 +313,7 @@ def run_view(snap: Snapshot, *, max_rows: int = 16, compact: bool = False) -> Gr
     progress = progress_view(ov)
     if progress is not None:
         parts.append(progress)
-    step_times = snap.step_times[-36:] if compact else snap.step_times  # one line at 80 columns
+    step_times = snap.step_times[-36:]  # one line at 80 columns
     if step_times:
         means = [p.get("mean") for p in step_times]
         first, last = step_times[0]["step_from"], step_times[-1]["step_to"]

@@ -131,9 +131,11 @@ def test_the_live_frame_fits_an_80x24_terminal() -> None:
     assert len(lines) <= 23, "\n".join(lines)  # and a line for the cursor
     assert any("straggler/compute" in line for line in lines)
     assert any("2 more" in line for line in lines)  # what did not fit is counted, not cut
-    # The report (run_view, not compact) has every message whole.
-    report = " ".join(" ".join(_lines(run_view(snap))).split())
-    assert " ".join(MESSAGE.split()) in report
+    # The report (run_view, not compact) has every message whole, the trend on one line.
+    report = _lines(run_view(snap))
+    assert " ".join(MESSAGE.split()) in " ".join(" ".join(report).split())
+    (trend,) = [line for line in report if line.startswith("step time ") and "(s)" not in line]
+    assert trend.rstrip().endswith(" s"), report
 
 
 def test_a_run_without_a_token_target_gets_a_whole_progress_line() -> None:
