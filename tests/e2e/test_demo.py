@@ -192,9 +192,9 @@ def test_web_page_in_chromium_shows_the_run_and_its_straggler(demo: DemoRun, bro
         assert [t.text for t in labels] == ["0", "1", "2", "3"]
         assert browser.find_element(By.ID, "mfu-latest").text.endswith("%")
         assert "fp32/cpu" in browser.find_element(By.ID, "convention").text
-        assert "No profiler" in browser.find_element(
-            By.ID, "breakdown"
-        ).text or browser.find_elements(By.CSS_SELECTOR, "#breakdown .stack div")
+        assert "No profiler" in browser.find_element(By.ID, "breakdown").text or browser.find_elements(
+            By.CSS_SELECTOR, "#breakdown .stack div"
+        )
         assert _severe(browser) == [], "no console errors, no failed requests"
 
         SCREENSHOT.parent.mkdir(exist_ok=True)  # the first screen: numbers, events, charts, ranks

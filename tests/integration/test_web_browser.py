@@ -105,6 +105,24 @@ def test_a_short_run_reads_well_at_950_px(sqlite_url: str, browser: Any, steps: 
             assert "profiled steps 25–26" in browser.find_element(By.ID, "profiled").text
 
 
+def test_a_finished_run_without_a_profiler_window_says_how_to_get_one(
+    sqlite_url: str,
+    browser: Any,  # noqa: F811
+) -> None:
+    """A 16-step trial ended before the default profile_every=100: "no profiler data yet"
+    on a finished run waits for nothing; the page says what to set instead."""
+    from selenium.webdriver.common.by import By
+
+    with serve_in_thread(sqlite_url) as url, httpx.Client(base_url=url, timeout=20) as c:
+        body = payload(run="trial", first=1, times=[0.5] * 16, convention=CONVENTION, final=True)
+        c.post("/api/v1/ingest", json=body).raise_for_status()
+        _load(browser, f"{url}/runs/trial")
+        assert browser.find_element(By.ID, "run-status").text == "finished"
+        text = browser.find_element(By.ID, "breakdown").text
+        assert "ended before the first one" in text and "profile_every=20" in text, text
+        assert "yet" not in text, text
+
+
 def test_without_a_peak_the_page_says_how_to_get_mfu(sqlite_url: str, browser: Any) -> None:  # noqa: F811
     from selenium.webdriver.common.by import By
 
