@@ -297,8 +297,9 @@ def dtype_note(conv: JSON) -> str:
 def run_view(snap: Snapshot, *, max_rows: int = 16, compact: bool = False) -> Group:
     """Everything about one run, top to bottom: numbers, step-time trend, breakdown,
     ranks, events (the step-time trend: its newest 36 points, one line at 80 columns).
-    ``compact``: events one line each and at most 2 of them, so that a live view of a few ranks fits an 80x24 terminal (rich's
-    Live crops what does not fit, and the events are at the bottom)."""
+    ``compact``: events one line each and at most 2 of them, so that a live view of a
+    few ranks fits an 80x24 terminal (rich's Live crops what does not fit, and the events
+    are at the bottom)."""
     ov = snap.overview
     conv = ov.get("convention") or {}
     title = Text.assemble(
