@@ -44,11 +44,12 @@ layout of arrays; split, each part would restate it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._comm_device import CommEvents, DeviceEnd, DeviceSlots
@@ -122,9 +123,13 @@ class TimingSlices:
     end: array[float]
     #: On CUDA: the device events of these slots (read on the sender thread).
     device: DeviceSlots | None = None
+    #: Per step slot: the step whose :meth:`CommTiming.held` seconds ``held`` holds
+    #: (-1: none), and the seconds the training thread waited in DDP's buffer broadcast.
+    held_step: array[int] = field(default_factory=lambda: array("q"))
+    held: array[float] = field(default_factory=lambda: array("d"))
 
     def approx_bytes(self) -> int:
-        return 64 + 8 * (4 * len(self.step_of) + 2 * len(self.arrive))
+        return 64 + 8 * (6 * len(self.step_of) + 2 * len(self.arrive))
 
 
 class CommTiming:
@@ -144,6 +149,10 @@ class CommTiming:
         self._cpu = array("d", bytes(8 * capacity))
         self._arrive = array("d", bytes(8 * capacity * MAX_BUCKETS))
         self._end = array("d", [_NONE]) * (capacity * MAX_BUCKETS)
+        #: Seconds each step waited in DDP's buffer broadcast (:meth:`held`), and the step
+        #: each slot's sum belongs to.
+        self._held_step = array("q", [-1]) * capacity
+        self._held = array("d", bytes(8 * capacity))
         #: Per process group: collectives entered and completed (see :class:`GroupSeq`);
         #: the sequence numbers a hang diagnosis needs (which rank never entered which one).
         self.seq: dict[str, GroupSeq] = {}
@@ -204,6 +213,28 @@ class CommTiming:
         self._bytes[i] += nbytes
         self.used = True
         return n, k
+
+    def held(self, seconds: float) -> None:
+        """The training thread waited ``seconds`` in DDP's buffer broadcast before the
+        forward of the step in progress (summed over a step's forwards).
+
+        Why: a collective is a dependency between ranks, not only a meeting point. gloo
+        broadcasts along a tree (with 4 ranks, rank 1 gets rank 0's buffers through rank
+        3), so a rank that enters the broadcast late, say after a slow loader, holds up the
+        ranks below it, which then start their forward late and reach the gradient
+        all-reduce late with no more work than their peers: measured, 0.1 s behind on every
+        step, named a host stall. Shipped per step (``comm.broadcast_s``), the wait lets the
+        collector count it as waiting for peers, like the all-reduce's, and look for the
+        rank that was late."""
+        first, i = self._position()
+        if i >= self._cap:
+            return
+        step = first + i
+        if self._held_step[i] != step:
+            self._held_step[i] = step
+            self._held[i] = 0.0
+        self._held[i] += seconds
+        self.used = True
 
     def enter(self, group: str, op: int) -> tuple[int, int] | None:
         """A collective the hook does not see began (DDP's buffer broadcast before each
@@ -269,6 +300,8 @@ class CommTiming:
             arrive,
             end,
             self._events.take() if self._events is not None else None,
+            held_step=self._held_step[:n],
+            held=self._held[:n],
         )
 
     # -- sender thread ------------------------------------------------------------------
@@ -317,6 +350,7 @@ class CommTiming:
         if got is None or len(times) != len(s.step_of):
             return None
         arrive, end = got
+        # Without ``held``: the broadcast's host time is only its launch on CUDA.
         return TimingSlices(s.step_of, s.n_buckets, s.bytes, s.cpu, arrive, end), times
 
     def heartbeat_section(self, idle_s: float) -> dict[str, Any]:
@@ -360,7 +394,9 @@ def summarise(
     ``arrive_s``: last bucket ready (backward done); ``end_s``: last collective ended;
     ``sync_s`` = end of the last bucket's collective - its arrival (short on the rank the
     others waited for); ``cpu_s``: training-thread CPU time since the previous step's last
-    arrival (``None`` for the first step seen). Returns (section, CPU clock of the last step).
+    arrival (``None`` for the first step seen); ``broadcast_s`` (only where some step
+    waited in DDP's buffer broadcast, on the host clock): that wait, per step. Returns
+    (section, CPU clock of the last step).
     """
     n = len(step_ends)
     arrive_s: list[float | None] = [None] * n
@@ -405,6 +441,12 @@ def summarise(
         if count
         else [],
     }
+    if clock == "host" and len(s.held_step) >= n:
+        held: list[float | None] = [
+            _r(s.held[i]) if s.held_step[i] == first_step + i else None for i in range(n)
+        ]
+        if any(v is not None for v in held):
+            section["broadcast_s"] = held
     return section, cpu_prev
 
 
@@ -532,7 +574,9 @@ def count_buffer_broadcast(ddp: Any, timing: CommTiming) -> bool:
     The comm hook does not see it, yet a rank blocks in it: with a peer hung before its
     forward, some ranks wait in the broadcast while others (which got rank 0's buffers)
     go on to the next all-reduce; without this count they look as if they never entered
-    that all-reduce, like the hung rank. Two forward pre-hooks bracket it: the outer
+    that all-reduce, like the hung rank. Its duration goes to :meth:`CommTiming.held`
+    (the wait there for a late peer, which the collector counts as waiting, not as
+    lateness of this rank). Two forward pre-hooks bracket it: the outer
     one on the DDP module runs before ``DDP.forward`` (which broadcasts first), the inner
     one on the wrapped module after it. Returns whether the hooks were installed (a
     model without buffers to sync, or not a DDP module, needs none).
@@ -543,17 +587,24 @@ def count_buffer_broadcast(ddp: Any, timing: CommTiming) -> bool:
         return False
     group = group_label(getattr(ddp, "process_group", None))
     pending: list[tuple[int, int] | None] = [None]
+    began = [_NONE]
 
     def before(_module: Any, _inputs: Any) -> None:
         try:
-            pending[0] = timing.enter(group, BROADCAST) if will_sync() else None
+            syncs = will_sync()
+            began[0] = _perf() if syncs else _NONE
+            pending[0] = timing.enter(group, BROADCAST) if syncs else None
         except Exception:
             pending[0] = None
 
     def after(_module: Any, _inputs: Any) -> None:
         token, pending[0] = pending[0], None
+        t0, began[0] = began[0], _NONE
         if token is not None:  # the inner module called through DDP, broadcast done
             timing.done(token, group)
+        if t0 != _NONE:
+            with contextlib.suppress(Exception):  # only the timing is lost, never the forward
+                timing.held(_perf() - t0)
 
     ddp.register_forward_pre_hook(before)
     inner.register_forward_pre_hook(after)

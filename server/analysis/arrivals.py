@@ -253,7 +253,8 @@ def late_ranks(a: Aligned, cfg: Config = Config()) -> list[LateRank]:
     for i in range(n):
         col = late[:, i]
         data_col = extra_data[:, i]
-        if sign_test_p(int(np.sum(data_col > tau)), int(np.sum(data_col <= tau))) <= cfg.max_p:
+        loader_bound = sign_test_p(int(np.sum(data_col > tau)), int(np.sum(data_col <= tau))) <= cfg.max_p
+        if loader_bound:
             # Loader wait is measured on the rank itself: no need to see it arrive last
             # (a sleeping loader frees its core, and its peers then lose part of the lead).
             col = np.maximum(col, data_col)
@@ -282,6 +283,11 @@ def late_ranks(a: Aligned, cfg: Config = Config()) -> list[LateRank]:
             cause: ArrivalCause = "data"
         elif measured and cpu > max(cfg.min_seconds, cfg.extra_cpu * peer_cpu):
             cause = "compute"
+        elif loader_bound:
+            # Waiting on its loader on most steps and no more work than its peers: the
+            # loader is what is measured (its peers' waits can make the lateness larger
+            # than the loader wait on a busy host; a host stall means neither was seen).
+            cause = "data"
         elif runq >= cfg.explain_runq * lateness:  # NaN (not measured) compares False
             cause = "cpu_contention"
         else:

@@ -106,20 +106,35 @@ def _link_samples(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> 
     }
 
 
+def peer_wait(sync_s: float | None, broadcast_s: float | None) -> float | None:
+    """A step's wait for its peers, as staged (``step_timings.sync_s``): the wait at its
+    last gradient bucket's all-reduce (``comm.sync_s``) plus its wait in DDP's buffer
+    broadcast before the forward (``comm.broadcast_s``). A rank held in the broadcast by a
+    late peer reaches the all-reduce late by as much, with a short sync; counted as the
+    waiting it was, it is not taken for the rank the others waited for. None: the step
+    had no gradient collective (its arrival is unknown)."""
+    if sync_s is None:
+        return None
+    return sync_s + broadcast_s if broadcast_s is not None else sync_s
+
+
 def _step_timings(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:
     """One ``step_timings`` row per (run, rank, step) of the batches with a ``comm``
     section; a step two batches of the group both carry keeps the later one (LAST). The
     window's run-queue wait is shared among its steps in proportion to their time (a
-    longer step, a checkpoint's, had longer to wait)."""
+    longer step, a checkpoint's, had longer to wait). A step's wait in DDP's buffer
+    broadcast is added to its sync: both are time spent waiting for peers in the step's
+    collectives, and a rank held in the broadcast by a late peer is not late itself."""
     rows: dict[tuple[int, int, int], tuple[float, float, float | None, float | None, float | None]] = {}
     for p, run_id in zip(payloads, run_ids, strict=True):
         s, c = p.steps, p.comm
         assert c is not None
         total = sum(s.time_s)
         per_s = c.runq_s / total if c.runq_s is not None and total > 0 else None
+        held = c.broadcast_s or [None] * len(s.time_s)
         for j, (t, w, sync, cpu) in enumerate(zip(s.time_s, s.data_wait_s, c.sync_s, c.cpu_s, strict=True)):
             runq = per_s * t if per_s is not None else None
-            rows[(run_id, p.rank.rank, s.first + j)] = (t, w, sync, cpu, runq)
+            rows[(run_id, p.rank.rank, s.first + j)] = (t, w, peer_wait(sync, held[j]), cpu, runq)
     keys = sorted(rows)
     values = [rows[k] for k in keys]
 

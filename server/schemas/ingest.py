@@ -373,8 +373,9 @@ class CommIn(_Strict):
     in that step): ``arrive_s`` last bucket ready, ``end_s`` last collective ended,
     ``sync_s`` end minus arrival of the last bucket, ``cpu_s`` the CPU time of the thread
     that runs the hook (the training thread on CPU; autograd's device thread on CUDA).
-    Ingest stages ``sync_s``, ``cpu_s`` and the window's ``runq_s`` per step
-    (``step_timings``) for the late-arrival detectors until the step's window is analysed.
+    Ingest stages ``sync_s`` (plus ``broadcast_s``: both are waits for peers), ``cpu_s``
+    and the window's ``runq_s`` per step (``step_timings``) for the late-arrival detectors
+    until the step's window is analysed.
     """
 
     version: Literal[1]
@@ -395,6 +396,10 @@ class CommIn(_Strict):
     #: these steps (Linux schedstat; absent elsewhere): a rank late for want of a core is
     #: told from one that stalled. Staged per step in proportion to its time (``step_timings``).
     runq_s: Seconds | None = None
+    #: Per step, seconds the training thread waited in DDP's buffer broadcast before its
+    #: forward (host clock; absent without buffers to sync): a rank held there by a late
+    #: peer (gloo relays the broadcast along a tree) starts late without being late itself.
+    broadcast_s: list[StepSeconds | None] | None = Field(default=None, max_length=MAX_STEPS)
 
     @model_validator(mode="after")
     def _groups_once(self) -> CommIn:
@@ -410,6 +415,8 @@ class CommIn(_Strict):
         self.end_s = _resolved_or_none(self.end_s)
         self.sync_s = _resolved_or_none(self.sync_s)
         self.cpu_s = _resolved_or_none(self.cpu_s)
+        if self.broadcast_s is not None:
+            self.broadcast_s = _resolved_or_none(self.broadcast_s)
         return self
 
 
@@ -435,7 +442,9 @@ class IngestPayload(_Strict):
     def _comm_per_step(self) -> IngestPayload:
         if self.comm is not None:
             n = len(self.steps.time_s)
-            for name in ("arrive_s", "end_s", "sync_s", "cpu_s"):
+            for name in ("arrive_s", "end_s", "sync_s", "cpu_s", "broadcast_s"):
+                if name == "broadcast_s" and self.comm.broadcast_s is None:
+                    continue
                 if len(getattr(self.comm, name)) != n:
                     raise ValueError(
                         f"comm.{name} has {len(getattr(self.comm, name))} values but steps.time_s has {n}"

@@ -349,7 +349,8 @@ class StepTiming(Base):
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     step_time_s: Mapped[float] = mapped_column(Float)
     data_wait_s: Mapped[float] = mapped_column(Float)
-    #: End minus arrival of the step's last bucket (null: no collective in the step).
+    #: End minus arrival of the step's last bucket, plus the step's wait in DDP's buffer
+    #: broadcast (``comm.broadcast_s``): the step's wait for peers (null: no collective).
     sync_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     #: Training-thread CPU time of the step (null: not measured).
     cpu_s: Mapped[float | None] = mapped_column(Float, nullable=True)

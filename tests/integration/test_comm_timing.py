@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ from stepwatch._comm_timing import CommTiming, count_buffer_broadcast, summarise
 from stepwatch.demo.model import GPTConfig, TinyGPT, loss_fn
 
 RANKS, STEPS = 4, 3
+#: In the broadcast part, this rank enters step 2's buffer broadcast this late.
+LATE_RANK, LATE_S = 3, 0.3
 CFG = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
 
 
@@ -74,6 +77,8 @@ def _worker(rank: int, init: str, out: str) -> None:
     for step in range(2):
         pos[1] = step
         x = torch.randint(1, CFG.vocab, (4, CFG.seq_len))
+        if step == 1 and rank == LATE_RANK:
+            time.sleep(LATE_S)  # a slow loader: this rank enters the broadcast late
         loss_fn(c(x), x, 0).backward()  # type: ignore[no-untyped-call]
     with torch.no_grad():
         c.module(x)
@@ -81,6 +86,7 @@ def _worker(rank: int, init: str, out: str) -> None:
     assert bslices is not None
     result["broadcast_buckets"] = list(bslices.n_buckets)
     result["broadcast_seq"] = bt.groups()
+    result["broadcast_section"], _ = summarise(bslices, 1, [1e6, 2e6], [1e6, 1e6], None)
     with open(out.format(rank=rank), "w") as f:
         json.dump(result, f)
     # Every rank leaves together, as the demo's ranks do: a gloo rank that tears its group
@@ -116,5 +122,15 @@ def test_hook_keeps_gradients_bit_identical_and_times_every_bucket(tmp_path: Pat
         (bseq,) = r["broadcast_seq"]
         assert r["broadcast_hooked"] is True
         assert bseq["entered"] == bseq["completed"] == sum(r["broadcast_buckets"]) + 2, bseq
+        # Each forward's wait in the broadcast, per step (the wrapped module's call outside
+        # DDP broadcasts nothing and adds nothing).
+        held = r["broadcast_section"]["broadcast_s"]
+        assert len(held) == 2 and all(v is not None and v >= 0 for v in held), held
+    # The broadcast is a dependency, not only a meeting point: gloo relays rank 0's buffers
+    # along a tree in which rank 1 receives through rank 3, so rank 3's late entry holds
+    # rank 1 (which then reaches its all-reduce late with no more work: what the collector
+    # must not take for a straggler), while rank 3 itself barely waits there.
+    held_late = [r["broadcast_section"]["broadcast_s"][1] for r in results]
+    assert held_late[1] >= 0.8 * LATE_S > held_late[LATE_RANK], held_late
     # The same bytes on every rank: one collective is one collective everywhere.
     assert len({r["section"]["collectives"][0]["bytes"] for r in results}) == 1

@@ -164,6 +164,39 @@ def test_a_late_rank_without_extra_cpu_is_a_host_stall(client: TestClient, engin
     assert ev["cause"] == "host_stall"
 
 
+def test_a_rank_held_in_the_buffer_broadcast_by_a_late_peer_is_not_the_straggler(
+    client: TestClient, engine: Engine
+) -> None:
+    """Recorded on real gloo ranks (a slow loader on rank 3): gloo relays DDP's buffer
+    broadcast along a tree in which rank 1 receives through rank 3, so rank 1 starts its
+    forward as late as rank 3 and both reach the all-reduce last, rank 1 with no more work
+    and no loader wait (it was named a host stall in every such run). Its wait in the
+    broadcast (``comm.broadcast_s``) is a wait for a peer like the all-reduce's: staged
+    into its sync, it leaves rank 1 with its peers and rank 3 the one they waited for."""
+    for w in range(4):
+        for r in range(W):
+            c = comm(r, w, late_rank=None, extra_cpu=0.0)
+            late = r in (1, 3)  # both reach the all-reduce 0.05 s late: short syncs
+            c["sync_s"] = [None if v is None else (v - 0.05 if late else v) for v in c["sync_s"]]
+            c["broadcast_s"] = [0.05 if r == 1 else 0.0002] * STEPS  # rank 1 waited for rank 3 there
+            waits = [0.051 if r == 3 else 0.001] * STEPS  # rank 3's loader
+            body = payload(rank=r, world=W, first=w * STEPS + 1, times=[0.5] * STEPS, waits=waits, comm=c)
+            assert client.post("/api/v1/ingest", json=body).status_code == 200
+    by_key = {(r.rank, r.step): r for r in staged(engine)}
+    # Step 2 (window 0, j = 1): jitter 0.0005 * ((3 * rank + 1) % 4).
+    assert by_key[(1, 2)].sync_s == pytest.approx(0.06 + 0.0 - 0.05 + 0.05)
+    assert by_key[(3, 2)].sync_s == pytest.approx(0.06 + 0.001 - 0.05 + 0.0002)
+    opened = [t[1].finding.key for t in worker(engine).run_once().transitions]
+    assert opened == ["straggler:data:rank=3"], opened
+
+
+def test_a_broadcast_wait_per_step_must_match_the_steps(client: TestClient) -> None:
+    body = payload(rank=0, world=W, first=1, times=[0.5] * STEPS, waits=[0.001] * STEPS)
+    body["comm"] = comm(0, 1, late_rank=None, extra_cpu=0.0) | {"broadcast_s": [0.01] * (STEPS - 1)}
+    resp = client.post("/api/v1/ingest", json=body)
+    assert resp.status_code == 422 and "comm.broadcast_s has 7 values but steps.time_s has 8" in resp.text
+
+
 def test_a_late_rank_that_waited_for_a_core_is_cpu_contention_and_needs_four_windows(
     client: TestClient, engine: Engine
 ) -> None:

@@ -7,6 +7,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from stepwatch_server.analysis.arrivals import (
     window,
 )
 from stepwatch_server.analysis.late_arrivals import ArrivalDetector
+from stepwatch_server.ingest.fold import peer_wait
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "realtrain"
 
@@ -175,13 +177,20 @@ ONSET = 24  # --fault-from of the recording
 WINDOW = 8  # steps per window, as a collector storing 8-step windows would cut them
 
 
-def _recorded(name: str) -> list[RankSteps]:
-    d = json.loads((FIXTURES / f"{name}.json").read_text())
+def _recorded(name: str, folder: Path = FIXTURES) -> list[RankSteps]:
+    """A recording's ranks as the worker reads them: sync as ingest stages it (plus the
+    wait in DDP's buffer broadcast, where the recording has it)."""
+    d = json.loads((folder / f"{name}.json").read_text())
+
+    def staged(b: dict[str, Any]) -> list[float | None]:
+        held = b.get("broadcast_s") or [None] * len(b["sync_s"])
+        return [peer_wait(s, h) for s, h in zip(b["sync_s"], held, strict=True)]
+
     return [
         concat(
             [
                 RankSteps(
-                    r["rank"], r["host"], b["first"], b["time_s"], b["data_wait_s"], b["sync_s"], b["cpu_s"]
+                    r["rank"], r["host"], b["first"], b["time_s"], b["data_wait_s"], staged(b), b["cpu_s"]
                 )
                 for b in r["batches"]
             ]
@@ -197,11 +206,11 @@ def _windows(series: list[RankSteps]) -> list[tuple[int, list[RankSteps]]]:
     ]
 
 
-def _opened(name: str) -> list[tuple[int, set[tuple[int, str]]]]:
+def _opened(name: str, folder: Path = FIXTURES) -> list[tuple[int, set[tuple[int, str]]]]:
     """Per window (by first step): the (rank, cause) flags open after persistence."""
     history: list[set[tuple[int, str]]] = []
     out = []
-    for w0, ranks in _windows(_recorded(name)):
+    for w0, ranks in _windows(_recorded(name, folder)):
         history.append({(x.rank, x.cause) for x in late_ranks(line_up(ranks))})
         out.append((w0, persistent(history)))
     return out
@@ -216,10 +225,10 @@ def test_recorded_clean_run_opens_nothing() -> None:
     [
         ("compute--20", 2, "compute", True),
         ("host-stall--20", 1, "host_stall", True),
-        # On the oversubscribed recording machine rank 1 also arrived last on 6-8 of 8
-        # steps from the second faulty window on, with no extra CPU (a real, measured
-        # lateness named host_stall); the loader stall itself is named from its wait.
-        ("loader-stall--20", 3, "data", False),
+        # Rank 1 also reached the all-reduce last on most steps: gloo relays DDP's buffer
+        # broadcast to it through rank 3, late from its loader. Its wait there, counted as
+        # waiting (the recording's ``broadcast_s``, as ingest stages it), leaves it clean.
+        ("loader-stall--20", 3, "data", True),
     ],
 )
 def test_recorded_fault_opens_within_two_windows_of_the_onset(
@@ -357,6 +366,34 @@ def test_cpu_contention_opens_after_four_late_windows_and_survives_the_state_rou
     [pool] = loaded.to_state()["pools"]
     assert pool["steps"] == [33, 34] and pool["runq"] == [[None] * 4] * 2
     assert loaded.open_findings() == []
+
+
+def test_without_its_wait_in_the_broadcast_the_relayed_rank_looks_stalled(tmp_path: Path) -> None:
+    """The loader-stall recording without ``broadcast_s`` (what the collector saw before
+    the agent sent it): rank 1, held in the broadcast by rank 3, is taken for a host stall.
+    The recording does show the relay the staging corrects."""
+    d = json.loads((FIXTURES / "loader-stall--20.json").read_text())
+    for r in d["ranks"]:
+        for b in r["batches"]:
+            b.pop("broadcast_s", None)
+    (tmp_path / "no-broadcast.json").write_text(json.dumps(d))
+    opened = set().union(*(o for _, o in _opened("no-broadcast", tmp_path)))
+    assert opened == {(3, "data"), (1, "host_stall")}
+
+
+def test_a_rank_waiting_on_its_loader_is_data_even_when_its_peers_waited_longer() -> None:
+    """On a busy host the peers' wait for a rank can exceed its loader wait (it is also
+    descheduled): with the loader wait on most steps and no extra work, the loader is what
+    was measured, not a host stall (whose message says neither was seen)."""
+    ranks = synthetic(4, 8, seed=11, late={3: 0.5}, kind="host_stall")
+    slow = ranks[3]
+    loader = [0.002 + 0.04 for _ in slow.data_wait_s]  # 0.04 s of its 0.15 s lateness
+    ranks[3] = RankSteps(
+        slow.rank, slow.host, slow.first_step, slow.step_time_s, loader, slow.sync_s, slow.cpu_s, slow.runq_s
+    )
+    (x,) = late_ranks(line_up(ranks))
+    assert (x.rank, x.cause) == (3, "data")
+    assert x.evidence["extra_data_wait_s"] < 0.5 * x.lateness_s  # not half the lateness
 
 
 def test_a_group_whose_ranks_changed_starts_a_new_pool() -> None:
