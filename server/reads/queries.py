@@ -141,10 +141,13 @@ def list_runs(
     threshold of the run's step time, ``StatusRule``): every run the other filters keep
     is classified by ``run_states`` (its two queries, over all of them) and the page is
     cut in Python from their ids. That costs O(runs matching the other filters), not
-    O(page): ~70 ms at 10,000 runs on SQLite, over the unfiltered list's 50 ms (``python
-    -m benchmarks run_listing``'s ``live_p99_s``). Leaving the finished and hung runs out
-    in SQL first cost more than it saved: the same per-run aggregate ``run_states`` does,
-    run twice (140 ms)."""
+    O(page): at 10,000 runs, 80-100 ms a request on SQLite on a loaded 2-core machine and
+    a p99 of 250-350 ms there on both backends, over the unfiltered list's 50 ms (``python
+    -m benchmarks run_listing``'s ``live_p99_s``; ``run_states`` over every run is most of
+    it, as in each ``/metrics`` scrape). The finished runs are not left out in SQL first:
+    that was the same per-run aggregate run twice where none is finished (the benchmark);
+    where most runs are finished, doing so (``~finished_run()`` in the query of ids) may
+    pay."""
     f = where or RunFilter()
     conds = f.where()
     cols = (RUNS.c.id, RUNS.c.name, RUNS.c.world_size)
