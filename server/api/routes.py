@@ -22,7 +22,7 @@ from ..ingest.admission import QuotaExceededError, may_write
 from ..ingest.group_commit import GroupCommitter
 from ..ingest.store import Ingestor, RunKey
 from ..reads import queries
-from ..reads.status import StatusRule
+from ..reads.status import MEANING, STATUSES, StatusRule
 from ..schemas.ingest import IngestBatches, IngestPayload
 from ..schemas.responses import (
     EventOut,
@@ -279,6 +279,14 @@ async def _admission(
     return await asyncio.shield(check)
 
 
+#: ``?status=``'s description: each status the runs show, from their one definition.
+_STATUS_FILTER = (
+    "the runs of one status, as each run's `status` shows it: "
+    + "; ".join(f"`{s}` ({MEANING[s]})" for s in STATUSES)
+    + "; or `running`: not finished (live, stalled or hung)"
+)
+
+
 def _invalid(loc: tuple[str, ...], msg: str) -> RequestValidationError:
     return RequestValidationError([{"loc": loc, "msg": msg, "type": "limit"}])
 
@@ -305,7 +313,7 @@ def list_runs(
     response: Response,
     limit: Annotated[int, Query(ge=1, le=queries.RUNS_PAGE_MAX)] = queries.RUNS_PAGE,
     offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
-    status: Annotated[queries.ListStatus | None, Query(description="running or finished")] = None,
+    status: Annotated[queries.ListStatus | None, Query(description=_STATUS_FILTER)] = None,
     prefix: Annotated[
         str | None, Query(pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="name prefix")
     ] = None,
