@@ -7,8 +7,8 @@ bytes of the rows that section makes the collector store, on PostgreSQL.
 Why measured, not computed: the section's size depends on the values the hook really
 records (digits of each rounded time), on the gloo connections the link sampler finds
 and on the collector's rows; so 4 gloo ranks train the demo's tiny GPT (10 DDP buckets)
-with the real agent (``stepwatch.init`` + ``sw.watch``), and every body its sender
-encodes is kept (its ``_encode`` wrapped, as the real-training evaluation records). The
+with the real agent (``stepwatch.init`` + ``sw.watch``), whose sender posts every
+window to a loopback endpoint that keeps the bodies. The
 bodies are then re-encoded with the agent's own ``encode`` without ``comm`` (the
 difference is the section's bytes), and both sets are stored by the collector's
 ``Ingestor`` into two fresh PostgreSQL databases, where ``pg_column_size`` gives each
@@ -38,13 +38,50 @@ ROW_BUDGET = 64
 WINDOW_SIZES = (64, 1024)
 
 
-def _worker(rank: int, init: str, out: str, steps: int, send_interval: float) -> None:
+class _Sink:
+    """A loopback HTTP endpoint that answers 200 to every POST and keeps the bodies: the
+    agent sends exactly what it would send a collector (its own sender and encoder)."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        bodies: list[bytes] = []
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                with lock:
+                    bodies.append(body)
+                self.send_response(200)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.bodies = bodies
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _Sink:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _worker(rank: int, init: str, url: str, steps: int, send_interval: float) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import stepwatch
-    from stepwatch.demo.launch import free_port
     from stepwatch.demo.model import GPTConfig, TinyGPT, loss_fn
 
     torch.set_num_threads(1)
@@ -60,23 +97,15 @@ def _worker(rank: int, init: str, out: str, steps: int, send_interval: float) ->
         seq_len=cfg.seq_len,
         dtype="fp32",
         peak_flops=5e10,
-        url=f"http://127.0.0.1:{free_port()}",  # nobody listens: the bodies are kept here
+        url=url,
+        rank=rank,
+        local_rank=rank,
+        world_size=RANKS,
         send_interval_s=send_interval,
         warmup_steps=2,
-        flush_timeout_s=1.0,
         profile_every=0,
     )
     sw.watch(ddp)
-    sent: list[str] = []
-    sender: Any = sw._sender
-    encode = sender._encode
-
-    def recording(window: Any, stats: Any) -> bytes:
-        body: bytes = encode(window, stats)
-        sent.append(body.decode())
-        return body
-
-    sender._encode = recording
     g = torch.Generator().manual_seed(rank)
     for _ in range(steps):
         x = torch.randint(1, cfg.vocab, (8, cfg.seq_len), generator=g)
@@ -84,32 +113,21 @@ def _worker(rank: int, init: str, out: str, steps: int, send_interval: float) ->
         opt.step()
         opt.zero_grad(set_to_none=True)
         sw.step(tokens=x.numel())
-    sw.close(timeout_s=2.0)
-    Path(out.format(rank=rank)).write_text(json.dumps(sent))
+    sw.close(timeout_s=10.0)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def record(steps: int, send_interval: float) -> list[dict[str, Any]]:
-    """Every distinct window body the 4 ranks' agents encoded (a retry's body once)."""
+    """Every window body with steps and a ``comm`` section that the 4 ranks' agents sent."""
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _Sink() as sink:
         init = f"file://{Path(tmp) / 'store'}"
-        out = str(Path(tmp) / "rank{rank}.json")
-        mp.spawn(_worker, args=(init, out, steps, send_interval), nprocs=RANKS, join=True)
-        bodies = [
-            json.loads(b) for r in range(RANKS) for b in json.loads(Path(out.format(rank=r)).read_text())
-        ]
-    seen: set[tuple[int, int]] = set()
-    windows = []
-    for p in bodies:
-        key = (p["rank"]["rank"], p["steps"]["first"])
-        if p["steps"]["time_s"] and p.get("comm") and key not in seen:
-            seen.add(key)
-            windows.append(p)
-    return windows
+        mp.spawn(_worker, args=(init, sink.url, steps, send_interval), nprocs=RANKS, join=True)
+        bodies = [json.loads(b) for b in sink.bodies]
+    return [p for p in bodies if p["steps"]["time_s"] and p.get("comm")]
 
 
 def payload_bytes(windows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
@@ -120,16 +138,15 @@ def payload_bytes(windows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     without = [len(encode({k: v for k, v in p.items() if k != "comm"})) for p in windows]
     steps = [len(p["steps"]["time_s"]) for p in windows]
     growth = [a - b for a, b in zip(with_comm, without, strict=True)]
-    # Per-step arrays (arrive, end, sync, cpu) and a per-window part (sketch, groups,
-    # links): a least-squares line through (steps, growth) separates them.
-    if len(set(steps)) > 1:
-        slope, fixed = statistics.linear_regression(steps, growth)
-    else:
-        per_step = [
-            len(encode({k: p["comm"][k] for k in ("arrive_s", "end_s", "sync_s", "cpu_s")})) for p in windows
-        ]
-        slope = statistics.fmean(b / s for b, s in zip(per_step, steps, strict=True))
-        fixed = statistics.fmean(g - slope * s for g, s in zip(growth, steps, strict=True))
+    # The per-step arrays (arrive, end, sync, cpu: one value per step each) apart from
+    # the per-window rest (duration sketch, group counters, links, run-queue wait).
+    arrays = ("arrive_s", "end_s", "sync_s", "cpu_s")
+    per_step_bytes = [
+        len(encode(p["comm"])) - len(encode({k: v for k, v in p["comm"].items() if k not in arrays}))
+        for p in windows
+    ]
+    slope = sum(per_step_bytes) / sum(steps)
+    fixed = statistics.fmean(g - b for g, b in zip(growth, per_step_bytes, strict=True))
     return {
         "windows": len(windows),
         "steps": statistics.fmean(steps),
