@@ -459,8 +459,7 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
         if inner is None:  # DDP's own reduction: what ``dist.all_reduce(async_op=True)`` passes
             pg = state if state is not None else dist.group.WORLD
             scale = 1.0 / dist.get_world_size(pg)
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.SUM
+            opts = dist.AllreduceOptions()  # its reduceOp is SUM, as dist.all_reduce's default
             if hasattr(opts, "asyncOp"):
                 opts.asyncOp = True
         r = (state, label, pg, scale, opts)

@@ -139,11 +139,10 @@ def payload_bytes(windows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     steps = [len(p["steps"]["time_s"]) for p in windows]
     growth = [a - b for a, b in zip(with_comm, without, strict=True)]
     # The per-step arrays (arrive, end, sync, cpu: one value per step each) apart from
-    # the per-window rest (duration sketch, group counters, links, run-queue wait).
+    # the per-window rest (their keys, duration sketch, group counters, links, run-queue wait).
     arrays = ("arrive_s", "end_s", "sync_s", "cpu_s")
     per_step_bytes = [
-        len(encode(p["comm"])) - len(encode({k: v for k, v in p["comm"].items() if k not in arrays}))
-        for p in windows
+        len(encode(p["comm"])) - len(encode({**p["comm"], **{key: [] for key in arrays}})) for p in windows
     ]
     slope = sum(per_step_bytes) / sum(steps)
     fixed = statistics.fmean(g - b for g, b in zip(growth, per_step_bytes, strict=True))

@@ -12,6 +12,7 @@ import pytest
 from benchmarks import (
     agent_overhead,
     collective_counting,
+    comm_payload,
     comm_timing,
     ingest,
     loadgen,
@@ -190,3 +191,19 @@ def test_direct_cost_verdict_scales_per_bucket_cost_to_the_step() -> None:
     assert over["budget"] == "MISSED" and over["fraction"][comm_timing.TIMED][0] == pytest.approx(0.015)
     blind = comm_timing.direct_verdict(iso(90.0, 2.0), 10, 0.060)  # the control was not seen
     assert not blind["control_works"] and blind["budget"] == "inconclusive"
+
+
+def test_comm_payload_splits_the_section_into_per_step_and_per_window_bytes() -> None:
+    """Two windows (4 and 8 steps) whose comm section has 4 per-step arrays and a fixed
+    rest: the growth is the section's encoded bytes, the per-step part its arrays'."""
+
+    def body(n: int) -> dict[str, object]:
+        comm = {k: [0.123456] * n for k in ("arrive_s", "end_s", "sync_s", "cpu_s")}
+        comm.update(version=1, clock="host", collectives=[], groups=[{"group": "world", "entered": 9}])
+        return {"run": "r", "steps": {"first": 1, "time_s": [0.2] * n}, "comm": comm}
+
+    f = comm_payload.payload_bytes([body(4), body(8)])
+    per_value = len("0.123456,")
+    assert f["per_step"] == pytest.approx(4 * per_value, abs=1)  # n values, n - 1 commas
+    assert f["growth"] == pytest.approx(f["fixed"] + f["per_step"] * 6, abs=1)
+    assert 60 < f["fixed"] < 160
