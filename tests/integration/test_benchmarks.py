@@ -142,7 +142,11 @@ def _cycles(
         for c in comm_timing.CONFIGS:
             f = factors.get(c, 1.0) * drift
             out[c].append(
-                {"wall": 0.150 * f * (1 + rng.gauss(0, noise)), "cpu": 0.6 * f * (1 + rng.gauss(0, noise))}
+                {
+                    "wall": 0.150 * f * (1 + rng.gauss(0, noise)),
+                    "cpu": 0.6 * f * (1 + rng.gauss(0, noise)),
+                    "thread": 0.5 * f * (1 + rng.gauss(0, noise)),
+                }
             )
     return out
 
