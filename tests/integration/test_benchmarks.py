@@ -4,11 +4,16 @@ asserted is that their verdicts can fail (given figures with a known slowdown)."
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from benchmarks import (
     agent_overhead,
     collective_counting,
+    comm_payload,
+    comm_timing,
     ingest,
     loadgen,
     metrics_scrape,
@@ -24,6 +29,7 @@ def test_every_benchmark_is_discovered() -> None:
     assert {
         "agent_overhead",
         "collective_counting",
+        "comm_payload",
         "comm_timing",
         "hot_path",
         "ingest",
@@ -121,3 +127,87 @@ def test_read_budgets_can_be_missed() -> None:
     assert metrics_scrape.verdict(0.040, 0.070)[1]
     assert not metrics_scrape.verdict(0.040, 0.090)[1]
     assert not metrics_scrape.verdict(0.150, 0.210)[1]
+
+
+def _cycles(
+    factors: dict[str, float], noise: float, n: int = 400, seed: int = 0
+) -> dict[str, list[dict[str, float]]]:
+    """Paired cycles of 150 ms steps (600 ms CPU over the ranks): each configuration's
+    step is the built-in's times its factor, each with its own per-step noise (relative
+    sd ``noise``) and a drift shared by the cycle (which the pairing cancels)."""
+    rng = random.Random(seed)
+    out: dict[str, list[dict[str, float]]] = {c: [] for c in comm_timing.CONFIGS}
+    for _ in range(n):
+        drift = 1 + 0.2 * rng.random()
+        for c in comm_timing.CONFIGS:
+            f = factors.get(c, 1.0) * drift
+            out[c].append(
+                {
+                    "wall": 0.150 * f * (1 + rng.gauss(0, noise)),
+                    "cpu": 0.6 * f * (1 + rng.gauss(0, noise)),
+                    "thread": 0.5 * f * (1 + rng.gauss(0, noise)),
+                }
+            )
+    return out
+
+
+def test_comm_timing_verdict_misses_a_3_percent_hook_and_sees_the_control() -> None:
+    v = comm_timing.verdict(_cycles({comm_timing.TIMED: 1.03, comm_timing.CONTROL: 1.02}, noise=0.02))
+    assert all(v["resolves"].values()) and v["overall"] == "MISSED"
+    assert v["est"][comm_timing.CONTROL]["cpu"][0] == pytest.approx(1.02, abs=0.006)
+    fine = comm_timing.verdict(_cycles({comm_timing.TIMED: 1.002, comm_timing.CONTROL: 1.02}, noise=0.02))
+    assert fine["overall"] == "met"
+
+
+def test_comm_timing_verdict_is_inconclusive_when_noise_hides_2_percent() -> None:
+    """Per-step noise of 30% (4 ranks on 2 loaded cores) over 60 cycles: neither a 3% hook
+    nor a clean one gets a verdict, and the band says why."""
+    factors = {comm_timing.TIMED: 1.03, comm_timing.CONTROL: 1.02}
+    v = comm_timing.verdict(_cycles(factors, noise=0.3, n=60))
+    assert not any(v["resolves"].values()) and v["overall"] == "inconclusive"
+    assert v["band"]["wall"] > 0.01
+
+
+def test_comm_timing_verdict_needs_the_control_detected() -> None:
+    """A quiet run whose control shows no slowdown cannot vouch for the budget."""
+    v = comm_timing.verdict(_cycles({comm_timing.TIMED: 1.0, comm_timing.CONTROL: 1.0}, noise=0.02))
+    assert v["band"]["cpu"] < 0.01 and not any(v["resolves"].values())
+    assert v["overall"] == "inconclusive"
+
+
+def test_median_interval_covers_the_median_by_order_statistics() -> None:
+    med, lo, hi = comm_timing.median_ci([float(x) for x in range(100)])
+    assert med == 49.5 and (lo, hi) == (39.0, 60.0)
+    assert comm_timing.median_ci([1.0, 2.0, 3.0])[1] == -math.inf  # too few for an interval
+
+
+def test_direct_cost_verdict_scales_per_bucket_cost_to_the_step() -> None:
+    """The isolated phase: 10 buckets, 60 ms of a rank's CPU per 4-rank step."""
+
+    def iso(timed_us: float, control_us: float) -> dict[str, object]:
+        per_step = {c: us * 10e-6 for c, us in ((comm_timing.PYHOOK, 30.0), (comm_timing.TIMED, timed_us))}
+        per_step[comm_timing.CONTROL] = (30.0 + control_us) * 10e-6
+        per_step[comm_timing.AGAIN] = per_step[comm_timing.NO_THEN] = 0.0
+        return {"buckets": 10, "diff": {c: (x, x - 5e-6, x + 5e-6) for c, x in per_step.items()}}
+
+    assert comm_timing.direct_verdict(iso(40.0, 20.0), 10, 0.060)["budget"] == "met"  # 0.67%
+    over = comm_timing.direct_verdict(iso(90.0, 20.0), 10, 0.060)  # 1.5%
+    assert over["budget"] == "MISSED" and over["fraction"][comm_timing.TIMED][0] == pytest.approx(0.015)
+    blind = comm_timing.direct_verdict(iso(90.0, 2.0), 10, 0.060)  # the control was not seen
+    assert not blind["control_works"] and blind["budget"] == "inconclusive"
+
+
+def test_comm_payload_splits_the_section_into_per_step_and_per_window_bytes() -> None:
+    """Two windows (4 and 8 steps) whose comm section has 4 per-step arrays and a fixed
+    rest: the growth is the section's encoded bytes, the per-step part its arrays'."""
+
+    def body(n: int) -> dict[str, object]:
+        comm = {k: [0.123456] * n for k in ("arrive_s", "end_s", "sync_s", "cpu_s")}
+        comm.update(version=1, clock="host", collectives=[], groups=[{"group": "world", "entered": 9}])
+        return {"run": "r", "steps": {"first": 1, "time_s": [0.2] * n}, "comm": comm}
+
+    f = comm_payload.payload_bytes([body(4), body(8)])
+    per_value = len("0.123456,")
+    assert f["per_step"] == pytest.approx(4 * per_value, abs=1)  # n values, n - 1 commas
+    assert f["growth"] == pytest.approx(f["fixed"] + f["per_step"] * 6, abs=1)
+    assert 60 < f["fixed"] < 160
