@@ -641,5 +641,8 @@ def count_buffer_broadcast(ddp: Any, timing: CommTiming) -> bool:
                 timing.held(_perf() - t0)
 
     ddp.register_forward_pre_hook(before)
-    inner.register_forward_pre_hook(after)
+    # First among the wrapped module's pre-hooks: one registered earlier (a user's, doing
+    # work or sleeping) runs after the broadcast and must not be timed as waiting in it
+    # (an evaluation's sleep in such a hook was, and its host stall went unflagged).
+    inner.register_forward_pre_hook(after, prepend=True)
     return True

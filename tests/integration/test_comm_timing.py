@@ -21,6 +21,11 @@ from stepwatch.demo.model import GPTConfig, TinyGPT, loss_fn
 RANKS, STEPS = 4, 3
 #: In the broadcast part, this rank enters step 2's buffer broadcast this late.
 LATE_RANK, LATE_S = 3, 0.3
+#: ... in this step (0-based): past the second, in which DDP rebuilds its buckets and
+#: broadcasts their order, a wait for every rank of its own.
+LATE_STEP = 2
+#: ... and this rank sleeps as long in a forward pre-hook of its own (after the broadcast).
+BUSY_RANK = 2
 CFG = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
 
 
@@ -71,22 +76,32 @@ def _worker(rank: int, init: str, out: str) -> None:
     # module outside DDP broadcasts nothing and counts nothing.
     bt = CommTiming(16, lambda: (pos[0], pos[1]))
     torch.manual_seed(0)
-    c = DDP(TinyGPT(CFG), bucket_cap_mb=0.01)
+    inner = TinyGPT(CFG)
+    if rank == BUSY_RANK:  # the user's own pre-hook, registered before stepwatch's: not broadcast
+
+        def busy(_m: object, _i: object) -> None:
+            if pos[1] == LATE_STEP:
+                time.sleep(LATE_S)
+
+        inner.register_forward_pre_hook(busy)
+    c = DDP(inner, bucket_cap_mb=0.01)
     c.register_comm_hook(None, comm_hook(timing=bt))
     result["broadcast_hooked"] = count_buffer_broadcast(c, bt)
-    for step in range(2):
+    for step in range(LATE_STEP + 1):
         pos[1] = step
         x = torch.randint(1, CFG.vocab, (4, CFG.seq_len))
-        if step == 1 and rank == LATE_RANK:
+        if step == LATE_STEP and rank == LATE_RANK:
             time.sleep(LATE_S)  # a slow loader: this rank enters the broadcast late
         loss_fn(c(x), x, 0).backward()  # type: ignore[no-untyped-call]
     with torch.no_grad():
         c.module(x)
-    bslices = bt.take(2)
+    bslices = bt.take(LATE_STEP + 1)
     assert bslices is not None
     result["broadcast_buckets"] = list(bslices.n_buckets)
     result["broadcast_seq"] = bt.groups()
-    result["broadcast_section"], _ = summarise(bslices, 1, [1e6, 2e6], [1e6, 1e6], None)
+    n_b = LATE_STEP + 1
+    ends = [1e6 * (i + 1) for i in range(n_b)]
+    result["broadcast_section"], _ = summarise(bslices, 1, ends, [1e6] * n_b, None)
     with open(out.format(rank=rank), "w") as f:
         json.dump(result, f)
     # Every rank leaves together, as the demo's ranks do: a gloo rank that tears its group
@@ -121,16 +136,18 @@ def test_hook_keeps_gradients_bit_identical_and_times_every_bucket(tmp_path: Pat
         assert sec["cpu_s"][0] is None and all(v is not None and v > 0 for v in sec["cpu_s"][1:])
         (bseq,) = r["broadcast_seq"]
         assert r["broadcast_hooked"] is True
-        assert bseq["entered"] == bseq["completed"] == sum(r["broadcast_buckets"]) + 2, bseq
+        assert bseq["entered"] == bseq["completed"] == sum(r["broadcast_buckets"]) + LATE_STEP + 1, bseq
         # Each forward's wait in the broadcast, per step (the wrapped module's call outside
         # DDP broadcasts nothing and adds nothing).
         held = r["broadcast_section"]["broadcast_s"]
-        assert len(held) == 2 and all(v is not None and v >= 0 for v in held), held
+        assert len(held) == LATE_STEP + 1 and all(v is not None and v >= 0 for v in held), held
     # The broadcast is a dependency, not only a meeting point: gloo relays rank 0's buffers
     # along a tree in which rank 1 receives through rank 3, so rank 3's late entry holds
     # rank 1 (which then reaches its all-reduce late with no more work: what the collector
     # must not take for a straggler), while rank 3 itself barely waits there.
-    held_late = [r["broadcast_section"]["broadcast_s"][1] for r in results]
+    held_late = [r["broadcast_section"]["broadcast_s"][LATE_STEP] for r in results]
     assert held_late[1] >= 0.8 * LATE_S > held_late[LATE_RANK], held_late
+    # The user's pre-hook runs after the broadcast: its sleep is not a wait there.
+    assert held_late[BUSY_RANK] < 0.5 * LATE_S, held_late
     # The same bytes on every rank: one collective is one collective everywhere.
     assert len({r["section"]["collectives"][0]["bytes"] for r in results}) == 1
