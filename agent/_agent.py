@@ -273,9 +273,12 @@ class Stepwatch:
     # -- collectives ----------------------------------------------------------------
     def watch(self, model: Any, state: Any = None) -> None:
         """Time every gradient bucket of a DDP ``model`` on every step (arrival, end, bytes),
-        with DDP's own all-reduce: ``sw.watch(ddp_model)`` before the first backward.
-        DDP's broadcast of module buffers before each forward is counted too (not
-        timed), so a hang diagnosis can tell a rank waiting in it from one that hung.
+        with DDP's own all-reduce over the model's own process group (``state``, by
+        default ``model.process_group``: a DDP over a data-parallel subgroup must not
+        reduce over the world): ``sw.watch(ddp_model)`` before the first backward.
+        DDP's broadcast of module buffers before each forward is counted too, and each
+        step's wait in it timed, so a hang diagnosis can tell a rank waiting in it from one
+        that hung, and a rank held there by a late peer is not taken for the late one.
         A model that already has a communication hook keeps it: wrap that hook with
         ``stepwatch.comm_hook(inner=...)`` instead.
 
@@ -288,6 +291,8 @@ class Stepwatch:
 
             if _model_on_cuda(model):
                 self._dev = cuda_clock(self._cap)
+        if state is None:
+            state = getattr(model, "process_group", None)
         try:
             model.register_comm_hook(state, comm_hook(timing=self.comm_timing))
             count_buffer_broadcast(model, self.comm_timing)

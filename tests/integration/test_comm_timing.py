@@ -151,3 +151,57 @@ def test_hook_keeps_gradients_bit_identical_and_times_every_bucket(tmp_path: Pat
     assert held_late[BUSY_RANK] < 0.5 * LATE_S, held_late
     # The same bytes on every rank: one collective is one collective everywhere.
     assert len({r["section"]["collectives"][0]["bytes"] for r in results}) == 1
+
+
+def _subgroup_worker(rank: int, init: str, out: str) -> None:
+    """Two data-parallel groups of 2 ({0, 1}, {2, 3}), each rank its own data: DDP on its
+    group with the built-in reduction, and the same DDP watched by the agent."""
+    from stepwatch._agent import Stepwatch
+    from stepwatch._env import detect
+    from stepwatch._sender import MemorySink
+    from stepwatch.config import AgentConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=RANKS)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # collective: every rank makes both
+    mine = groups[rank // 2]
+    torch.manual_seed(0)
+    a = DDP(TinyGPT(CFG), bucket_cap_mb=0.01, process_group=mine)
+    torch.manual_seed(0)
+    b = DDP(TinyGPT(CFG), bucket_cap_mb=0.01, process_group=mine)
+    agent = Stepwatch(
+        AgentConfig(run="r", max_window_steps=8, send_interval_s=1e9, warmup_steps=0),
+        detect({}, host="h"),
+        convention=None,
+        sender=MemorySink(),
+    )
+    agent.watch(b)
+    g = torch.Generator().manual_seed(rank)
+    mismatches = 0
+    for _ in range(2):
+        x = torch.randint(1, CFG.vocab, (4, CFG.seq_len), generator=g)
+        for model in (a, b):
+            loss_fn(model(x), x, 0).backward()  # type: ignore[no-untyped-call]
+        for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+            assert pa.grad is not None and pb.grad is not None
+            mismatches += int(not torch.equal(pa.grad, pb.grad))
+        agent.step(tokens=1)
+    with open(out.format(rank=rank), "w") as f:
+        json.dump({"mismatches": mismatches, "groups": [s["group"] for s in agent.comm_timing.groups()]}, f)
+    agent.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_watching_a_ddp_on_a_subgroup_reduces_over_that_group(tmp_path: Path) -> None:
+    """``sw.watch(ddp)`` on a DDP built over a data-parallel subgroup (tensor or pipeline
+    parallelism beside it) all-reduces over that group, as DDP itself does: it registered
+    its hook with no state, which reduced over the whole world and mixed the groups'
+    gradients."""
+    init = f"file://{tmp_path / 'store'}"
+    out = str(tmp_path / "sub{rank}.json")
+    mp.spawn(_subgroup_worker, args=(init, out), nprocs=RANKS, join=True)
+    for r in range(RANKS):
+        got = json.loads(Path(out.format(rank=r)).read_text())
+        assert got["mismatches"] == 0, f"rank {r}: gradients differ from DDP's own on its group"
+        assert "world" not in got["groups"], got["groups"]  # counted under the subgroup's name
