@@ -42,6 +42,17 @@ def _pair(
     return a, b, torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
 
 
+def _backward_both(a: DDP, b: DDP, x: torch.Tensor) -> int:
+    """One backward of each copy on the same batch: how many gradients differ."""
+    for model in (a, b):
+        loss_fn(model(x), x, 0).backward()  # type: ignore[no-untyped-call]
+    mismatches = 0
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert pa.grad is not None and pb.grad is not None
+        mismatches += int(not torch.equal(pa.grad, pb.grad))
+    return mismatches
+
+
 def _worker(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=RANKS)
@@ -55,11 +66,7 @@ def _worker(rank: int, init: str, out: str) -> None:
         for step in range(STEPS):
             pos[1] = step if name == "builtin" else STEPS + step
             x = torch.randint(1, CFG.vocab, (4, CFG.seq_len), generator=g)
-            for model in (a, b):
-                loss_fn(model(x), x, 0).backward()  # type: ignore[no-untyped-call]
-            for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
-                assert pa.grad is not None and pb.grad is not None
-                mismatches += int(not torch.equal(pa.grad, pb.grad))
+            mismatches += _backward_both(a, b, x)
             for opt in (oa, ob):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -180,11 +187,7 @@ def _subgroup_worker(rank: int, init: str, out: str) -> None:
     mismatches = 0
     for _ in range(2):
         x = torch.randint(1, CFG.vocab, (4, CFG.seq_len), generator=g)
-        for model in (a, b):
-            loss_fn(model(x), x, 0).backward()  # type: ignore[no-untyped-call]
-        for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
-            assert pa.grad is not None and pb.grad is not None
-            mismatches += int(not torch.equal(pa.grad, pb.grad))
+        mismatches += _backward_both(a, b, x)
         agent.step(tokens=1)
     with open(out.format(rank=rank), "w") as f:
         json.dump({"mismatches": mismatches, "groups": [s["group"] for s in agent.comm_timing.groups()]}, f)
