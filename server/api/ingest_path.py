@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -57,6 +57,8 @@ class IngestPath:
             response = Response(result.model_dump_json(), media_type="application/json")
         except BodyTooLargeError:
             raise  # answered 413 by the body limit
+        except ClientDisconnect:
+            return  # gone, or timed out reading (``timeouts``: 408 already written): no one to answer
         except Exception as exc:  # answered as the app answers it anywhere else
             response = await self._handled(request, exc)
         await response(scope, receive, send)

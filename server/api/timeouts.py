@@ -9,8 +9,11 @@ request has been read whole; if it fires first, the client gets ``408`` and the
 connection is closed. The cap is uvicorn's ``limit_concurrency``: past it, new
 requests are answered ``503`` at once instead of queueing without bound.
 
-The settings reach uvicorn's worker processes through the environment (``cli.run_uvicorn``
-exports them), so the protocol reads its deadline from ``Settings`` once per process.
+The deadline is bound into the protocol factory from the ``Settings`` the server is started
+with (a ``functools.partial``, which pickles into uvicorn's spawned workers). It was once
+read from the environment and cached per process: a test that set a 1 s deadline left it
+cached for every later server in that process, and a loaded collector then answered 408
+(and reset) requests whose body came a second after their headers.
 """
 
 from __future__ import annotations
@@ -30,22 +33,17 @@ _TIMEOUT = (
 )
 
 
-@functools.cache
-def _deadline_s() -> float:
-    """``STEPWATCH_REQUEST_READ_TIMEOUT_S``, read once per process."""
-    return Settings().request_read_timeout_s
-
-
 class DeadlineProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a deadline for reading each request."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, read_deadline_s: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._deadline_s = read_deadline_s
         self._read_timer: asyncio.TimerHandle | None = None
 
     def _arm(self) -> None:
         self._disarm()
-        self._read_timer = self.loop.call_later(_deadline_s(), self._read_timeout)
+        self._read_timer = self.loop.call_later(self._deadline_s, self._read_timeout)
 
     def _disarm(self) -> None:
         if self._read_timer is not None:
@@ -84,7 +82,7 @@ class DeadlineProtocol(HttpToolsProtocol):
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """The connection bounds as ``uvicorn.Config`` keyword arguments."""
     return {
-        "http": DeadlineProtocol,
+        "http": functools.partial(DeadlineProtocol, read_deadline_s=settings.request_read_timeout_s),
         "limit_concurrency": settings.max_connections,
         "timeout_keep_alive": settings.keep_alive_timeout_s,
     }
