@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from . import __version__, _collectives
 from ._comm_timing import CommTiming, comm_hook, count_buffer_broadcast
+from ._ddp_timing import time_reduction
 from ._device_clock import Boundaries, CudaEventClock
 from ._env import RankInfo
 from ._links import LinkSampler
@@ -271,20 +272,29 @@ class Stepwatch:
         self._sender.submit(window)
 
     # -- collectives ----------------------------------------------------------------
-    def watch(self, model: Any, state: Any = None) -> None:
-        """Time every gradient bucket of a DDP ``model`` on every step (arrival, end, bytes),
-        with DDP's own all-reduce over the model's own process group (``state``, by
-        default ``model.process_group``: a DDP over a data-parallel subgroup must not
-        reduce over the world): ``sw.watch(ddp_model)`` before the first backward.
-        DDP's broadcast of module buffers before each forward is counted too, and each
-        step's wait in it timed, so a hang diagnosis can tell a rank waiting in it from one
-        that hung, and a rank held there by a late peer is not taken for the late one.
-        A model that already has a communication hook keeps it: wrap that hook with
-        ``stepwatch.comm_hook(inner=...)`` instead.
+    def watch(self, model: Any, state: Any = None, *, per_bucket: bool = False) -> None:
+        """Time a DDP ``model``'s gradient reduction on every step: ``sw.watch(ddp_model)``
+        before the first backward.
+
+        By default DDP keeps its built-in (C++) all-reduce and each step's arrival (every
+        bucket launched) and end (every all-reduce done) are read in autograd's final
+        callbacks (``_ddp_timing``: three Python calls a step, where a Python comm hook
+        costs 4-5% of a small model's step on shared cores). ``per_bucket=True`` instead
+        registers ``stepwatch.comm_hook``, which times every bucket (arrival, end, bytes,
+        a duration sketch) with DDP's own reduction over the model's process group
+        (``state``, by default ``model.process_group``: a DDP over a data-parallel
+        subgroup must not reduce over the world). A model with a comm hook of its own
+        keeps it; by default its reduction is timed per step like the built-in one, and
+        per bucket by registering ``stepwatch.comm_hook(inner=that_hook)`` instead.
+
+        Either way DDP's broadcast of module buffers before each forward is counted too,
+        and each step's wait in it timed, so a hang diagnosis can tell a rank waiting in it
+        from one that hung, and a rank held there by a late peer is not taken for the late
+        one.
 
         A model on CUDA watched before the first step also starts the device step clock
-        when ``init`` did not (CUDA was not initialised then): the hook's device events
-        are measured from its step boundaries. Watched later, the hook keeps host times."""
+        when ``init`` did not (CUDA was not initialised then): the timing's device events
+        are measured from its step boundaries. Watched later, it keeps host times."""
         if self._dev is None and self._n == 0 and self._first_step == self._start_step + 1:
             from ._api import _model_on_cuda
             from ._device_clock import cuda_clock
@@ -294,12 +304,14 @@ class Stepwatch:
         if state is None:
             state = getattr(model, "process_group", None)
         try:
-            model.register_comm_hook(state, comm_hook(timing=self.comm_timing))
+            if per_bucket:
+                model.register_comm_hook(state, comm_hook(timing=self.comm_timing))
+            elif not time_reduction(model, self.comm_timing):
+                raise RuntimeError("no parameter of the model takes a gradient")
             count_buffer_broadcast(model, self.comm_timing)
-        except RuntimeError as exc:
+        except Exception as exc:  # never into the training loop: only the timing is lost
             warnings.warn(
-                f"stepwatch: could not install the timing hook ({exc}); "
-                "register stepwatch.comm_hook(inner=your_hook) yourself",
+                f"stepwatch: could not install the collective timing ({exc}); steps are timed without it",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -127,6 +127,9 @@ class TimingSlices:
     #: (-1: none), and the seconds the training thread waited in DDP's buffer broadcast.
     held_step: array[int] = field(default_factory=lambda: array("q"))
     held: array[float] = field(default_factory=lambda: array("d"))
+    #: Slots per bucket (``comm_hook``), or one per step for the whole reduction
+    #: (``_ddp_timing``: no per-collective durations to summarise).
+    per_bucket: bool = True
 
     def approx_bytes(self) -> int:
         return 64 + 8 * (6 * len(self.step_of) + 2 * len(self.arrive))
@@ -161,6 +164,8 @@ class CommTiming:
         #: entered one is then named by the hang diagnosis, not absent from the group.
         self.known_groups: Callable[[], Iterable[str]] | None = None
         self.used = False
+        #: False when ``_ddp_timing`` fills one slot per step (the whole reduction).
+        self.per_bucket = True
         self._cpu_prev: float | None = None  # sender thread: CPU clock at the previous step
         #: On CUDA (:meth:`start_device`): the slots' arrival and end events.
         self._events: CommEvents | None = None
@@ -302,6 +307,7 @@ class CommTiming:
             self._events.take() if self._events is not None else None,
             held_step=self._held_step[:n],
             held=self._held[:n],
+            per_bucket=self.per_bucket,
         )
 
     # -- sender thread ------------------------------------------------------------------
@@ -351,7 +357,8 @@ class CommTiming:
             return None
         arrive, end = got
         # Without ``held``: the broadcast's host time is only its launch on CUDA.
-        return TimingSlices(s.step_of, s.n_buckets, s.bytes, s.cpu, arrive, end), times
+        sliced = TimingSlices(s.step_of, s.n_buckets, s.bytes, s.cpu, arrive, end, per_bucket=s.per_bucket)
+        return sliced, times
 
     def heartbeat_section(self, idle_s: float) -> dict[str, Any]:
         """The ``comm`` section of a heartbeat: no step, the group counters as they are
@@ -416,7 +423,8 @@ def summarise(
             if e == _NONE:
                 continue
             a = s.arrive[b]
-            sketch.add(max(0.0, e - a))
+            if s.per_bucket:
+                sketch.add(max(0.0, e - a))
             count += 1
             if a > last_a:
                 last_b, last_a = b, a
@@ -437,8 +445,9 @@ def summarise(
         "end_s": end_s,
         "sync_s": sync_s,
         "cpu_s": cpu_s,
+        # Per-collective durations only where each bucket was timed on its own.
         "collectives": [{"op": "all_reduce", "count": count, "bytes": nbytes, "duration": sketch.to_dict()}]
-        if count
+        if count and s.per_bucket
         else [],
     }
     if clock == "host" and len(s.held_step) >= n:

@@ -1,5 +1,6 @@
 """The always-on collective timing's cost: step time of 4 gloo ranks training a tiny GPT
-under DDP with >= 8 buckets, with the timing hook against DDP's built-in all-reduce.
+under DDP with >= 8 buckets, timed as ``sw.watch`` times it against DDP's built-in
+all-reduce untimed.
 
     python -m benchmarks.comm_timing [--seconds 120] [--cycles N] [--diagnose]
 
@@ -28,10 +29,12 @@ its order statistics.
 
 Configurations: ``builtin`` (DDP's C++ all-reduce, the baseline), ``builtin, again``
 (A/A: its interval is the noise band), ``python hook`` (torch's own ``allreduce_hook``:
-what any Python communication hook costs, stepwatch's or not), ``timed``
-(``stepwatch.comm_hook`` and the buffer-broadcast counting, as ``sw.watch`` installs
-them, windows taken and summarised as the agent does, the summary outside the step:
-the sender thread's), and ``control``: the built-in all-reduce plus a busy loop of a
+what any Python communication hook costs, stepwatch's or not), ``timed`` (what
+``sw.watch`` installs: the built-in all-reduce timed per step from autograd's final
+callbacks, ``stepwatch._ddp_timing``, and the buffer-broadcast counting), ``timed per
+bucket`` (``sw.watch(per_bucket=True)``: ``stepwatch.comm_hook`` and the same counting),
+each with windows taken and summarised as the agent does, the summary outside the step
+(the sender thread's), and ``control``: the built-in all-reduce plus a busy loop of a
 known CPU cost after backward, calibrated in the warm-up to CONTROL_COST of the
 built-in step's CPU: the positive control that the benchmark can see a 2% slowdown.
 ``--diagnose`` adds ``timed, no end record`` to the 4-rank phase: the hook's arrival
@@ -39,17 +42,18 @@ record without the completion record in its ``then()`` callback (where a cost wo
 come from; the isolated phase always has it).
 
 Verdict (issue 11: the timing costs <= 1% of step time), per measure: met when the
-timed ratio's interval lies at or under 1.01, MISSED when it lies above, else
+``timed`` ratio's interval lies at or under 1.01, MISSED when it lies above, else
 inconclusive; and only when the run resolves a 2% slowdown: the A/A band under 1%
 and the control's interval above the band. At load 5-12 on the shared 2 cores the
 default 110 s (60-75 cycles) does not resolve it (bands: wall 8-25%, process CPU 3-9%,
 training threads about 2.5%); a decision there takes several runs' cycles pooled
 (``--dump`` keeps them) or ``--seconds`` of about 10 minutes.
 
-The isolated phase decides only the *direct* cost (the hook's own CPU per bucket);
-it cannot see what a Python hook costs the 4-rank job indirectly. Pooled over three
-runs after the hook's rewrite (183 cycles, load 5.5-12), the 4-rank phase read torch's
-``allreduce_hook`` at +4.4% CPU [+2.1, +6.4] and the timed hook at +4.9% [+3.3, +6.2]
+The isolated phase decides only the *direct* cost (the timing's own CPU per step or
+bucket); it cannot see what a Python hook costs the 4-rank job indirectly. Why
+``sw.watch`` stopped using a comm hook: pooled over three runs after the hook's rewrite
+(183 cycles, load 5.5-12), the 4-rank phase read torch's ``allreduce_hook`` at +4.4%
+CPU [+2.1, +6.4] and the per-bucket hook at +4.9% [+3.3, +6.2]
 over the built-in, with A/A +0.5% [-2.0, +1.7] and the +2% control +2.8% [+2.0,
 +4.4]: ten times the direct cost, and the same for both hooks. With 2 ranks on the 2
 cores (287 cycles, load 4-9) both hooks still cost +3% of the processes' CPU and +2%
@@ -83,9 +87,12 @@ BASE = "builtin"
 AGAIN = "builtin, again"
 PYHOOK = "python hook"
 TIMED = "timed"
+PER_BUCKET = "timed per bucket"
 CONTROL = "control"
 NO_THEN = "timed, no end record"
-CONFIGS = (BASE, AGAIN, PYHOOK, TIMED, CONTROL)
+CONFIGS = (BASE, AGAIN, PYHOOK, TIMED, PER_BUCKET, CONTROL)
+#: Configurations whose cost is paid per bucket (the rest: per step or nothing).
+BUCKETED = (PYHOOK, PER_BUCKET, NO_THEN, CONTROL)
 MEASURES = ("wall", "cpu", "thread")
 #: The positive control's extra CPU per step, as a fraction of the built-in step's.
 CONTROL_COST = 0.02
@@ -136,22 +143,31 @@ def _worker(rank: int, init: str, out: str, cycles: int, seconds: float, configs
 
     from stepwatch import comm_hook
     from stepwatch._comm_timing import CommTiming, count_buffer_broadcast
+    from stepwatch._ddp_timing import time_reduction
     from stepwatch.demo.model import GPTConfig, TinyGPT, loss_fn
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=RANKS)
     cfg = GPTConfig()
-    pos = [1, 0]
-    timing = CommTiming(WINDOW, lambda: (pos[0], pos[1]))
+    #: Per timed configuration: its agent-side position (window's first step, slot) and
+    #: timing slots, and its step times (for the window summary).
+    pos = {c: [1, 0] for c in (TIMED, PER_BUCKET)}
+    timings = {c: CommTiming(WINDOW, lambda p=p: (p[0], p[1])) for c, p in pos.items()}
+    step_times: dict[str, list[float]] = {c: [] for c in pos}
     models = {}
     for name in configs:
         torch.manual_seed(0)
         m = DDP(TinyGPT(cfg), bucket_cap_mb=BUCKET_CAP_MB)
         if name == TIMED:
-            m.register_comm_hook(None, comm_hook(timing=timing))
-            count_buffer_broadcast(m, timing)
+            time_reduction(m, timings[TIMED])
+            count_buffer_broadcast(m, timings[TIMED])
+        elif name == PER_BUCKET:
+            m.register_comm_hook(None, comm_hook(timing=timings[PER_BUCKET]))
+            count_buffer_broadcast(m, timings[PER_BUCKET])
         elif name == PYHOOK:
             m.register_comm_hook(None, allreduce_hook)
+        elif name == NO_THEN:
+            m.register_comm_hook(None, _no_then_hook(CommTiming(WINDOW, lambda: (1, 0))))
         models[name] = (m, torch.optim.AdamW(m.parameters(), lr=3e-4))
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(1, cfg.vocab, (8, cfg.seq_len), generator=g)
@@ -161,7 +177,6 @@ def _worker(rank: int, init: str, out: str, cycles: int, seconds: float, configs
     warm_cpu: list[float] = []
     busy_s = 0.0
     summaries: list[float] = []
-    timed_steps: list[float] = []
     deadline = math.inf
     cycle = 0
     while True:
@@ -192,23 +207,25 @@ def _worker(rank: int, init: str, out: str, cycles: int, seconds: float, configs
                     warm_cpu.append(c1 - c0)
                 continue
             records[name].append([t0, t1, c1 - c0, h1 - h0])
-            if name == TIMED:
-                timed_steps.append(t1 - t0)
-                pos[1] += 1
-                if pos[1] == WINDOW:  # the window closes: hand-off, then the sender's summary
+            if name in pos:
+                p, timing = pos[name], timings[name]
+                step_times[name].append(t1 - t0)
+                p[1] += 1
+                if p[1] == WINDOW:  # the window closes: hand-off, then the sender's summary
                     s0 = time.process_time()
                     slices = timing.take(WINDOW)
                     if slices is not None:
-                        timing.summarise(slices, pos[0], timed_steps[-WINDOW:], t1)
-                    summaries.append(time.process_time() - s0)
-                    pos[0] += WINDOW
-                    pos[1] = 0
+                        timing.summarise(slices, p[0], step_times[name][-WINDOW:], t1)
+                    if name == TIMED:
+                        summaries.append(time.process_time() - s0)
+                    p[0] += WINDOW
+                    p[1] = 0
         cycle += 1
     with open(out.format(rank=rank), "w") as f:
         json.dump(
             {
                 "records": records,
-                "buckets": int(timing._n_buckets[0]),
+                "buckets": int(timings[PER_BUCKET]._n_buckets[0]),
                 "busy_s": busy_s,
                 "summaries": summaries,
             },
@@ -234,7 +251,7 @@ def bookkeeping_s(n: int = 20_000) -> float:
 # -- the hook's direct cost, amplified -------------------------------------------------
 #: The direct-cost phase's control: torch's hook plus this much busy CPU per bucket.
 CONTROL_US = 20.0
-ISOLATED = (BASE, AGAIN, PYHOOK, TIMED, NO_THEN, CONTROL)
+ISOLATED = (BASE, AGAIN, PYHOOK, TIMED, PER_BUCKET, NO_THEN, CONTROL)
 
 
 def _isolated(rank: int, init: str, out: str, cycles: int) -> None:
@@ -251,11 +268,13 @@ def _isolated(rank: int, init: str, out: str, cycles: int) -> None:
 
     from stepwatch import comm_hook
     from stepwatch._comm_timing import CommTiming
+    from stepwatch._ddp_timing import time_reduction
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=1)
     pos = [1, 0]
     timing = CommTiming(WINDOW, lambda: (pos[0], pos[1]))
+    reduction = CommTiming(WINDOW, lambda: (pos[0], pos[1]))
 
     def control(state: Any, bucket: Any) -> Any:
         _busy(CONTROL_US * 1e-6)
@@ -268,8 +287,10 @@ def _isolated(rank: int, init: str, out: str, cycles: int) -> None:
         m = DDP(
             torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(10)]), bucket_cap_mb=BUCKET_CAP_MB
         )
+        if name == TIMED:
+            time_reduction(m, reduction)
         hook = {
-            TIMED: comm_hook(timing=timing),
+            PER_BUCKET: comm_hook(timing=timing),
             PYHOOK: allreduce_hook,
             NO_THEN: _no_then_hook(CommTiming(WINDOW, lambda: (pos[0], pos[1]))),
             CONTROL: control,
@@ -290,7 +311,7 @@ def _isolated(rank: int, init: str, out: str, cycles: int) -> None:
             c1 = time.process_time()
             for p in m.parameters():
                 p.grad = None
-            if name == TIMED:
+            if name in (TIMED, PER_BUCKET):  # one slot per step, reused (no window taken)
                 pos[1] = (pos[1] + 1) % WINDOW
             if cycle >= WARMUP_CYCLES:
                 cpu[name].append(c1 - c0)
@@ -379,16 +400,19 @@ def verdict(samples: Mapping[str, Sequence[Mapping[str, float]]]) -> dict[str, A
 
 
 def direct_verdict(iso: Mapping[str, Any], buckets: int, rank_cpu_s: float) -> dict[str, Any]:
-    """The isolated phase scaled to the 4-rank step: each hook's CPU per step over the
-    built-in's (per bucket, times the 4-rank model's buckets), as a fraction of one rank's
-    CPU per built-in step there, with its interval. The control must read CONTROL_US per
+    """The isolated phase scaled to the 4-rank step: each configuration's CPU per step over
+    the built-in's (per bucket, times the 4-rank model's buckets, for those that pay per
+    bucket; ``timed`` pays per step), as a fraction of one rank's CPU per built-in step
+    there, with its interval. The control must read CONTROL_US per
     bucket over torch's hook (at least 2/3 of it: the busy loop's own clock reads add a
-    few microseconds, never less) for the phase to count; the timed hook's
+    few microseconds, never less) for the phase to count; ``timed``'s
     direct cost is then ``met`` when its interval's top is at most ALLOWED, ``MISSED``
     when its bottom is above, else ``inconclusive``."""
     nb = max(int(iso["buckets"]), 1)
-    scale = buckets / nb / rank_cpu_s
-    frac = {c: tuple(x * scale for x in d) for c, d in iso["diff"].items()}
+    frac = {
+        c: tuple(x * (buckets / nb if c in BUCKETED else 1.0) / rank_cpu_s for x in d)
+        for c, d in iso["diff"].items()
+    }
     control_us = (iso["diff"][CONTROL][0] - iso["diff"][PYHOOK][0]) / nb * 1e6
     works = CONTROL_US * 2 / 3 <= control_us <= CONTROL_US * 2
     _, lo, hi = frac[TIMED]
@@ -488,7 +512,8 @@ def report(f: Mapping[str, Any]) -> list[str]:
         label = {
             AGAIN: "A/A (built-in again)",
             PYHOOK: "torch's allreduce_hook",
-            TIMED: "timed hook (stepwatch)",
+            TIMED: "stepwatch (sw.watch)",
+            PER_BUCKET: "stepwatch per bucket",
             CONTROL: f"control (+{CONTROL_COST:.0%} CPU)",
             NO_THEN: "timed, no end record",
         }[c]
@@ -501,7 +526,7 @@ def report(f: Mapping[str, Any]) -> list[str]:
         + ", ".join(f"{m} {'yes' if res[m] else 'NO'}" for m in MEASURES)
     )
     lines.append(
-        f"  budget (timed hook <= {ALLOWED:.0%} of step time, its interval against 1.01): "
+        f"  budget (sw.watch's timing <= {ALLOWED:.0%} of step time, its interval against 1.01): "
         + ", ".join(f"{m} {v['budget'][m]}" for m in MEASURES)
         + f"; overall {v['overall']}"
     )
@@ -514,12 +539,14 @@ def report(f: Mapping[str, Any]) -> list[str]:
     for c, label in (
         (AGAIN, "A/A"),
         (PYHOOK, "allreduce_hook"),
-        (TIMED, "timed hook"),
+        (TIMED, "sw.watch"),
+        (PER_BUCKET, "per bucket"),
         (NO_THEN, "no end record"),
     ):
         med, lo, hi = d["fraction"][c]
-        us = iso["diff"][c][0] / max(iso["buckets"], 1) * 1e6
-        lines.append(f"    {label:18s} {us:+6.1f} us per bucket = {med:+.3%} [{lo:+.3%}, {hi:+.3%}]")
+        per, unit = (max(iso["buckets"], 1), "bucket") if c in BUCKETED else (1, "step")
+        us = iso["diff"][c][0] / per * 1e6
+        lines.append(f"    {label:18s} {us:+6.1f} us per {unit:6s} = {med:+.3%} [{lo:+.3%}, {hi:+.3%}]")
     lines.append(
         f"    control (allreduce_hook + {CONTROL_US:.0f} us busy per bucket) read "
         f"{d['control_us']:.1f} us per bucket over allreduce_hook: "
@@ -528,7 +555,7 @@ def report(f: Mapping[str, Any]) -> list[str]:
     )
     per_bucket = f["bookkeeping_s"]
     lines.append(
-        f"  hook bookkeeping: {per_bucket * 1e6:.2f} us per bucket = "
+        f"  per-bucket hook bookkeeping: {per_bucket * 1e6:.2f} us per bucket = "
         f"{per_bucket * f['buckets'] / f['step_s'] * 100:.3f}% of the step; window summary "
         f"(sender thread): {f['summary_s'] * 1e3:.2f} ms CPU per {WINDOW} steps = "
         f"{f['summary_s'] / WINDOW / (f['cpu_s'] / RANKS) * 100:.3f}% of a rank's step CPU"

@@ -1,4 +1,4 @@
-"""``stepwatch demo``: a collector on SQLite, a real multi-rank CPU training with the hook,
+"""``stepwatch demo``: a collector on SQLite, a real multi-rank CPU training timed always-on,
 a straggler injected mid-run and cleared later, and a live terminal view read from the
 collector's API (what a user of ``stepwatch top`` would see), then a short report.
 

@@ -10,8 +10,8 @@ The slow rank's extra time comes in three kinds (``--slow-kind``):
 
 ``busy`` (default)
     Real matmuls for the time: real extra compute, which competes for the cores like the
-    work of a rank whose device is slower. The always-on timing (the DDP comm hook that
-    ``sw.watch`` installs) sees the rank arrive last at every all-reduce having done more
+    work of a rank whose device is slower. The always-on timing (that ``sw.watch`` installs
+    on the DDP model) sees the rank arrive last at every all-reduce having done more
     work, and names it a compute straggler without the profiler.
 ``op``
     A custom ATen op (``stepwatch_demo::throttle``) that holds the host for the time

@@ -182,18 +182,23 @@ def test_median_interval_covers_the_median_by_order_statistics() -> None:
 
 
 def test_direct_cost_verdict_scales_per_bucket_cost_to_the_step() -> None:
-    """The isolated phase: 10 buckets, 60 ms of a rank's CPU per 4-rank step."""
+    """The isolated phase: 10 buckets, 60 ms of a rank's CPU per 4-rank step of 20
+    buckets. The per-bucket configurations' cost doubles there; the per-step timing's
+    (``timed``, what the verdict is about) does not."""
 
     def iso(timed_us: float, control_us: float) -> dict[str, object]:
-        per_step = {c: us * 10e-6 for c, us in ((comm_timing.PYHOOK, 30.0), (comm_timing.TIMED, timed_us))}
+        per_step = {c: us * 10e-6 for c, us in ((comm_timing.PYHOOK, 30.0), (comm_timing.PER_BUCKET, 31.0))}
+        per_step[comm_timing.TIMED] = timed_us * 1e-6
         per_step[comm_timing.CONTROL] = (30.0 + control_us) * 10e-6
         per_step[comm_timing.AGAIN] = per_step[comm_timing.NO_THEN] = 0.0
         return {"buckets": 10, "diff": {c: (x, x - 5e-6, x + 5e-6) for c, x in per_step.items()}}
 
-    assert comm_timing.direct_verdict(iso(40.0, 20.0), 10, 0.060)["budget"] == "met"  # 0.67%
-    over = comm_timing.direct_verdict(iso(90.0, 20.0), 10, 0.060)  # 1.5%
+    met = comm_timing.direct_verdict(iso(400.0, 20.0), 20, 0.060)  # 0.67%
+    assert met["budget"] == "met"
+    assert met["fraction"][comm_timing.PER_BUCKET][0] == pytest.approx(2 * 310e-6 / 0.060)
+    over = comm_timing.direct_verdict(iso(900.0, 20.0), 20, 0.060)  # 1.5%
     assert over["budget"] == "MISSED" and over["fraction"][comm_timing.TIMED][0] == pytest.approx(0.015)
-    blind = comm_timing.direct_verdict(iso(90.0, 2.0), 10, 0.060)  # the control was not seen
+    blind = comm_timing.direct_verdict(iso(900.0, 2.0), 20, 0.060)  # the control was not seen
     assert not blind["control_works"] and blind["budget"] == "inconclusive"
 
 

@@ -182,7 +182,7 @@ def _subgroup_worker(rank: int, init: str, out: str) -> None:
         convention=None,
         sender=MemorySink(),
     )
-    agent.watch(b)
+    agent.watch(b, per_bucket=True)  # the per-bucket hook does the reduction itself
     g = torch.Generator().manual_seed(rank)
     mismatches = 0
     for _ in range(2):
@@ -197,7 +197,7 @@ def _subgroup_worker(rank: int, init: str, out: str) -> None:
 
 
 def test_watching_a_ddp_on_a_subgroup_reduces_over_that_group(tmp_path: Path) -> None:
-    """``sw.watch(ddp)`` on a DDP built over a data-parallel subgroup (tensor or pipeline
+    """``sw.watch(ddp, per_bucket=True)`` on a DDP built over a data-parallel subgroup (tensor or pipeline
     parallelism beside it) all-reduces over that group, as DDP itself does: it registered
     its hook with no state, which reduced over the whole world and mixed the groups'
     gradients."""
@@ -208,3 +208,75 @@ def test_watching_a_ddp_on_a_subgroup_reduces_over_that_group(tmp_path: Path) ->
         got = json.loads(Path(out.format(rank=r)).read_text())
         assert got["mismatches"] == 0, f"rank {r}: gradients differ from DDP's own on its group"
         assert "world" not in got["groups"], got["groups"]  # counted under the subgroup's name
+
+
+def _reduction_worker(rank: int, init: str, out: str) -> None:
+    """DDP with its built-in all-reduce, timed per step from autograd's final callbacks
+    (``sw.watch``'s default), beside the same DDP untimed: one rank reaches one step's
+    backward late, with no more work (a sleep between forward and backward)."""
+    from stepwatch._ddp_timing import time_reduction
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=RANKS)
+    pos = [1, 0]
+    timing = CommTiming(16, lambda: (pos[0], pos[1]))
+    torch.manual_seed(0)
+    timed = DDP(TinyGPT(CFG), bucket_cap_mb=0.01)
+    torch.manual_seed(0)
+    plain = DDP(TinyGPT(CFG), bucket_cap_mb=0.01)
+    installed = time_reduction(timed, timing)
+    g = torch.Generator().manual_seed(rank)
+    mismatches = 0
+    steps = LATE_STEP + 2
+    for step in range(steps):
+        pos[1] = step
+        x = torch.randint(1, CFG.vocab, (4, CFG.seq_len), generator=g)
+        losses = [loss_fn(m(x), x, 0) for m in (plain, timed)]
+        losses[0].backward()  # type: ignore[no-untyped-call]
+        if step == LATE_STEP and rank == LATE_RANK:
+            time.sleep(LATE_S)  # late to the all-reduce, with no extra work
+        losses[1].backward()  # type: ignore[no-untyped-call]
+        for pa, pb in zip(plain.parameters(), timed.parameters(), strict=True):
+            assert pa.grad is not None and pb.grad is not None
+            mismatches += int(not torch.equal(pa.grad, pb.grad))
+            pa.grad = pb.grad = None
+    pos[1] = steps  # a backward under no_sync reduces nothing: not timed, not counted
+    with timed.no_sync():
+        loss_fn(timed(x), x, 0).backward()  # type: ignore[no-untyped-call]
+    slices = timing.take(steps + 1)
+    assert slices is not None
+    n = steps + 1
+    section, _ = summarise(slices, 1, [1e6 * (i + 1) for i in range(n)], [1e6] * n, None)
+    with open(out.format(rank=rank), "w") as f:
+        json.dump(
+            {"installed": installed, "mismatches": mismatches, "seq": timing.groups(), "section": section}, f
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_the_builtin_reduction_is_timed_per_step_from_autograd_callbacks(tmp_path: Path) -> None:
+    """The default timing leaves DDP's C++ all-reduce in place (a Python comm hook costs
+    4-5% of the step on shared cores) and still tells the rank its peers waited for: its
+    arrival callback runs before DDP's own end-of-backward callback (which waits for the
+    all-reduces) and its end callback after it, so the late rank's sync is short and its
+    peers' is the time they waited for it."""
+    init = f"file://{tmp_path / 'store'}"
+    out = str(tmp_path / "red{rank}.json")
+    mp.spawn(_reduction_worker, args=(init, out), nprocs=RANKS, join=True)
+    results = [json.loads(Path(out.format(rank=r)).read_text()) for r in range(RANKS)]
+    steps = LATE_STEP + 2
+    for r in results:
+        assert r["installed"] is True and r["mismatches"] == 0
+        sec = r["section"]
+        # One slot per step: the whole reduction; none for the no_sync backward.
+        assert sec["collectives"] == [], "no per-bucket durations without per-bucket timing"
+        for k in ("arrive_s", "end_s", "sync_s"):
+            assert all(v is not None and v >= 0 for v in sec[k][:steps]) and sec[k][steps] is None, (k, sec)
+        assert all(e >= a for a, e in zip(sec["arrive_s"][:steps], sec["end_s"][:steps], strict=True))
+        assert sec["cpu_s"][0] is None and all(v is not None and v > 0 for v in sec["cpu_s"][1:steps])
+        (world,) = r["seq"]
+        assert world["group"] == "world" and world["entered"] == world["completed"] == steps, world
+    sync = [r["section"]["sync_s"][LATE_STEP] for r in results]
+    peers = [s for i, s in enumerate(sync) if i != LATE_RANK]
+    assert min(peers) >= 0.8 * LATE_S > 0.5 * LATE_S > sync[LATE_RANK], sync

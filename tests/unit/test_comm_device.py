@@ -8,6 +8,7 @@ a GPU is checked by ``make gpu-check`` (its ``ddp_device`` line).
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -371,16 +372,32 @@ def test_the_agent_ships_a_device_section_that_the_collector_accepts(monkeypatch
 
 class FakeParam:
     is_cuda = True
-
-
-class FakeDDP:
-    """What ``watch`` touches of a DDP model on CUDA."""
+    requires_grad = True
 
     def __init__(self) -> None:
         self.hooks: list[Any] = []
 
+    def numel(self) -> int:
+        return 1024
+
+    def element_size(self) -> int:
+        return 4
+
+    def register_post_accumulate_grad_hook(self, hook: Any) -> None:
+        self.hooks.append(hook)
+
+
+class FakeDDP:
+    """What ``watch`` touches of a DDP model on CUDA (no GPU here, so no real one)."""
+
+    require_backward_grad_sync = True
+
+    def __init__(self) -> None:
+        self.hooks: list[Any] = []
+        self._module_parameters = [FakeParam()]
+
     def parameters(self) -> Any:
-        return iter([FakeParam()])
+        return iter(self._module_parameters)
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
         self.hooks.append(hook)
@@ -408,8 +425,12 @@ def test_watching_a_cuda_model_before_the_first_step_starts_the_device_step_cloc
         return Stepwatch(cfg, detect({}, host="h"), convention=None, sender=MemorySink())
 
     fresh = agent()
-    fresh.watch(FakeDDP())
+    model = FakeDDP()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # installed without a complaint
+        fresh.watch(model)
     assert fresh._dev is not None
+    assert len(model._module_parameters[0].hooks) == 1, "the per-step timing's one hook"
     late = agent()
     late.step(tokens=1)
     late.watch(FakeDDP())

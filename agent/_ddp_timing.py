@@ -1,0 +1,104 @@
+"""Always-on timing of DDP's own (C++) gradient all-reduce, at three Python calls a step.
+
+Why not a communication hook: any Python comm hook, torch's own ``allreduce_hook`` as
+much as stepwatch's per-bucket one (``_comm_timing.comm_hook``), cost 4-5% of the step's
+CPU on 4 gloo ranks sharing 2 cores against DDP's C++ reduction (``benchmarks.
+comm_timing``, pooled over three runs), where issue 11's budget is 1%: the reducer
+calls into Python for every bucket on the training thread and every bucket's completion
+runs a Python ``then()`` on a backend thread. What a straggler detector needs of a step
+is less than a bucket-by-bucket record: when this rank's gradients were all ready (its
+*arrival* at the step's last all-reduce) and when the all-reduces had all ended; their
+difference, the *sync* time, is long on a rank that waited for its peers and short on
+the one they waited for.
+
+Both instants come from autograd's final callbacks, with DDP left on its built-in
+reduction. One post-accumulate-grad hook on one of DDP's parameters queues a callback
+for the end of the backward pass (``queue_callback``). DDP's reducer queues its own,
+which waits for every bucket's all-reduce (``finalize_backward``), when its last bucket
+is ready, which is never before a parameter of its buckets accumulated its gradient: so
+ours is queued first and runs first, when the graph is done and every bucket has been
+launched (the arrival; the training thread's CPU clock is read there too). It queues a
+second callback, which runs after DDP's, once the all-reduces have ended (the end).
+Callbacks queued by a callback run in the same backward (the engine allows it for this).
+
+Per step, then, one bucket slot of :class:`~stepwatch._comm_timing.CommTiming` holds the
+step's arrival and end, and the group's collective sequence counts one all-reduce per
+step (entered at the arrival, completed at the end): a hang diagnosis names the rank that
+never finished its backward, and the ranks that wait in the reduction. What this leaves
+out, by design: durations per bucket (the profiler window has them, and
+``stepwatch.comm_hook`` times every bucket where its cost is acceptable), and steps in
+which the anchor parameter got no gradient (an unused parameter under
+``find_unused_parameters``). Backward passes under ``ddp.no_sync()`` reduce nothing and
+are not timed.
+
+CUDA: as for the hook, the callbacks also record device events on the current stream
+(which autograd synchronised with the backward's streams before the callbacks, and DDP's
+finalisation with its all-reduces), read back lazily by the sender.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from ._comm_timing import CommTiming, _start_device, group_label
+
+
+def time_reduction(ddp: Any, timing: CommTiming) -> bool:
+    """Time DDP's gradient all-reduce of ``ddp`` once per step into ``timing``; the model
+    keeps DDP's built-in reduction. Returns whether it was installed (False: no parameter
+    takes a gradient, or this torch has no post-accumulate-grad hooks)."""
+    from torch.autograd import Variable
+
+    params = getattr(ddp, "_module_parameters", None)
+    if params is None:
+        params = list(ddp.module.parameters())
+    params = [p for p in params if p.requires_grad]
+    if not params or not hasattr(params[0], "register_post_accumulate_grad_hook"):
+        return False
+    anchor = params[0]
+    group = group_label(getattr(ddp, "process_group", None))
+    #: What DDP all-reduces per step: every gradient once (its buckets hold them all).
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    queue = Variable._execution_engine.queue_callback
+    #: The arrival's token and device end event, for the end callback.
+    pending: list[Any] = [None, None]
+    #: Device events or the host clock only: decided once, at the first arrival.
+    device: list[bool | None] = [None]
+
+    def ended() -> None:
+        token, end_event = pending
+        pending[0] = pending[1] = None
+        if end_event is not None:
+            ev, marks, k = end_event
+            try:
+                ev.record()
+            except Exception:
+                marks[k] = 0  # its event holds an earlier window's record: unmarked
+        timing.done(token, group)
+
+    def arrived() -> None:
+        try:
+            if device[0] is None:
+                device[0] = False  # a failure here leaves the host clock
+                device[0] = _start_device(timing, anchor)
+            token = timing.arrive(group, 0, nbytes)
+        except Exception:
+            return  # only the timing is lost, never the backward
+        if token is None:
+            return
+        end_event = None
+        if device[0]:
+            with contextlib.suppress(Exception):
+                end_event = timing.device_arrival(token[1])
+        pending[0], pending[1] = token, end_event
+        queue(ended)
+
+    def grad_ready(_param: Any) -> None:
+        if ddp.require_backward_grad_sync:  # under no_sync() DDP reduces nothing
+            with contextlib.suppress(Exception):
+                queue(arrived)
+
+    anchor.register_post_accumulate_grad_hook(grad_ready)
+    timing.per_bucket = False
+    return True
