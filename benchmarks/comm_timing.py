@@ -487,6 +487,29 @@ def run(
     }
 
 
+def pool(runs: Sequence[Mapping[str, Sequence[Mapping[str, float]]]]) -> dict[str, list[Mapping[str, float]]]:
+    """The paired cycles of several runs as one sample (the configurations all runs have):
+    each cycle is paired within its run, so runs at different loads pool fairly."""
+    common = [c for c in runs[0] if all(c in r for r in runs)]
+    return {c: [x for r in runs for x in r[c]] for c in common}
+
+
+def pooled_report(runs: Sequence[Mapping[str, Sequence[Mapping[str, float]]]]) -> list[str]:
+    v = verdict(pool(runs))
+    lines = [f"comm timing, {len(runs)} runs pooled: {v['cycles']} paired cycles"]
+    for c, e in v["est"].items():
+        cells = "  ".join(f"{m} {_pct(e[m][0])} [{_pct(e[m][1])}, {_pct(e[m][2])}]" for m in MEASURES)
+        lines.append(f"  {c:22s} {cells}")
+    lines.append(
+        "  noise band: "
+        + ", ".join(f"{m} ±{v['band'][m]:.2%}" for m in MEASURES)
+        + "; budget: "
+        + ", ".join(f"{m} {v['budget'][m]}" for m in MEASURES)
+        + f"; overall {v['overall']}"
+    )
+    return lines
+
+
 def _pct(x: float) -> str:
     return f"{(x - 1) * 100:+.2f}%" if math.isfinite(x) else "n/a"
 
@@ -572,7 +595,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--dump", help="write the raw per-step samples to this JSON file")
     p.add_argument("--isolated-cycles", type=int, default=1500, help="cycles of the direct-cost phase")
+    p.add_argument(
+        "--pool", nargs="+", metavar="DUMP", help="no run: the verdict over the cycles of these --dump files"
+    )
     args = p.parse_args(argv)
+    if args.pool:
+        for line in pooled_report([json.loads(Path(f).read_text())["samples"] for f in args.pool]):
+            print(line)
+        return 0
     for line in report(run(args.seconds, args.cycles, args.diagnose, args.dump, args.isolated_cycles)):
         print(line)
     return 0

@@ -216,3 +216,14 @@ def test_comm_payload_splits_the_section_into_per_step_and_per_window_bytes() ->
     assert f["per_step"] == pytest.approx(4 * per_value, abs=1)  # n values, n - 1 commas
     assert f["growth"] == pytest.approx(f["fixed"] + f["per_step"] * 6, abs=1)
     assert 60 < f["fixed"] < 160
+
+
+def test_comm_timing_pools_runs_to_resolve_what_one_run_cannot() -> None:
+    """Four noisy runs of 50 cycles give no verdict each; pooled, their 200 paired cycles
+    resolve the control and clear a per-step timing that costs nothing."""
+    factors = {comm_timing.TIMED: 1.0, comm_timing.CONTROL: 1.03}
+    runs = [_cycles(factors, noise=0.02, n=50, seed=s) for s in range(4)]
+    assert all(comm_timing.verdict(r)["overall"] == "inconclusive" for r in runs)
+    pooled = comm_timing.pool(runs)
+    assert len(pooled[comm_timing.BASE]) == 200
+    assert comm_timing.verdict(pooled)["overall"] == "met"
