@@ -66,16 +66,19 @@ def time_reduction(ddp: Any, timing: CommTiming) -> bool:
     #: Device events or the host clock only: decided once, at the first arrival.
     device: list[bool | None] = [None]
 
+    # Each callback runs inside ``loss.backward()``: an exception would raise there, so
+    # none leaves them (only the timing is lost).
     def ended() -> None:
         token, end_event = pending
         pending[0] = pending[1] = None
-        if end_event is not None:
-            ev, marks, k = end_event
-            try:
-                ev.record()
-            except Exception:
-                marks[k] = 0  # its event holds an earlier window's record: unmarked
-        timing.done(token, group)
+        with contextlib.suppress(Exception):
+            if end_event is not None:
+                ev, marks, k = end_event
+                try:
+                    ev.record()
+                except Exception:
+                    marks[k] = 0  # its event holds an earlier window's record: unmarked
+            timing.done(token, group)
 
     def arrived() -> None:
         try:
@@ -83,16 +86,16 @@ def time_reduction(ddp: Any, timing: CommTiming) -> bool:
                 device[0] = False  # a failure here leaves the host clock
                 device[0] = _start_device(timing, anchor)
             token = timing.arrive(group, 0, nbytes)
+            if token is None:
+                return
+            end_event = None
+            if device[0]:
+                with contextlib.suppress(Exception):
+                    end_event = timing.device_arrival(token[1])
+            pending[0], pending[1] = token, end_event
+            queue(ended)
         except Exception:
-            return  # only the timing is lost, never the backward
-        if token is None:
             return
-        end_event = None
-        if device[0]:
-            with contextlib.suppress(Exception):
-                end_event = timing.device_arrival(token[1])
-        pending[0], pending[1] = token, end_event
-        queue(ended)
 
     def grad_ready(_param: Any) -> None:
         if ddp.require_backward_grad_sync:  # under no_sync() DDP reduces nothing

@@ -280,3 +280,41 @@ def test_the_builtin_reduction_is_timed_per_step_from_autograd_callbacks(tmp_pat
     sync = [r["section"]["sync_s"][LATE_STEP] for r in results]
     peers = [s for i, s in enumerate(sync) if i != LATE_RANK]
     assert min(peers) >= 0.8 * LATE_S > 0.5 * LATE_S > sync[LATE_RANK], sync
+
+
+class _Broken(CommTiming):
+    """Timing slots whose every record fails."""
+
+    def arrive(self, group: str, bucket_index: int, nbytes: int, op: int = 0) -> tuple[int, int] | None:
+        raise RuntimeError("arrive broke")
+
+
+class _BrokenEnd(CommTiming):
+    def done(self, token: tuple[int, int] | None, group: str) -> None:
+        raise RuntimeError("done broke")
+
+
+def _broken_worker(rank: int, init: str, out: str) -> None:
+    from stepwatch._ddp_timing import time_reduction
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=1)
+    finished = []
+    for broken in (_Broken, _BrokenEnd):
+        torch.manual_seed(0)
+        model = DDP(TinyGPT(CFG), bucket_cap_mb=0.01)
+        assert time_reduction(model, broken(4, lambda: (1, 0)))
+        x = torch.randint(1, CFG.vocab, (2, CFG.seq_len))
+        for _ in range(2):
+            loss_fn(model(x), x, 0).backward()  # type: ignore[no-untyped-call]
+        finished.append(all(p.grad is not None for p in model.parameters()))
+    Path(out).write_text(json.dumps(finished))
+    dist.destroy_process_group()
+
+
+def test_a_failing_timing_never_raises_into_backward(tmp_path: Path) -> None:
+    """The callbacks run inside ``loss.backward()``: a timing that fails at the arrival
+    or at the end loses its timing, and the backward completes with every gradient."""
+    out = tmp_path / "broken.json"
+    mp.spawn(_broken_worker, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=1, join=True)
+    assert json.loads(out.read_text()) == [True, True]
