@@ -1,4 +1,6 @@
-"""Always-on timing of DDP's own (C++) gradient all-reduce, at three Python calls a step.
+"""Always-on timing of DDP's own (C++) gradient all-reduce, at three Python calls a step
+(``sw.watch(ddp, per_bucket=False)``; the default is still the per-bucket comm hook, whose
+completion times are less noisy on loaded shared cores: see ``Stepwatch.watch``).
 
 Why not a communication hook: any Python comm hook, torch's own ``allreduce_hook`` as
 much as stepwatch's per-bucket one (``_comm_timing.comm_hook``), cost 4-5% of the step's

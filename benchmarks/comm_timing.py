@@ -29,10 +29,11 @@ its order statistics.
 
 Configurations: ``builtin`` (DDP's C++ all-reduce, the baseline), ``builtin, again``
 (A/A: its interval is the noise band), ``python hook`` (torch's own ``allreduce_hook``:
-what any Python communication hook costs, stepwatch's or not), ``timed`` (what
-``sw.watch`` installs: the built-in all-reduce timed per step from autograd's final
-callbacks, ``stepwatch._ddp_timing``, and the buffer-broadcast counting), ``timed per
-bucket`` (``sw.watch(per_bucket=True)``: ``stepwatch.comm_hook`` and the same counting),
+what any Python communication hook costs, stepwatch's or not), ``timed``
+(``sw.watch(ddp, per_bucket=False)``: the built-in all-reduce timed per step from
+autograd's final callbacks, ``stepwatch._ddp_timing``, and the buffer-broadcast
+counting), ``timed per bucket`` (``sw.watch(ddp)``, the default: ``stepwatch.comm_hook``
+and the same counting),
 each with windows taken and summarised as the agent does, the summary outside the step
 (the sender thread's), and ``control``: the built-in all-reduce plus a busy loop of a
 known CPU cost after backward, calibrated in the warm-up to CONTROL_COST of the
@@ -51,7 +52,7 @@ training threads about 2.5%); a decision there takes several runs' cycles pooled
 
 The isolated phase decides only the *direct* cost (the timing's own CPU per step or
 bucket); it cannot see what a Python hook costs the 4-rank job indirectly. Why
-``sw.watch`` stopped using a comm hook: pooled over three runs after the hook's rewrite
+``sw.watch(ddp, per_bucket=False)`` exists: pooled over three runs after the hook's rewrite
 (183 cycles, load 5.5-12), the 4-rank phase read torch's ``allreduce_hook`` at +4.4%
 CPU [+2.1, +6.4] and the per-bucket hook at +4.9% [+3.3, +6.2]
 over the built-in, with A/A +0.5% [-2.0, +1.7] and the +2% control +2.8% [+2.0,
@@ -535,8 +536,8 @@ def report(f: Mapping[str, Any]) -> list[str]:
         label = {
             AGAIN: "A/A (built-in again)",
             PYHOOK: "torch's allreduce_hook",
-            TIMED: "stepwatch (sw.watch)",
-            PER_BUCKET: "stepwatch per bucket",
+            TIMED: "per step (per_bucket=False)",
+            PER_BUCKET: "per bucket (sw.watch)",
             CONTROL: f"control (+{CONTROL_COST:.0%} CPU)",
             NO_THEN: "timed, no end record",
         }[c]
@@ -549,7 +550,7 @@ def report(f: Mapping[str, Any]) -> list[str]:
         + ", ".join(f"{m} {'yes' if res[m] else 'NO'}" for m in MEASURES)
     )
     lines.append(
-        f"  budget (sw.watch's timing <= {ALLOWED:.0%} of step time, its interval against 1.01): "
+        f"  budget (the per-step timing <= {ALLOWED:.0%} of step time, its interval against 1.01): "
         + ", ".join(f"{m} {v['budget'][m]}" for m in MEASURES)
         + f"; overall {v['overall']}"
     )
@@ -562,7 +563,7 @@ def report(f: Mapping[str, Any]) -> list[str]:
     for c, label in (
         (AGAIN, "A/A"),
         (PYHOOK, "allreduce_hook"),
-        (TIMED, "sw.watch"),
+        (TIMED, "per step"),
         (PER_BUCKET, "per bucket"),
         (NO_THEN, "no end record"),
     ):

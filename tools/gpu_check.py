@@ -10,13 +10,12 @@ one verdict line per check, ``PASS``/``FAIL``/``SKIP`` + name + the numbers:
                  bracketed by ``torch.cuda.synchronize()`` and ``perf_counter``; then the
                  same work without syncs, where the host runs ahead and only the events
                  can still see the device's steps.
-``ddp``          always-on timing of DDP over NCCL (``sw.watch(ddp_model)``: DDP's built-in
-                 all-reduce timed per step from autograd's final callbacks): 2 GPUs with
-                 rank 1 arriving late at every step (rank 0 must wait longer), or 1 GPU
-                 with a lagging stream (the timing must not synchronise); gradients equal to
-                 plain DDP's. "not available in this build" where the timing is absent.
-``ddp_device``   the same runs' ``comm`` sections: on the device clock (CUDA events
-                 recorded in the callbacks at the arrival and the end, read back
+``ddp``          always-on timing of DDP over NCCL (``sw.watch(ddp_model)``): 2 GPUs with
+                 rank 1 arriving late at every bucket (rank 0 must wait longer), or 1 GPU
+                 with a lagging stream (the hook must not synchronise); gradients equal to
+                 plain DDP's. "not available in this build" where the hook is absent.
+``ddp_device``   the same runs' ``comm`` sections: on the device clock (the hook's CUDA
+                 events at each bucket's arrival and in its future's ``then()``, read back
                  by the sender with ``query()``), and sane on every timed step:
                  0 <= arrival <= end <= the step's device time.
 ``first_step``   the first profiled step of a live trace, GPU lagging its host by about a
