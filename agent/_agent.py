@@ -316,7 +316,9 @@ class Stepwatch:
             count_buffer_broadcast(model, self.comm_timing)
         except Exception as exc:  # never into the training loop: only the timing is lost
             warnings.warn(
-                f"stepwatch: could not install the collective timing ({exc}); steps are timed without it",
+                f"stepwatch: could not install the collective timing ({exc}); steps are timed "
+                "without it (a model with its own comm hook: register "
+                "stepwatch.comm_hook(inner=your_hook), or watch it with per_bucket=False)",
                 RuntimeWarning,
                 stacklevel=2,
             )
