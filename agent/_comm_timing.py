@@ -273,6 +273,19 @@ class CommTiming:
         if g is not None and token[0] > g.completed:
             g.completed = token[0]
 
+    def ended(self, token: tuple[int, int] | None, group: str, end_event: DeviceEnd | None) -> None:
+        """:meth:`done`, after recording the device end event :meth:`device_arrival`
+        returned, on the stream current where the end is seen (after the collective's
+        kernels). A failed record (a CUDA error the training meets too) does not raise, and
+        unmarks the slot (its event holds an earlier window's record)."""
+        if end_event is not None:
+            ev, marks, k = end_event
+            try:
+                ev.record()
+            except Exception:
+                marks[k] = 0
+        self.done(token, group)
+
     def groups(self) -> list[dict[str, Any]]:
         """Every counted group's wire entry, now (sender thread)."""
         known = self.known_groups
@@ -561,16 +574,7 @@ def comm_hook(inner: Hook | None = None, *, timing: CommTiming | None = None) ->
             return fut if inner is not None else fut.then(_first)
 
         def finished(f: Any) -> Any:
-            if end_event is not None:
-                # On the stream torch made current here, after the collective's kernels; a
-                # failed record (a CUDA error the training meets too) must not raise here,
-                # and unmarks the slot (its event holds an earlier window's record).
-                ev, marks, k = end_event
-                try:
-                    ev.record()
-                except Exception:
-                    marks[k] = 0
-            t.done(token, group)  # type: ignore[union-attr]
+            t.ended(token, group, end_event)  # type: ignore[union-attr]
             return f.value() if inner is not None else f.value()[0]
 
         return fut.then(finished)

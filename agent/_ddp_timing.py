@@ -74,13 +74,7 @@ def time_reduction(ddp: Any, timing: CommTiming) -> bool:
         token, end_event = pending
         pending[0] = pending[1] = None
         with contextlib.suppress(Exception):
-            if end_event is not None:
-                ev, marks, k = end_event
-                try:
-                    ev.record()
-                except Exception:
-                    marks[k] = 0  # its event holds an earlier window's record: unmarked
-            timing.done(token, group)
+            timing.ended(token, group, end_event)
 
     def arrived() -> None:
         try:
