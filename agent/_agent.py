@@ -272,25 +272,25 @@ class Stepwatch:
         self._sender.submit(window)
 
     # -- collectives ----------------------------------------------------------------
-    def watch(self, model: Any, state: Any = None, *, per_bucket: bool = True) -> None:
+    def watch(self, model: Any, state: Any = None, *, per_bucket: bool = False) -> None:
         """Time a DDP ``model``'s gradient reduction on every step: ``sw.watch(ddp_model)``
         before the first backward.
 
-        By default (``per_bucket=True``) it registers ``stepwatch.comm_hook``, which times
-        every bucket (arrival, end, bytes, a duration sketch) and runs DDP's own reduction
-        over the model's process group (``state``, by default ``model.process_group``: a
-        DDP over a data-parallel subgroup must not reduce over the world). A model with a
-        comm hook of its own keeps it: register ``stepwatch.comm_hook(inner=that_hook)``.
+        By default (``per_bucket=False``) DDP keeps its built-in (C++) all-reduce and each
+        step's arrival (every bucket launched) and end (every all-reduce done) are read in
+        autograd's final callbacks (``_ddp_timing``: three Python calls a step; any Python
+        comm hook costs 3-5% of a small model's step on shared cores, issue 11's budget is
+        1%). The end is read on the training thread after DDP's finalisation and taken
+        back by that thread's own CPU and run-queue time since the arrival, so neither its
+        copy of the buckets into the gradients nor its wait for a core counts as time in
+        the all-reduce.
 
-        ``per_bucket=False`` leaves DDP's built-in (C++) all-reduce in place and reads
-        each step's arrival (every bucket launched) and end (every all-reduce done) in
-        autograd's final callbacks (``_ddp_timing``: three Python calls a step, where any
-        Python comm hook costs 3-5% of a small model's step on shared cores). Why it is
-        not the default yet: on 4 gloo ranks sharing 2 loaded cores its end, read on the
-        training thread after DDP's finalisation, is noisier than the hook's completion
-        time, and the suite's 96-step compute-straggler run missed the straggler in 2 of
-        3 runs with it (0 of 4 with the hook, the same day); on 128-step runs it named it
-        in 18 of 20.
+        ``per_bucket=True`` registers ``stepwatch.comm_hook`` instead, which times every
+        bucket (arrival, end, bytes, a duration sketch per collective type) and runs DDP's
+        own reduction over the model's process group (``state``, by default
+        ``model.process_group``: a DDP over a data-parallel subgroup must not reduce over
+        the world). A model with a comm hook of its own keeps it: register
+        ``stepwatch.comm_hook(inner=that_hook)``, or watch it with the default.
 
         Either way DDP's broadcast of module buffers before each forward is counted too,
         and each step's wait in it timed, so a hang diagnosis can tell a rank waiting in it

@@ -263,17 +263,21 @@ class CommTiming:
         g.entered = n
         return n
 
-    def done(self, token: tuple[int, int] | None, group: str) -> None:
-        """The collective of ``token`` completed (any thread: one slot, one store)."""
+    def done(self, token: tuple[int, int] | None, group: str, at: float | None = None) -> None:
+        """The collective of ``token`` completed (any thread: one slot, one store), now or,
+        where the caller knows better, at host time ``at`` (never before its arrival)."""
         if token is None:
             return
-        if token[1] >= 0:
-            self._end[token[1]] = _perf()
+        k = token[1]
+        if k >= 0:
+            self._end[k] = _perf() if at is None else max(at, self._arrive[k])
         g = self.seq.get(group)
         if g is not None and token[0] > g.completed:
             g.completed = token[0]
 
-    def ended(self, token: tuple[int, int] | None, group: str, end_event: DeviceEnd | None) -> None:
+    def ended(
+        self, token: tuple[int, int] | None, group: str, end_event: DeviceEnd | None, at: float | None = None
+    ) -> None:
         """:meth:`done`, after recording the device end event :meth:`device_arrival`
         returned, on the stream current where the end is seen (after the collective's
         kernels). A failed record (a CUDA error the training meets too) does not raise, and
@@ -284,7 +288,7 @@ class CommTiming:
                 ev.record()
             except Exception:
                 marks[k] = 0
-        self.done(token, group)
+        self.done(token, group, at)
 
     def groups(self) -> list[dict[str, Any]]:
         """Every counted group's wire entry, now (sender thread)."""

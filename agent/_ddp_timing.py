@@ -1,6 +1,5 @@
 """Always-on timing of DDP's own (C++) gradient all-reduce, at three Python calls a step
-(``sw.watch(ddp, per_bucket=False)``; the default is still the per-bucket comm hook, whose
-completion times are less noisy on loaded shared cores: see ``Stepwatch.watch``).
+(``sw.watch(ddp)``, the default; ``per_bucket=True`` registers the per-bucket comm hook).
 
 Why not a communication hook: any Python comm hook, torch's own ``allreduce_hook`` as
 much as stepwatch's per-bucket one (``_comm_timing.comm_hook``), cost 4-5% of the step's
@@ -23,6 +22,15 @@ launched (the arrival; the training thread's CPU clock is read there too). It qu
 second callback, which runs after DDP's, once the all-reduces have ended (the end).
 Callbacks queued by a callback run in the same backward (the engine allows it for this).
 
+The end read there is late by what the training thread did after DDP's wait returned:
+waking up (on loaded shared cores, milliseconds on the run queue) and copying the buckets
+into the gradients. That noise, not the collective, hid a compute straggler in 2 of 3 of
+the suite's runs when this timing was first tried; so the end is taken back by the
+thread's CPU time plus run-queue wait since the arrival (``_sched.ThreadBusy``, Linux
+schedstat, one ``pread`` each): what is left is the time the thread slept in DDP's
+wait, which ends when the last all-reduce does. Elsewhere than Linux the end stays as
+read.
+
 Per step, then, one bucket slot of :class:`~stepwatch._comm_timing.CommTiming` holds the
 step's arrival and end, and the group's collective sequence counts one all-reduce per
 step (entered at the arrival, completed at the end): a hang diagnosis names the rank that
@@ -41,9 +49,11 @@ finalisation with its all-reduces), read back lazily by the sender.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
-from ._comm_timing import CommTiming, _start_device, group_label
+from ._comm_timing import CommTiming, _perf, _start_device, group_label
+from ._sched import ThreadBusy
 
 
 def time_reduction(ddp: Any, timing: CommTiming) -> bool:
@@ -63,18 +73,26 @@ def time_reduction(ddp: Any, timing: CommTiming) -> bool:
     #: What DDP all-reduces per step: every gradient once (its buckets hold them all).
     nbytes = sum(p.numel() * p.element_size() for p in params)
     queue = Variable._execution_engine.queue_callback
-    #: The arrival's token and device end event, for the end callback.
-    pending: list[Any] = [None, None]
+    #: The arrival's token, device end event and the thread's busy nanoseconds
+    #: (:class:`ThreadBusy`), for the end callback.
+    pending: list[Any] = [None, None, None, 0]
+    busy = ThreadBusy()
     #: Device events or the host clock only: decided once, at the first arrival.
     device: list[bool | None] = [None]
 
     # Each callback runs inside ``loss.backward()``: an exception would raise there, so
     # none leaves them (only the timing is lost).
     def ended() -> None:
-        token, end_event = pending
-        pending[0] = pending[1] = None
+        token, end_event, busy_then, tid = pending
+        pending[0] = pending[1] = pending[2] = None
         with contextlib.suppress(Exception):
-            timing.ended(token, group, end_event)
+            # The end without the thread's own work since the arrival (DDP's copy of the
+            # buckets into the gradients) and its waits for a core (its wake-up): the
+            # collective ended when the thread's sleep in DDP's wait did.
+            busy_now = busy.read() if tid == threading.get_native_id() else None
+            now = _perf()
+            at = None if busy_then is None or busy_now is None else now - (busy_now - busy_then) * 1e-9
+            timing.ended(token, group, end_event, at)
 
     def arrived() -> None:
         try:
@@ -88,7 +106,8 @@ def time_reduction(ddp: Any, timing: CommTiming) -> bool:
             if device[0]:
                 with contextlib.suppress(Exception):
                     end_event = timing.device_arrival(token[1])
-            pending[0], pending[1] = token, end_event
+            pending[0], pending[1], pending[2] = token, end_event, busy.read()
+            pending[3] = threading.get_native_id()
             queue(ended)
         except Exception:
             return

@@ -204,7 +204,13 @@ def _train(args: argparse.Namespace, burners: list[subprocess.Popen[bytes]]) -> 
     )
     watch = getattr(sw, "watch", None)
     if watch is not None:  # always-on collective timing, where this agent has it
-        watch(ddp)
+        # Which timing (per bucket: the comm hook; per step: DDP's built-in reduction
+        # timed from autograd's callbacks), to compare the two on the same scenarios.
+        mode = os.environ.get("STEPWATCH_EVAL_COMM_TIMING", "")
+        if mode in ("step", "bucket"):
+            watch(ddp, per_bucket=mode == "bucket")
+        else:
+            watch(ddp)
     sent: list[dict[str, Any]] = []
     if args.record:  # keep what the agent sent, as recorded inputs for the detectors' tests
         sender: Any = sw._sender  # the HTTP sender: its encoder is wrapped to keep a copy

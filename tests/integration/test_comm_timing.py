@@ -7,6 +7,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -282,6 +283,66 @@ def test_the_builtin_reduction_is_timed_per_step_from_autograd_callbacks(tmp_pat
     assert min(peers) >= 0.8 * LATE_S > 0.5 * LATE_S > sync[LATE_RANK], sync
 
 
+BUSY_S = 0.2
+
+
+def _busy_worker(rank: int, init: str, out: str) -> None:
+    """One rank, DDP timed per step, and on one step 0.2 s of the training thread's own
+    work after DDP's finalisation and before the timing's end callback (a callback queued
+    by a callback queued before the timing's: autograd runs them in that order)."""
+    from torch.autograd import Variable
+
+    from stepwatch._ddp_timing import time_reduction
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=1)
+    pos = [1, 0]
+    timing = CommTiming(4, lambda: (pos[0], pos[1]))
+    torch.manual_seed(0)
+    model = DDP(TinyGPT(CFG), bucket_cap_mb=0.01)
+    queue = Variable._execution_engine.queue_callback
+    busy_step = [1]
+
+    def work() -> None:
+        t = time.thread_time()
+        while time.thread_time() - t < BUSY_S:
+            pass
+
+    def before(_p: Any) -> None:
+        if pos[1] == busy_step[0]:
+            queue(lambda: queue(work))
+
+    next(iter(model.parameters())).register_post_accumulate_grad_hook(before)
+    assert time_reduction(model, timing)
+    x = torch.randint(1, CFG.vocab, (2, CFG.seq_len))
+    for step in range(3):
+        pos[1] = step
+        t0 = time.perf_counter()
+        loss_fn(model(x), x, 0).backward()  # type: ignore[no-untyped-call]
+        if step == busy_step[0]:
+            backward_s = time.perf_counter() - t0
+    slices = timing.take(3)
+    assert slices is not None
+    section, _ = summarise(slices, 1, [1e6 * (i + 1) for i in range(3)], [1e6] * 3, None)
+    Path(out).write_text(json.dumps({"sync": section["sync_s"], "backward_s": backward_s}))
+    dist.destroy_process_group()
+
+
+def test_the_end_leaves_out_the_training_threads_own_work_after_the_reduction(tmp_path: Path) -> None:
+    """The per-step end is read on the training thread after DDP's finalisation, which
+    on loaded cores adds the thread's wake-up and the copy into the gradients to the
+    collective's time: noise that hid a compute straggler. The end is taken back by the
+    thread's CPU and run-queue time since the arrival (schedstat), so 0.2 s of the
+    thread's own work before the read does not count as time in the all-reduce."""
+    out = tmp_path / "busy.json"
+    mp.spawn(_busy_worker, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=1, join=True)
+    got = json.loads(out.read_text())
+    assert got["backward_s"] >= BUSY_S, got  # the work ran inside that backward
+    sync = got["sync"]
+    assert all(v is not None for v in sync), got
+    assert sync[1] < 0.25 * BUSY_S, got
+
+
 class _Broken(CommTiming):
     """Timing slots whose every record fails."""
 
@@ -290,7 +351,7 @@ class _Broken(CommTiming):
 
 
 class _BrokenEnd(CommTiming):
-    def done(self, token: tuple[int, int] | None, group: str) -> None:
+    def done(self, token: tuple[int, int] | None, group: str, at: float | None = None) -> None:
         raise RuntimeError("done broke")
 
 

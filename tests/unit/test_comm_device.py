@@ -430,12 +430,14 @@ def test_watching_a_cuda_model_before_the_first_step_starts_the_device_step_cloc
         warnings.simplefilter("error")  # installed without a complaint
         fresh.watch(model)
     assert fresh._dev is not None
-    assert len(model.hooks) == 1, "the per-bucket comm hook (the default)"
-    lean = FakeDDP()
+    assert len(model._module_parameters[0].hooks) == 1 and not model.hooks, (
+        "the per-step timing (the default)"
+    )
+    bucketed = FakeDDP()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        agent().watch(lean, per_bucket=False)
-    assert len(lean._module_parameters[0].hooks) == 1 and not lean.hooks, "the per-step timing's one hook"
+        agent().watch(bucketed, per_bucket=True)
+    assert len(bucketed.hooks) == 1, "the per-bucket comm hook"
     late = agent()
     late.step(tokens=1)
     late.watch(FakeDDP())
