@@ -27,7 +27,7 @@ one in the future's ``then()`` callback at its end (``_comm_device``); the sende
 them back with ``query()``/``elapsed_time()`` against the agent's step boundary events
 and ships the window with ``"clock": "device"``, or, when an event has not completed by
 then (the step clock's deadline), with the host times and ``"clock": "host"``. Nothing
-synchronises the GPU. On CUDA ``cpu_s`` is the CPU time of the thread that runs the hook
+synchronises the GPU. On CUDA ``cpu_us`` is the CPU time of the thread that runs the hook
 (autograd's device thread), not the training thread's.
 
 Per process group the hook also counts the collectives entered and completed
@@ -56,7 +56,7 @@ from ._comm_device import CommEvents, DeviceEnd, DeviceSlots
 from ._comm_device import resolve as resolve_device
 from ._device_clock import DeviceEvent
 from .sketch import LogSketch
-from .wire import COLLECTIVE_OPS, CommClock
+from .wire import COLLECTIVE_OPS, COMM_VERSION, CommClock
 
 #: Buckets timed one by one per step; later ones share the last slot, which then holds
 #: the latest arrival (the last bucket's, so the step's sync time stays right).
@@ -383,12 +383,11 @@ class CommTiming:
         ``idle_s``: seconds since the rank's last step ended."""
         return {
             "idle_s": round(min(max(0.0, idle_s), 1e6), 3),
-            "version": 1,
+            "version": COMM_VERSION,
             "clock": "host",
-            "arrive_s": [],
-            "end_s": [],
-            "sync_s": [],
-            "cpu_s": [],
+            "arrive_us": [],
+            "sync_us": [],
+            "cpu_us": [],
             "collectives": [],
             "groups": self.groups(),
         }
@@ -399,8 +398,9 @@ class CommTiming:
 DeviceSteps = tuple[DeviceEvent | None, Sequence[DeviceEvent], Sequence[float]]
 
 
-def _r(x: float) -> float:
-    return round(x, 6)
+def _us(x: float) -> int:
+    """Seconds as the wire's integer microseconds (``wire.COMM_VERSION``), at least 0."""
+    return max(0, round(x * 1e6))
 
 
 def summarise(
@@ -412,21 +412,20 @@ def summarise(
     *,
     clock: CommClock = "host",
 ) -> tuple[dict[str, Any], float | None]:
-    """Per-step numbers (seconds, relative to the step's start on this rank's ``clock``;
-    ``None`` for a step without a collective) and per-window totals.
+    """Per-step numbers (integer microseconds, relative to the step's start on this
+    rank's ``clock``; ``None`` for a step without a collective) and per-window totals.
 
-    ``arrive_s``: last bucket ready (backward done); ``end_s``: last collective ended;
-    ``sync_s`` = end of the last bucket's collective - its arrival (short on the rank the
-    others waited for); ``cpu_s``: training-thread CPU time since the previous step's last
-    arrival (``None`` for the first step seen); ``broadcast_s`` (only where some step
-    waited in DDP's buffer broadcast, on the host clock): that wait, per step. Returns
-    (section, CPU clock of the last step).
+    ``arrive_us``: last bucket ready (backward done); ``sync_us`` = end of the last
+    bucket's collective - its arrival (short on the rank the others waited for; the end
+    is arrival plus sync); ``cpu_us``: training-thread CPU time since the previous step's
+    last arrival (``None`` for the first step seen); ``broadcast_us`` (only where some
+    step waited in DDP's buffer broadcast, on the host clock): that wait, per step.
+    Returns (section, CPU clock of the last step).
     """
     n = len(step_ends)
-    arrive_s: list[float | None] = [None] * n
-    end_s: list[float | None] = [None] * n
-    sync_s: list[float | None] = [None] * n
-    cpu_s: list[float | None] = [None] * n
+    arrive_us: list[int | None] = [None] * n
+    sync_us: list[int | None] = [None] * n
+    cpu_us: list[int | None] = [None] * n
     sketch = LogSketch(SKETCH_ALPHA)
     count = nbytes = 0
     for i in range(n):
@@ -434,7 +433,7 @@ def summarise(
         if s.step_of[i] != first_step + i or nb == 0:
             continue
         start = step_ends[i] - step_times[i]
-        last_b, last_a, last_e = -1, -math.inf, -math.inf
+        last_b, last_a = -1, -math.inf
         for b in range(i, nb * n, n):
             e = s.end[b]
             if e == _NONE:
@@ -445,34 +444,31 @@ def summarise(
             count += 1
             if a > last_a:
                 last_b, last_a = b, a
-            last_e = max(last_e, e)
         if last_b < 0:
             continue
         nbytes += s.bytes[i]
-        arrive_s[i] = _r(max(0.0, last_a - start))
-        end_s[i] = _r(max(0.0, last_e - start))
-        sync_s[i] = _r(max(0.0, s.end[last_b] - last_a))
+        arrive_us[i] = _us(last_a - start)
+        sync_us[i] = _us(s.end[last_b] - last_a)
         if cpu_prev is not None:
-            cpu_s[i] = _r(max(0.0, s.cpu[i] - cpu_prev))
+            cpu_us[i] = _us(s.cpu[i] - cpu_prev)
         cpu_prev = s.cpu[i]
     section: dict[str, Any] = {
-        "version": 1,
+        "version": COMM_VERSION,
         "clock": clock,
-        "arrive_s": arrive_s,
-        "end_s": end_s,
-        "sync_s": sync_s,
-        "cpu_s": cpu_s,
+        "arrive_us": arrive_us,
+        "sync_us": sync_us,
+        "cpu_us": cpu_us,
         # Per-collective durations only where each bucket was timed on its own.
         "collectives": [{"op": "all_reduce", "count": count, "bytes": nbytes, "duration": sketch.to_dict()}]
         if count and s.per_bucket
         else [],
     }
     if clock == "host" and len(s.held_step) >= n:
-        held: list[float | None] = [
-            _r(s.held[i]) if s.held_step[i] == first_step + i else None for i in range(n)
+        held: list[int | None] = [
+            _us(s.held[i]) if s.held_step[i] == first_step + i else None for i in range(n)
         ]
         if any(v is not None for v in held):
-            section["broadcast_s"] = held
+            section["broadcast_us"] = held
     return section, cpu_prev
 
 

@@ -42,6 +42,13 @@ CollectiveOp = Literal[
 ]
 COLLECTIVE_OPS: tuple[str, ...] = get_args(CollectiveOp)
 
+#: The ``comm`` section's version the agent sends: 2, per-step times as integer
+#: microseconds (``arrive_us``, ``sync_us``, ``cpu_us``, ``broadcast_us``): about half the
+#: bytes of version 1's seconds with six decimals (``arrive_s``, ``end_s``, ``sync_s``,
+#: ``cpu_s``, ``broadcast_s``), which the collector still accepts. Issue 11's budget is
+#: 2 KiB per rank-window for the whole section.
+COMM_VERSION = 2
+
 #: The clock of a ``comm`` section's per-step times (the agent's communication hook):
 #: ``host``, ``perf_counter`` (on CUDA only launch times), or ``device``, CUDA events
 #: recorded in the hook and its future's callback, read back on the sender thread.

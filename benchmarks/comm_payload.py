@@ -32,6 +32,11 @@ from pathlib import Path
 from typing import Any
 
 RANKS = 4
+#: The comm section's per-step lists, of either wire version (``wire.COMM_VERSION``).
+PER_STEP = (
+    *("arrive_us", "sync_us", "cpu_us", "broadcast_us"),
+    *("arrive_s", "end_s", "sync_s", "cpu_s", "broadcast_s"),
+)
 PAYLOAD_BUDGET = 2048
 ROW_BUDGET = 64
 #: Steps per stored window: the collector picks a power of two near 10 s of steps.
@@ -138,11 +143,12 @@ def payload_bytes(windows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     without = [len(encode({k: v for k, v in p.items() if k != "comm"})) for p in windows]
     steps = [len(p["steps"]["time_s"]) for p in windows]
     growth = [a - b for a, b in zip(with_comm, without, strict=True)]
-    # The per-step arrays (arrive, end, sync, cpu: one value per step each) apart from
-    # the per-window rest (their keys, duration sketch, group counters, links, run-queue wait).
-    arrays = ("arrive_s", "end_s", "sync_s", "cpu_s")
+    # The per-step arrays (arrival, sync, cpu and the broadcast's wait: one value per step
+    # each; version 1 also had the end) apart from the per-window rest (their keys, duration
+    # sketch, group counters, links, run-queue wait).
     per_step_bytes = [
-        len(encode(p["comm"])) - len(encode({**p["comm"], **{key: [] for key in arrays}})) for p in windows
+        len(encode(p["comm"])) - len(encode({**p["comm"], **{k: [] for k in PER_STEP if k in p["comm"]}}))
+        for p in windows
     ]
     slope = sum(per_step_bytes) / sum(steps)
     fixed = statistics.fmean(g - b for g, b in zip(growth, per_step_bytes, strict=True))

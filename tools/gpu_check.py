@@ -213,6 +213,16 @@ DEVICE_TOL_S = 1e-5
 """Slack for the 1 µs rounding of the wire's seconds in ``ddp_device``."""
 
 
+def arrival_and_end(comm: Mapping[str, Any]) -> tuple[list[float | None], list[float | None]]:
+    """Per step, arrival and end in seconds from a ``comm`` section: version 2's integer
+    microseconds (the end is arrival plus sync), or version 1's seconds."""
+    if "arrive_us" in comm:
+        arrive = [None if a is None else a * 1e-6 for a in comm["arrive_us"]]
+        sync = [None if y is None else y * 1e-6 for y in comm.get("sync_us", [])]
+        return arrive, [None if a is None or y is None else a + y for a, y in zip(arrive, sync, strict=False)]
+    return list(comm.get("arrive_s", [])), list(comm.get("end_s", []))
+
+
 def ddp_device_verdict(payloads: Sequence[Mapping[str, Any]]) -> Verdict:
     """The hook's sections on CUDA: every one on the device clock, and on every timed
     step 0 <= arrival <= end <= the step's time (all three from CUDA events: a device
@@ -223,11 +233,11 @@ def ddp_device_verdict(payloads: Sequence[Mapping[str, Any]]) -> Verdict:
     bad = 0
     for doc in payloads:
         comm = doc.get("comm")
-        if not isinstance(comm, Mapping) or not comm.get("arrive_s"):
+        if not isinstance(comm, Mapping) or not (comm.get("arrive_us") or comm.get("arrive_s")):
             continue
         clocks.add(str(comm.get("clock", "host")))
         times = doc.get("steps", {}).get("time_s", [])
-        for a, e, t in zip(comm["arrive_s"], comm.get("end_s", []), times, strict=False):
+        for a, e, t in zip(*arrival_and_end(comm), times, strict=False):
             if a is None or e is None:
                 continue
             timed.append((a, e, t))
@@ -401,7 +411,7 @@ def check_ddp() -> list[Verdict]:
     equal = all(r["equal"] for r in results)
     device = ddp_device_verdict([doc for r in results for doc in r["payloads"]])
     if world == 2:
-        sync = {r["rank"]: numbers_under(r["payloads"], "sync_s") for r in results}
+        sync = {r["rank"]: [v * 1e-6 for v in numbers_under(r["payloads"], "sync_us")] for r in results}
         return [ddp_lag_verdict(sync, DDP_DELAY_S, equal), device]
     (r,) = results
     timed = len(numbers_under(r["payloads"], "comm"))

@@ -366,26 +366,51 @@ class LinkIn(_Strict):
     busy_s: Seconds
 
 
-class CommIn(_Strict):
-    """Always-on collective timing of this batch's steps (the agent's communication hook).
+#: A per-step time of a version-2 ``comm`` section: integer microseconds, within the
+#: bounds of :data:`StepSeconds`.
+StepMicros = Annotated[int, Field(ge=0, le=10**12)]
 
-    Per step, seconds after the step's start on this rank's ``clock`` (``null``: no collective
-    in that step): ``arrive_s`` last bucket ready, ``end_s`` last collective ended,
-    ``sync_s`` end minus arrival of the last bucket, ``cpu_s`` the CPU time of the thread
-    that runs the hook (the training thread on CPU; autograd's device thread on CUDA).
+#: Per-step lists of each ``comm`` version, as sent (the version-1 names in seconds).
+_COMM_STEP_LISTS: dict[int, tuple[str, ...]] = {
+    1: ("arrive_s", "end_s", "sync_s", "cpu_s"),
+    wire.COMM_VERSION: ("arrive_us", "sync_us", "cpu_us"),
+}
+
+
+def _seconds(micros: list[int | None] | None) -> list[float | None]:
+    return [None if v is None else v * 1e-6 for v in micros or ()]
+
+
+class CommIn(_Strict):
+    """Always-on collective timing of this batch's steps (the agent's collective timing).
+
+    Per step, after the step's start on this rank's ``clock`` (``null``: no collective in
+    that step): the arrival (the step's last gradient bucket ready), the sync time (end
+    minus arrival of that bucket's collective: long on a rank that waited for its peers),
+    the CPU time of the thread that runs the timing (the training thread on CPU;
+    autograd's device thread on CUDA) since the previous step's. Version 2 (what the agent
+    sends, :data:`wire.COMM_VERSION`) carries them as integer microseconds, ``arrive_us``,
+    ``sync_us``, ``cpu_us``, ``broadcast_us`` (about half the bytes of version 1's
+    seconds; the end is arrival plus sync); version 1 as seconds, ``arrive_s``, ``end_s``,
+    ``sync_s``, ``cpu_s``, ``broadcast_s``. Validated under the names sent, then held as
+    seconds (the ``_s`` fields) whatever the version.
     Ingest stages ``sync_s`` (plus ``broadcast_s``: both are waits for peers), ``cpu_s``
     and the window's ``runq_s`` per step (``step_timings``) for the late-arrival detectors
     until the step's window is analysed.
     """
 
-    version: Literal[1]
+    version: Literal[1, 2]
     #: ``device``: CUDA events, every value of the section from the device; ``host``:
     #: the host clock (on CUDA, launch times). Wait and transfer are computed alike.
     clock: wire.CommClock = "host"
-    arrive_s: list[StepSeconds | None] = Field(max_length=MAX_STEPS)
-    end_s: list[StepSeconds | None] = Field(max_length=MAX_STEPS)
-    sync_s: list[StepSeconds | None] = Field(max_length=MAX_STEPS)
-    cpu_s: list[StepSeconds | None] = Field(max_length=MAX_STEPS)
+    arrive_s: list[StepSeconds | None] = Field(default_factory=list, max_length=MAX_STEPS)
+    end_s: list[StepSeconds | None] = Field(default_factory=list, max_length=MAX_STEPS)
+    sync_s: list[StepSeconds | None] = Field(default_factory=list, max_length=MAX_STEPS)
+    cpu_s: list[StepSeconds | None] = Field(default_factory=list, max_length=MAX_STEPS)
+    arrive_us: list[StepMicros | None] | None = Field(default=None, max_length=MAX_STEPS)
+    sync_us: list[StepMicros | None] | None = Field(default=None, max_length=MAX_STEPS)
+    cpu_us: list[StepMicros | None] | None = Field(default=None, max_length=MAX_STEPS)
+    broadcast_us: list[StepMicros | None] | None = Field(default=None, max_length=MAX_STEPS)
     collectives: list[CollectiveIn] = Field(default_factory=list, max_length=16)
     groups: list[GroupSeqIn] = Field(default_factory=list, max_length=64)
     #: Per-connection link timing (staged in ``link_samples`` for the link detector).
@@ -407,6 +432,42 @@ class CommIn(_Strict):
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"groups names process group {dup!r} more than once")
+        return self
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _integer_version(cls, v: Any) -> Any:
+        if type(v) is not int:  # a Literal compares by equality: true would pass as 1
+            raise ValueError(f"version must be the integer 1 or 2, not {type(v).__name__}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_version(self) -> CommIn:
+        """The lists of the version sent, and none of the other's; a version-2 section's
+        microseconds then become the seconds every reader uses."""
+        sent = self.model_fields_set
+        other = 1 if self.version == wire.COMM_VERSION else wire.COMM_VERSION
+        extra = [
+            n
+            for n in (*_COMM_STEP_LISTS[other], "broadcast_s" if other == 1 else "broadcast_us")
+            if n in sent
+        ]
+        if extra:
+            raise ValueError(f"comm version {self.version} has no {extra[0]} (version {other} does)")
+        missing = [n for n in _COMM_STEP_LISTS[self.version] if n not in sent]
+        if missing:
+            raise ValueError(f"comm version {self.version} needs {missing[0]}")
+        if self.version == wire.COMM_VERSION:
+            self.arrive_s = _seconds(self.arrive_us)
+            self.sync_s = _seconds(self.sync_us)
+            self.cpu_s = _seconds(self.cpu_us)
+            # Lists of unequal lengths are refused with the steps' count (``IngestPayload``).
+            self.end_s = [
+                None if a is None or y is None else a + y
+                for a, y in zip(self.arrive_s, self.sync_s, strict=False)
+            ]
+            if self.broadcast_us is not None:
+                self.broadcast_s = _seconds(self.broadcast_us)
         return self
 
     @model_validator(mode="after")
@@ -442,13 +503,12 @@ class IngestPayload(_Strict):
     def _comm_per_step(self) -> IngestPayload:
         if self.comm is not None:
             n = len(self.steps.time_s)
-            for name in ("arrive_s", "end_s", "sync_s", "cpu_s", "broadcast_s"):
-                if name == "broadcast_s" and self.comm.broadcast_s is None:
-                    continue
-                if len(getattr(self.comm, name)) != n:
-                    raise ValueError(
-                        f"comm.{name} has {len(getattr(self.comm, name))} values but steps.time_s has {n}"
-                    )
+            v = self.comm.version
+            # The names sent (the version-2 lists are kept beside their seconds).
+            for name in (*_COMM_STEP_LISTS[v], "broadcast_s" if v == 1 else "broadcast_us"):
+                got = getattr(self.comm, name)
+                if got is not None and len(got) != n:
+                    raise ValueError(f"comm.{name} has {len(got)} values but steps.time_s has {n}")
         return self
 
     @field_validator("schema_version", mode="before")

@@ -84,7 +84,17 @@ def test_retried_batch_is_stored_once(client: TestClient, engine: Engine) -> Non
         (lambda p: p.__setitem__("schema_version", 99), "schema_version"),
         (lambda p: p["steps"].__setitem__("time_s", []), "steps.time_s"),
         (lambda p: p.pop("batch_id"), "batch_id"),
-        (lambda p: p.__setitem__("comm", {**comm_section(4), "sync_s": [0.1]}), "comm.sync_s"),
+        (lambda p: p.__setitem__("comm", {**comm_section(4), "sync_us": [100]}), "comm.sync_us"),
+        (lambda p: p.__setitem__("comm", {**comm_section(4), "sync_s": [0.1] * 4}), "has no sync_s"),
+        (
+            lambda p: p.__setitem__("comm", {k: v for k, v in comm_section(4).items() if k != "cpu_us"}),
+            "needs cpu_us",
+        ),
+        (
+            lambda p: p.__setitem__("comm", {**comm_section(4), "arrive_us": [0, 0.5, 0, 0]}),
+            "comm.arrive_us.1",
+        ),
+        (lambda p: p.__setitem__("comm", {**comm_section(4), "version": True}), "comm.version"),
         (lambda p: p.__setitem__("comm", {**comm_section(4), "version": 7}), "comm.version"),
         (
             lambda p: p.__setitem__(

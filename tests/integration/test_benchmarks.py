@@ -203,17 +203,17 @@ def test_direct_cost_verdict_scales_per_bucket_cost_to_the_step() -> None:
 
 
 def test_comm_payload_splits_the_section_into_per_step_and_per_window_bytes() -> None:
-    """Two windows (4 and 8 steps) whose comm section has 4 per-step arrays and a fixed
+    """Two windows (4 and 8 steps) whose comm section has 3 per-step arrays and a fixed
     rest: the growth is the section's encoded bytes, the per-step part its arrays'."""
 
     def body(n: int) -> dict[str, object]:
-        comm = {k: [0.123456] * n for k in ("arrive_s", "end_s", "sync_s", "cpu_s")}
-        comm.update(version=1, clock="host", collectives=[], groups=[{"group": "world", "entered": 9}])
+        comm: dict[str, object] = {k: [123456] * n for k in ("arrive_us", "sync_us", "cpu_us")}
+        comm.update(version=2, clock="host", collectives=[], groups=[{"group": "world", "entered": 9}])
         return {"run": "r", "steps": {"first": 1, "time_s": [0.2] * n}, "comm": comm}
 
     f = comm_payload.payload_bytes([body(4), body(8)])
-    per_value = len("0.123456,")
-    assert f["per_step"] == pytest.approx(4 * per_value, abs=1)  # n values, n - 1 commas
+    per_value = len("123456,")
+    assert f["per_step"] == pytest.approx(3 * per_value, abs=1)  # n values, n - 1 commas
     assert f["growth"] == pytest.approx(f["fixed"] + f["per_step"] * 6, abs=1)
     assert 60 < f["fixed"] < 160
 

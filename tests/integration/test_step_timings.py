@@ -190,6 +190,31 @@ def test_a_rank_held_in_the_buffer_broadcast_by_a_late_peer_is_not_the_straggler
     assert opened == ["straggler:data:rank=3"], opened
 
 
+def test_the_agents_microseconds_are_staged_as_the_same_seconds(client: TestClient, engine: Engine) -> None:
+    """The agent sends version 2 of the section (integer microseconds, about half the
+    bytes of version 1's seconds); ingest stages the same seconds from either."""
+    v1 = comm(1, 0, late_rank=None, extra_cpu=0.0) | {"broadcast_s": [0.0002] * STEPS}
+
+    def us(values: list[float | None]) -> list[int | None]:
+        return [None if v is None else round(v * 1e6) for v in values]
+
+    v2 = {
+        "version": 2,
+        "clock": "host",
+        "arrive_us": us(v1["arrive_s"]),
+        "sync_us": us(v1["sync_s"]),
+        "cpu_us": us(v1["cpu_s"]),
+        "broadcast_us": us(v1["broadcast_s"]),
+    }
+    for r, c in ((0, v1), (1, v2)):
+        body = payload(rank=r, world=W, first=1, times=[0.5] * STEPS, waits=[0.001] * STEPS, comm=c)
+        assert client.post("/api/v1/ingest", json=body).status_code == 200
+    rows = {r: sorted((t.step, t.sync_s, t.cpu_s) for t in staged(engine) if t.rank == r) for r in (0, 1)}
+    assert len(rows[1]) == STEPS
+    for a, b in zip(rows[0], rows[1], strict=True):
+        assert a == pytest.approx(b)
+
+
 def test_a_broadcast_wait_per_step_must_match_the_steps(client: TestClient) -> None:
     body = payload(rank=0, world=W, first=1, times=[0.5] * STEPS, waits=[0.001] * STEPS)
     body["comm"] = comm(0, 1, late_rank=None, extra_cpu=0.0) | {"broadcast_s": [0.01] * (STEPS - 1)}

@@ -95,16 +95,17 @@ def test_offsets_come_from_the_device_events_relative_to_the_step_start() -> Non
     slices, dev, perf_end = r.close()
     out = r.encode(2, slices, dev, perf_end)
     assert out["clock"] == "device"
-    assert out["arrive_s"] == pytest.approx([0.030, 0.080])  # last bucket ready
-    assert out["end_s"] == pytest.approx([0.055, 0.095])  # last collective ended
-    assert out["sync_s"] == pytest.approx([0.025, 0.015])  # end - arrival, last bucket
+    assert out["version"] == 2  # integer microseconds
+    assert out["arrive_us"] == [30_000, 80_000]  # last bucket ready
+    assert out["sync_us"] == [25_000, 15_000]  # end - arrival, last bucket
+    assert "end_s" not in out and "arrive_s" not in out
     (ar,) = out["collectives"]
     assert (ar["op"], ar["count"], ar["bytes"]) == ("all_reduce", 4, 4 * 4096)
     # arrival <= end <= step on the device, whatever the host's launch times were.
     times = CudaEventClock.resolve(dev[0], dev[1], [9.0, 9.0], deadline_s=0.0)
     assert times == pytest.approx([0.100, 0.120])
-    for a, e, t in zip(out["arrive_s"], out["end_s"], times, strict=True):
-        assert a <= e <= t
+    for a, y, t in zip(out["arrive_us"], out["sync_us"], times, strict=True):
+        assert a <= a + y <= t * 1e6  # the end: arrival plus sync
 
 
 def test_the_runs_first_step_has_no_device_start_and_stays_untimed() -> None:
@@ -114,8 +115,8 @@ def test_the_runs_first_step_has_no_device_start_and_stays_untimed() -> None:
     slices, dev, perf_end = r.close()
     out = r.encode(1, slices, dev, perf_end)
     assert out["clock"] == "device"
-    assert out["arrive_s"] == [None, pytest.approx(0.010)]
-    assert out["sync_s"] == [None, pytest.approx(0.015)]
+    assert out["arrive_us"] == [None, 10_000]
+    assert out["sync_us"] == [None, 15_000]
     assert out["collectives"][0]["count"] == 1
 
 
@@ -140,7 +141,7 @@ def test_an_incomplete_event_keeps_the_whole_window_on_host_times(stuck: str) ->
     want = CommTiming(8, lambda: (0, 0)).summarise(host_only, 2, r.host_times[-3:], perf_end)
     out = r.encode(2, slices, dev, perf_end)
     assert out["clock"] == "host" and want["clock"] == "host"
-    keys = ("arrive_s", "end_s", "sync_s", "collectives")
+    keys = ("arrive_us", "sync_us", "cpu_us", "collectives")
     assert {k: out[k] for k in keys} == {k: want[k] for k in keys}
     # The window's events were given back all the same, and once the device has caught
     # up the next window is on the device clock again.
@@ -362,8 +363,8 @@ def test_the_agent_ships_a_device_section_that_the_collector_accepts(monkeypatch
     comm = doc["comm"]
     assert (doc["agent"]["clock"], comm["clock"]) == ("cuda_events", "device")
     assert doc["steps"]["time_s"][1:] == pytest.approx([0.1, 0.1, 0.1])
-    assert comm["arrive_s"] == [None, *[pytest.approx(0.05)] * 3]  # the run's first step: no start
-    assert comm["sync_s"] == [None, 0.0, 0.0, 0.0]  # the fake future ends where it arrives
+    assert comm["arrive_us"] == [None, *[50_000] * 3]  # the run's first step: no start
+    assert comm["sync_us"] == [None, 0, 0, 0]  # the fake future ends where it arrives
     IngestPayload.model_validate(doc)
     doc["comm"]["clock"] = "cuda_events"  # the step clock's name is not a comm clock
     with pytest.raises(ValueError, match="clock"):

@@ -99,7 +99,22 @@ def test_ddp_verdicts(gc: ModuleType) -> None:
 def _doc(
     clock: str, arrive: list[float | None], end: list[float | None], step: list[float]
 ) -> dict[str, object]:
-    return {"steps": {"time_s": step}, "comm": {"clock": clock, "arrive_s": arrive, "end_s": end}}
+    """A version-2 section (integer microseconds; the end is arrival plus sync)."""
+    a_us = [None if a is None else round(a * 1e6) for a in arrive]
+    sync = [
+        None if a is None or e is None else round(e * 1e6) - round(a * 1e6)
+        for a, e in zip(arrive, end, strict=True)
+    ]
+    return {"steps": {"time_s": step}, "comm": {"clock": clock, "arrive_us": a_us, "sync_us": sync}}
+
+
+def test_a_version_1_section_is_read_as_well(gc: ModuleType) -> None:
+    v1 = {"steps": {"time_s": [0.04]}, "comm": {"clock": "device", "arrive_s": [0.031], "end_s": [0.034]}}
+    assert gc.ddp_device_verdict([v1]).status == "PASS"
+    assert gc.arrival_and_end(_doc("device", [0.031], [0.034], [0.04])["comm"]) == (
+        [pytest.approx(0.031)],
+        [pytest.approx(0.034)],
+    )
 
 
 def test_ddp_device_verdict(gc: ModuleType) -> None:
