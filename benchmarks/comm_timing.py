@@ -30,10 +30,10 @@ its order statistics.
 Configurations: ``builtin`` (DDP's C++ all-reduce, the baseline), ``builtin, again``
 (A/A: its interval is the noise band), ``python hook`` (torch's own ``allreduce_hook``:
 what any Python communication hook costs, stepwatch's or not), ``timed``
-(``sw.watch(ddp, per_bucket=False)``: the built-in all-reduce timed per step from
+(``sw.watch(ddp)``, the default: the built-in all-reduce timed per step from
 autograd's final callbacks, ``stepwatch._ddp_timing``, and the buffer-broadcast
-counting), ``timed per bucket`` (``sw.watch(ddp)``, the default: ``stepwatch.comm_hook``
-and the same counting),
+counting), ``timed per bucket`` (``sw.watch(ddp, per_bucket=True)``:
+``stepwatch.comm_hook`` and the same counting),
 each with windows taken and summarised as the agent does, the summary outside the step
 (the sender thread's), and ``control``: the built-in all-reduce plus a busy loop of a
 known CPU cost after backward, calibrated in the warm-up to CONTROL_COST of the
@@ -52,9 +52,10 @@ training threads about 2.5%); a decision there takes several runs' cycles pooled
 
 The isolated phase decides only the *direct* cost (the timing's own CPU per step or
 bucket); it cannot see what a Python hook costs the 4-rank job indirectly. Why
-``sw.watch(ddp, per_bucket=False)`` exists: pooled over three runs after the hook's rewrite
-(183 cycles, load 5.5-12), the 4-rank phase read torch's ``allreduce_hook`` at +4.4%
-CPU [+2.1, +6.4] and the per-bucket hook at +4.9% [+3.3, +6.2]
+``sw.watch(ddp)`` times DDP's built-in reduction instead of using a hook: pooled over
+three runs after the hook's rewrite (183 cycles, load 5.5-12), the 4-rank phase read
+torch's ``allreduce_hook`` at +4.4% CPU [+2.1, +6.4] and the per-bucket hook at +4.9%
+[+3.3, +6.2]
 over the built-in, with A/A +0.5% [-2.0, +1.7] and the +2% control +2.8% [+2.0,
 +4.4]: ten times the direct cost, and the same for both hooks. With 2 ranks on the 2
 cores (287 cycles, load 4-9) both hooks still cost +3% of the processes' CPU and +2%
@@ -536,8 +537,8 @@ def report(f: Mapping[str, Any]) -> list[str]:
         label = {
             AGAIN: "A/A (built-in again)",
             PYHOOK: "torch's allreduce_hook",
-            TIMED: "per step (per_bucket=False)",
-            PER_BUCKET: "per bucket (sw.watch)",
+            TIMED: "per step (sw.watch)",
+            PER_BUCKET: "per bucket (per_bucket=True)",
             CONTROL: f"control (+{CONTROL_COST:.0%} CPU)",
             NO_THEN: "timed, no end record",
         }[c]
