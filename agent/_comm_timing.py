@@ -398,9 +398,10 @@ class CommTiming:
 DeviceSteps = tuple[DeviceEvent | None, Sequence[DeviceEvent], Sequence[float]]
 
 
-def _us(x: float) -> int:
-    """Seconds as the wire's integer microseconds (``wire.COMM_VERSION``), at least 0."""
-    return max(0, round(x * 1e6))
+def _us(x: float) -> int | None:
+    """Seconds as the wire's integer microseconds (``wire.COMM_VERSION``), at least 0;
+    None for a value that is not a time (not finite)."""
+    return max(0, round(x * 1e6)) if math.isfinite(x) else None
 
 
 def summarise(

@@ -1,4 +1,5 @@
-"""The training thread's run-queue wait, read once per window close (Linux schedstat).
+"""The training thread's run-queue wait, read once per window close (Linux schedstat), and
+a thread's busy time (CPU plus run-queue wait), read twice per step by the DDP timing.
 
 Why: a rank that arrives last at the collectives without doing more work than its peers
 either stalled (a sleep, a blocking call: its thread was off the CPU and not runnable) or
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 
 _NS = 1e-9
 
@@ -96,8 +98,8 @@ _MAX_THREADS = 16
 
 
 class ThreadBusy:
-    """CPU time plus run-queue wait of the calling thread, cumulative nanoseconds: the
-    time it was not asleep or blocked.
+    """CPU time plus run-queue wait of the calling thread, in nanoseconds: the time it
+    was not asleep or blocked.
 
     Why: the per-step collective timing (``_ddp_timing``) reads the end of DDP's
     reduction on the training thread after DDP's finalisation, which first sleeps until
@@ -107,8 +109,15 @@ class ThreadBusy:
     the wall time minus this counter's growth is the time the thread slept waiting for
     the collective: the end without the wake-up and the copy-out.
 
-    One ``pread`` (about 1.6 us) per call, of a file opened once per thread; None where
-    schedstat cannot be read (not Linux, or past :data:`_MAX_THREADS` threads)."""
+    The CPU part is the thread's CPU clock (``thread_time_ns``): schedstat's own CPU
+    field is updated only at the scheduler's ticks and context switches, so a read while
+    the thread runs misses up to a tick (4 ms here) of it. The run-queue wait is
+    schedstat's second field, which is current whenever the thread itself reads it (its
+    last wait was added when it got the core). One ``pread`` of a file opened once per
+    thread (about 1.6 us) and one clock read per call; None where schedstat cannot be
+    read (not Linux), or after the thread's file went stale (its id now names another
+    thread: reopened at the next call). Past :data:`_MAX_THREADS` threads the files
+    are closed and opened again as needed, so nothing grows."""
 
     __slots__ = ("_fds", "_pid")
 
@@ -123,18 +132,22 @@ class ThreadBusy:
         tid = threading.get_native_id()
         fd = self._fds.get(tid)
         if fd is None:
+            if len(self._fds) >= _MAX_THREADS:
+                self.close()
             fd = -1
-            if len(self._fds) < _MAX_THREADS:
-                with contextlib.suppress(OSError):
-                    fd = os.open(_path(tid), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            with contextlib.suppress(OSError):
+                fd = os.open(_path(tid), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             self._fds[tid] = fd
         if fd < 0:
             return None
         try:
-            fields = os.pread(fd, 96, 0).split()
-            return int(fields[0]) + int(fields[1])
+            runq = int(os.pread(fd, 96, 0).split()[1])
         except (OSError, ValueError, IndexError):
+            del self._fds[tid]  # a dead thread's file (its id reused): reopened next time
+            with contextlib.suppress(OSError):
+                os.close(fd)
             return None
+        return time.thread_time_ns() + runq
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -281,13 +281,14 @@ def test_the_builtin_reduction_is_timed_per_step_from_autograd_callbacks(tmp_pat
     assert min(peers) >= 0.8 * LATE_S > 0.5 * LATE_S > sync[LATE_RANK], sync
 
 
-BUSY_S = 0.2
+BUSY_S, SLEEP_S = 0.2, 0.1
 
 
 def _busy_worker(rank: int, init: str, out: str) -> None:
-    """One rank, DDP timed per step, and on one step 0.2 s of the training thread's own
-    work after DDP's finalisation and before the timing's end callback (a callback queued
-    by a callback queued before the timing's: autograd runs them in that order)."""
+    """One rank, DDP timed per step, and after DDP's finalisation, before the timing's end
+    callback (a callback queued by a callback queued before the timing's: autograd runs
+    them in that order), 0.2 s of the training thread's own work on step 1 and a 0.1 s
+    sleep on step 2."""
     from torch.autograd import Variable
 
     from stepwatch._ddp_timing import time_reduction
@@ -299,7 +300,6 @@ def _busy_worker(rank: int, init: str, out: str) -> None:
     torch.manual_seed(0)
     model = DDP(TinyGPT(CFG), bucket_cap_mb=0.01)
     queue = Variable._execution_engine.queue_callback
-    busy_step = [1]
 
     def work() -> None:
         t = time.thread_time()
@@ -307,21 +307,23 @@ def _busy_worker(rank: int, init: str, out: str) -> None:
             pass
 
     def before(_p: Any) -> None:
-        if pos[1] == busy_step[0]:
+        if pos[1] == 1:
             queue(lambda: queue(work))
+        elif pos[1] == 2:
+            queue(lambda: queue(lambda: time.sleep(SLEEP_S)))
 
     next(iter(model.parameters())).register_post_accumulate_grad_hook(before)
     assert time_reduction(model, timing)
     x = torch.randint(1, CFG.vocab, (2, CFG.seq_len))
-    for step in range(3):
+    for step in range(4):
         pos[1] = step
         t0 = time.perf_counter()
         loss_fn(model(x), x, 0).backward()  # type: ignore[no-untyped-call]
-        if step == busy_step[0]:
+        if step == 1:
             backward_s = time.perf_counter() - t0
-    slices = timing.take(3)
+    slices = timing.take(4)
     assert slices is not None
-    section, _ = summarise(slices, 1, [1e6 * (i + 1) for i in range(3)], [1e6] * 3, None)
+    section, _ = summarise(slices, 1, [1e6 * (i + 1) for i in range(4)], [1e6] * 4, None)
     sync = [None if v is None else v * 1e-6 for v in section["sync_us"]]
     Path(out).write_text(json.dumps({"sync": sync, "backward_s": backward_s}))
     dist.destroy_process_group()
@@ -331,8 +333,9 @@ def test_the_end_leaves_out_the_training_threads_own_work_after_the_reduction(tm
     """The per-step end is read on the training thread after DDP's finalisation, which
     on loaded cores adds the thread's wake-up and the copy into the gradients to the
     collective's time: noise that hid a compute straggler. The end is taken back by the
-    thread's CPU and run-queue time since the arrival (schedstat), so 0.2 s of the
-    thread's own work before the read does not count as time in the all-reduce."""
+    thread's CPU and run-queue time since the arrival, so 0.2 s of the thread's own work
+    before the read does not count as time in the all-reduce; a 0.1 s sleep there (not
+    the thread's work) still does, so the end is not simply put back at the arrival."""
     out = tmp_path / "busy.json"
     mp.spawn(_busy_worker, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=1, join=True)
     got = json.loads(out.read_text())
@@ -340,6 +343,7 @@ def test_the_end_leaves_out_the_training_threads_own_work_after_the_reduction(tm
     sync = got["sync"]
     assert all(v is not None for v in sync), got
     assert sync[1] < 0.25 * BUSY_S, got
+    assert sync[2] >= 0.8 * SLEEP_S, got
 
 
 class _Broken(CommTiming):

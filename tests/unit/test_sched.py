@@ -105,3 +105,52 @@ def test_each_window_carries_its_run_queue_wait_in_a_valid_comm_section() -> Non
     assert body["comm"]["runq_s"] == pytest.approx(busy.runq_s, abs=1e-6)
     p = IngestPayload.model_validate(body)
     assert p.comm is not None and p.comm.runq_s == pytest.approx(busy.runq_s, abs=1e-6)
+
+
+def test_thread_busy_counts_work_and_waits_for_a_core_not_sleep() -> None:
+    """``ThreadBusy`` (the DDP timing's end correction): the thread's own work counts in
+    full, read while it runs (schedstat's CPU field alone lags by up to a tick); its wait
+    for a core beside burners counts; a sleep does not."""
+    from stepwatch._sched import ThreadBusy
+
+    busy = ThreadBusy()
+    b0 = busy.read()
+    assert b0 is not None
+    t = time.thread_time()
+    while time.thread_time() - t < 0.005:  # 5 ms of work, about a tick
+        pass
+    b1 = busy.read()
+    assert b1 is not None and b1 - b0 >= 5_000_000, b1 - b0
+    time.sleep(0.2)
+    b2 = busy.read()
+    assert b2 is not None and b2 - b1 < 100_000_000, "a sleep is not busy time"
+    with beside_burners():
+        b3 = busy.read()
+        w0 = time.perf_counter()
+        while time.perf_counter() - w0 < 0.3:
+            pass
+        b4 = busy.read()
+    assert b3 is not None and b4 is not None
+    # The thread ran or waited for its core all along: busy time is the wall time.
+    assert b4 - b3 >= 0.9 * 0.3e9, b4 - b3
+
+
+def test_thread_busy_keeps_one_file_per_live_thread_and_never_grows() -> None:
+    """Each thread reads its own counters; past the cap the files are reopened as
+    needed, so 40 short-lived threads leave at most the cap open."""
+    from stepwatch import _sched
+
+    busy = _sched.ThreadBusy()
+    got: list[int | None] = []
+
+    def once() -> None:
+        got.append(busy.read())
+
+    for _ in range(40):
+        th = threading.Thread(target=once)
+        th.start()
+        th.join()
+    assert len(got) == 40 and all(v is not None for v in got), got
+    assert len(busy._fds) <= _sched._MAX_THREADS
+    busy.close()
+    assert not busy._fds
