@@ -49,7 +49,7 @@ COLLECTIVE_OPS: tuple[str, ...] = get_args(CollectiveOp)
 #: 2 KiB per rank-window for the whole section.
 COMM_VERSION = 2
 
-#: The clock of a ``comm`` section's per-step times (the agent's communication hook):
+#: The clock of a ``comm`` section's per-step times (the agent's collective timing):
 #: ``host``, ``perf_counter`` (on CUDA only launch times), or ``device``, CUDA events
 #: recorded in the hook and its future's callback, read back on the sender thread.
 CommClock = Literal["host", "device"]

@@ -10,14 +10,18 @@ one verdict line per check, ``PASS``/``FAIL``/``SKIP`` + name + the numbers:
                  bracketed by ``torch.cuda.synchronize()`` and ``perf_counter``; then the
                  same work without syncs, where the host runs ahead and only the events
                  can still see the device's steps.
-``ddp``          always-on timing of DDP over NCCL (``sw.watch(ddp_model)``): 2 GPUs with
-                 rank 1 arriving late at every bucket (rank 0 must wait longer), or 1 GPU
-                 with a lagging stream (the hook must not synchronise); gradients equal to
-                 plain DDP's. "not available in this build" where the hook is absent.
-``ddp_device``   the same runs' ``comm`` sections: on the device clock (the hook's CUDA
-                 events at each bucket's arrival and in its future's ``then()``, read back
-                 by the sender with ``query()``), and sane on every timed step:
-                 0 <= arrival <= end <= the step's device time.
+``ddp``          always-on timing of DDP over NCCL (``sw.watch(ddp_model)``: DDP's built-in
+                 all-reduce timed per step from autograd's final callbacks): 2 GPUs with
+                 rank 1 arriving late at every step (rank 0 must wait longer), or 1 GPU
+                 with a lagging stream (the timing must not synchronise); gradients equal
+                 to plain DDP's. "not available in this build" where it is absent.
+``ddp_device``   the same runs' ``comm`` sections: on the device clock (CUDA events
+                 recorded at the step's arrival and end in the callbacks, read back by
+                 the sender with ``query()``), and sane on every timed step:
+                 0 <= arrival <= end <= the step's device time. Version 2 of the section
+                 sends the end as arrival plus a sync clamped at 0, so an end recorded
+                 before its arrival (a wrong stream) reads as a sync of 0: the verdict
+                 counts those steps in its detail.
 ``first_step``   the first profiled step of a live trace, GPU lagging its host by about a
                  step, against the steady steps and the script's own CUDA events.
 ``nvml``         NVML fields of this GPU: UUID matching torch's, clocks, power,
@@ -160,7 +164,7 @@ def tokens_verdict(add_s: float, busy_s: float, got: int, want: int) -> Verdict:
 
 def numbers_under(doc: Any, key_part: str) -> list[float]:
     """Every number found under a key containing ``key_part``, anywhere in ``doc``
-    (the always-on section's layout belongs to the hook's module; the check only needs
+    (the always-on section's layout belongs to the agent's timing; the check only needs
     its numbers)."""
     out: list[float] = []
 
@@ -197,8 +201,8 @@ def ddp_lag_verdict(
 def ddp_single_verdict(
     host_s: Sequence[float], device_s: Sequence[float], timed: int, grads_equal: bool
 ) -> Verdict:
-    """1 GPU, lagging stream: the host ran ahead of the device (the hook did not sync) and
-    the hook timed the buckets."""
+    """1 GPU, lagging stream: the host ran ahead of the device (the timing did not sync)
+    and the steps were timed."""
     host, dev = statistics.median(host_s), statistics.median(device_s)
     ok = host < 0.5 * dev and timed > 0 and grads_equal
     detail = (
@@ -224,13 +228,13 @@ def arrival_and_end(comm: Mapping[str, Any]) -> tuple[list[float | None], list[f
 
 
 def ddp_device_verdict(payloads: Sequence[Mapping[str, Any]]) -> Verdict:
-    """The hook's sections on CUDA: every one on the device clock, and on every timed
+    """The timing's sections on CUDA: every one on the device clock, and on every timed
     step 0 <= arrival <= end <= the step's time (all three from CUDA events: a device
     arrival after its end, or an all-reduce ending after its step, means an event was
     recorded on the wrong stream)."""
     clocks: set[str] = set()
     timed: list[tuple[float, float, float]] = []
-    bad = 0
+    bad = zero = 0
     for doc in payloads:
         comm = doc.get("comm")
         if not isinstance(comm, Mapping) or not (comm.get("arrive_us") or comm.get("arrive_s")):
@@ -241,6 +245,7 @@ def ddp_device_verdict(payloads: Sequence[Mapping[str, Any]]) -> Verdict:
             if a is None or e is None:
                 continue
             timed.append((a, e, t))
+            zero += int(e == a)
             bad += int(not (0.0 <= a <= e + DEVICE_TOL_S and e <= t + DEVICE_TOL_S))
     if not timed:
         return Verdict("ddp_device", "FAIL", f"no timed step in {len(payloads)} payload(s)")
@@ -251,7 +256,7 @@ def ddp_device_verdict(payloads: Sequence[Mapping[str, Any]]) -> Verdict:
     a, e, t = (statistics.median(x[i] for x in timed) * 1e3 for i in range(3))
     detail = (
         f"{len(timed)} steps on the device clock, median arrival {a:.2f} ms <= end {e:.2f} ms "
-        f"<= step {t:.2f} ms"
+        f"<= step {t:.2f} ms; {zero} with a sync of 0 (an end before its arrival reads so)"
     )
     if bad:
         return Verdict(

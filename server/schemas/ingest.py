@@ -378,7 +378,7 @@ _COMM_STEP_LISTS: dict[int, tuple[str, ...]] = {
 
 
 def _seconds(micros: list[int | None] | None) -> list[float | None]:
-    return [None if v is None else v * 1e-6 for v in micros or ()]
+    return [None if v is None else v / 1e6 for v in micros or ()]
 
 
 class CommIn(_Strict):
@@ -441,23 +441,27 @@ class CommIn(_Strict):
             raise ValueError(f"version must be the integer 1 or 2, not {type(v).__name__}")
         return v
 
-    @model_validator(mode="after")
-    def _one_version(self) -> CommIn:
-        """The lists of the version sent, and none of the other's; a version-2 section's
-        microseconds then become the seconds every reader uses."""
-        sent = self.model_fields_set
-        other = 1 if self.version == wire.COMM_VERSION else wire.COMM_VERSION
-        extra = [
-            n
-            for n in (*_COMM_STEP_LISTS[other], "broadcast_s" if other == 1 else "broadcast_us")
-            if n in sent
-        ]
+    @model_validator(mode="before")
+    @classmethod
+    def _one_version(cls, data: Any) -> Any:
+        """The per-step lists of the version sent, each a list, and none of the other's
+        (read from the keys sent, before any field is filled in)."""
+        v = data.get("version") if isinstance(data, dict) else None
+        if type(v) is not int or v not in _COMM_STEP_LISTS:
+            return data  # the version field's own check names it
+        other = 1 if v == wire.COMM_VERSION else wire.COMM_VERSION
+        theirs = (*_COMM_STEP_LISTS[other], "broadcast_s" if other == 1 else "broadcast_us")
+        extra = [n for n in theirs if n in data]
         if extra:
-            raise ValueError(f"comm version {self.version} has no {extra[0]} (version {other} does)")
-        missing = [n for n in _COMM_STEP_LISTS[self.version] if n not in sent]
+            raise ValueError(f"comm version {v} has no {extra[0]} (version {other} does)")
+        missing = [n for n in _COMM_STEP_LISTS[v] if data.get(n) is None]
         if missing:
-            raise ValueError(f"comm version {self.version} needs {missing[0]}")
-        if self.version == wire.COMM_VERSION:
+            raise ValueError(f"comm version {v} needs {missing[0]}: a list, one value per step")
+        return data
+
+    @model_validator(mode="after")
+    def _resolution(self) -> CommIn:
+        if self.version == wire.COMM_VERSION:  # microseconds become the seconds every reader uses
             self.arrive_s = _seconds(self.arrive_us)
             self.sync_s = _seconds(self.sync_us)
             self.cpu_s = _seconds(self.cpu_us)
@@ -468,10 +472,6 @@ class CommIn(_Strict):
             ]
             if self.broadcast_us is not None:
                 self.broadcast_s = _seconds(self.broadcast_us)
-        return self
-
-    @model_validator(mode="after")
-    def _resolution(self) -> CommIn:
         self.arrive_s = _resolved_or_none(self.arrive_s)
         self.end_s = _resolved_or_none(self.end_s)
         self.sync_s = _resolved_or_none(self.sync_s)

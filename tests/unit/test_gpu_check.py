@@ -123,7 +123,9 @@ def test_ddp_device_verdict(gc: ModuleType) -> None:
     good = [_doc("device", [None, 0.031, 0.030], [None, 0.034, 0.033], [0.05, 0.040, 0.041])]
     ok = gc.ddp_device_verdict(good)
     assert ok.status == "PASS" and ok.detail.startswith("2 steps on the device clock"), ok.detail
-    assert "arrival 30.50 ms <= end 33.50 ms <= step 40.50 ms" in ok.detail
+    assert "arrival 30.50 ms <= end 33.50 ms <= step 40.50 ms; 0 with a sync of 0" in ok.detail
+    clamped = gc.ddp_device_verdict([_doc("device", [0.031, 0.032], [0.031, 0.034], [0.04, 0.04])])
+    assert "1 with a sync of 0" in clamped.detail, "an end before its arrival, clamped by the wire"
     host = gc.ddp_device_verdict([*good, _doc("host", [0.001], [0.002], [0.04])])
     assert host.status == "FAIL" and "device/host clock" in host.detail, "a window fell back to host times"
     late_end = gc.ddp_device_verdict([_doc("device", [0.031], [0.045], [0.040])])
