@@ -96,7 +96,7 @@ def init(
     model's FLOPs per token once, here, with ``torch.utils.flop_counter`` (one forward and
     backward of the real model). ``profile_every``/``profile_steps``/``profile_budget``
     set the profiler window (see ``stepwatch.profiler._window``; ``profile_every=0`` turns it off).
-    A ``DistributedDataParallel`` ``model`` gets the timing hook (``Stepwatch.watch``).
+    A ``DistributedDataParallel`` ``model`` gets the always-on collective timing (``Stepwatch.watch``).
     ``collectives=True`` also counts plain ``torch.distributed`` collectives (tensor and
     pipeline parallel, FSDP2) for the hang diagnosis (``Stepwatch.watch_collectives``).
     """
