@@ -26,10 +26,13 @@ The end read there is late by what the training thread did after DDP's wait retu
 waking up (on loaded shared cores, milliseconds on the run queue) and copying the buckets
 into the gradients. That noise, not the collective, hid a compute straggler in 2 of 3 of
 the suite's runs when this timing was first tried; so the end is taken back by the
-thread's CPU time plus run-queue wait since the arrival (``_sched.ThreadBusy``, Linux
-schedstat, one ``pread`` each): what is left is the time the thread slept in DDP's
-wait, which ends when the last all-reduce does. Elsewhere than Linux the end stays as
-read.
+thread's CPU time plus run-queue wait since the arrival (``_sched.ThreadBusy``: its CPU
+clock and Linux schedstat's run-queue wait): what is left is the time the thread slept
+in DDP's wait, which ends when the last all-reduce does. Elsewhere than Linux the end
+stays as read. Two approximations, both small next to what they replace: DDP waits and
+copies bucket by bucket, so copying an early bucket while a later all-reduce still runs
+is taken off too (the end comes out early by that copy); and a wait for the GIL counts as
+sleep (the sender thread holds it for microseconds at a time).
 
 Per step, then, one bucket slot of :class:`~stepwatch._comm_timing.CommTiming` holds the
 step's arrival and end, and the group's collective sequence counts one all-reduce per

@@ -93,7 +93,7 @@ class RunQueueClock:
 
 
 #: Threads whose schedstat :class:`ThreadBusy` keeps open (autograd's backward threads:
-#: one per device and the caller); beyond that a thread is not measured.
+#: one per device and the caller); beyond that the files are closed and reopened as needed.
 _MAX_THREADS = 16
 
 
@@ -114,7 +114,7 @@ class ThreadBusy:
     the thread runs misses up to a tick (4 ms here) of it. The run-queue wait is
     schedstat's second field, which is current whenever the thread itself reads it (its
     last wait was added when it got the core). One ``pread`` of a file opened once per
-    thread (about 1.6 us) and one clock read per call; None where schedstat cannot be
+    thread and one clock read per call (2.6 us in all here); None where schedstat cannot be
     read (not Linux), or after the thread's file went stale (its id now names another
     thread: reopened at the next call). Past :data:`_MAX_THREADS` threads the files
     are closed and opened again as needed, so nothing grows."""
