@@ -317,8 +317,8 @@ class Stepwatch:
         except Exception as exc:  # never into the training loop: only the timing is lost
             warnings.warn(
                 f"stepwatch: could not install the collective timing ({exc}); steps are timed "
-                "without it (a model with its own comm hook: register "
-                "stepwatch.comm_hook(inner=your_hook), or watch it with per_bucket=False)",
+                "without it (with per_bucket=True, a model with its own comm hook: register "
+                "stepwatch.comm_hook(inner=your_hook), or watch it with the default)",
                 RuntimeWarning,
                 stacklevel=2,
             )

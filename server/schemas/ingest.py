@@ -370,11 +370,13 @@ class LinkIn(_Strict):
 #: bounds of :data:`StepSeconds`.
 StepMicros = Annotated[int, Field(ge=0, le=10**12)]
 
-#: Per-step lists of each ``comm`` version, as sent (the version-1 names in seconds).
+#: Per-step lists of each ``comm`` version, as sent (the version-1 names in seconds):
+#: the required ones, and the broadcast's wait (only where a step waited in it).
 _COMM_STEP_LISTS: dict[int, tuple[str, ...]] = {
     1: ("arrive_s", "end_s", "sync_s", "cpu_s"),
     wire.COMM_VERSION: ("arrive_us", "sync_us", "cpu_us"),
 }
+_COMM_BROADCAST = {1: "broadcast_s", wire.COMM_VERSION: "broadcast_us"}
 
 
 def _seconds(micros: list[int | None] | None) -> list[float | None]:
@@ -392,8 +394,9 @@ class CommIn(_Strict):
     sends, :data:`wire.COMM_VERSION`) carries them as integer microseconds, ``arrive_us``,
     ``sync_us``, ``cpu_us``, ``broadcast_us`` (about half the bytes of version 1's
     seconds; the end is arrival plus sync); version 1 as seconds, ``arrive_s``, ``end_s``,
-    ``sync_s``, ``cpu_s``, ``broadcast_s``. Validated under the names sent, then held as
-    seconds (the ``_s`` fields) whatever the version.
+    ``sync_s``, ``cpu_s``, ``broadcast_s``. Validated under the names sent; what ingest
+    reads is then held in seconds (``sync_s``, ``cpu_s``, ``broadcast_s``) whatever the
+    version.
     Ingest stages ``sync_s`` (plus ``broadcast_s``: both are waits for peers), ``cpu_s``
     and the window's ``runq_s`` per step (``step_timings``) for the late-arrival detectors
     until the step's window is analysed.
@@ -450,7 +453,7 @@ class CommIn(_Strict):
         if type(v) is not int or v not in _COMM_STEP_LISTS:
             return data  # the version field's own check names it
         other = 1 if v == wire.COMM_VERSION else wire.COMM_VERSION
-        theirs = (*_COMM_STEP_LISTS[other], "broadcast_s" if other == 1 else "broadcast_us")
+        theirs = (*_COMM_STEP_LISTS[other], _COMM_BROADCAST[other])
         extra = [n for n in theirs if n in data]
         if extra:
             raise ValueError(f"comm version {v} has no {extra[0]} (version {other} does)")
@@ -460,20 +463,16 @@ class CommIn(_Strict):
         return data
 
     @model_validator(mode="after")
-    def _resolution(self) -> CommIn:
-        if self.version == wire.COMM_VERSION:  # microseconds become the seconds every reader uses
-            self.arrive_s = _seconds(self.arrive_us)
+    def _in_seconds(self) -> CommIn:
+        """What ingest reads (sync, CPU, the broadcast's wait) in seconds, whatever the
+        version sent. The arrival (and version 1's end) are validated, not read: no
+        reader uses them, so they are not converted."""
+        if self.version == wire.COMM_VERSION:  # whole microseconds: nothing under the resolution
             self.sync_s = _seconds(self.sync_us)
             self.cpu_s = _seconds(self.cpu_us)
-            # Lists of unequal lengths are refused with the steps' count (``IngestPayload``).
-            self.end_s = [
-                None if a is None or y is None else a + y
-                for a, y in zip(self.arrive_s, self.sync_s, strict=False)
-            ]
             if self.broadcast_us is not None:
                 self.broadcast_s = _seconds(self.broadcast_us)
-        self.arrive_s = _resolved_or_none(self.arrive_s)
-        self.end_s = _resolved_or_none(self.end_s)
+            return self
         self.sync_s = _resolved_or_none(self.sync_s)
         self.cpu_s = _resolved_or_none(self.cpu_s)
         if self.broadcast_s is not None:
@@ -505,7 +504,7 @@ class IngestPayload(_Strict):
             n = len(self.steps.time_s)
             v = self.comm.version
             # The names sent (the version-2 lists are kept beside their seconds).
-            for name in (*_COMM_STEP_LISTS[v], "broadcast_s" if v == 1 else "broadcast_us"):
+            for name in (*_COMM_STEP_LISTS[v], _COMM_BROADCAST[v]):
                 got = getattr(self.comm, name)
                 if got is not None and len(got) != n:
                     raise ValueError(f"comm.{name} has {len(got)} values but steps.time_s has {n}")
