@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from . import __version__, _collectives
+from . import __version__, _collectives, wire
 from ._comm_timing import CommTiming, comm_hook, count_buffer_broadcast
 from ._ddp_timing import time_reduction
 from ._device_clock import Boundaries, CudaEventClock
@@ -32,6 +32,7 @@ from ._links import LinkSampler
 from ._payload import build_payload, encode, new_batch_id
 from ._sched import RunQueueClock
 from ._sender import Sender, SenderStats, WindowSink
+from ._steering import Steering
 from ._window import Window
 from .config import AgentConfig
 from .profiler._window import DATA_WAIT_SPAN, NEVER, ProfilerWindow
@@ -127,6 +128,8 @@ class Stepwatch:
         self._enabled = config.enabled
         if not self._enabled:
             self._close_at = _OFF
+        #: The collector's directives (captures, live settings), applied at window close.
+        self._steering = Steering()
         self._closed = False
         self._rank_dict = rank.to_dict()
         window_bytes = Window(0, self._time, self._wait, self._tokens, self._padded, self._tags, 0.0)
@@ -143,6 +146,7 @@ class Stepwatch:
                 label=f"rank {rank.rank}",
                 heartbeat=self._heartbeat,
                 heartbeat_s=HEARTBEAT_INTERVALS * self._interval,
+                on_answer=self._steering.receive,
             )
             if self._enabled:  # here, not on the training thread at the first window close
                 sender.start()
@@ -266,10 +270,80 @@ class Stepwatch:
         )
         self._first_step = first + n
         self._n = 0
+        if self._steering.inbox:
+            self._apply_directives()
         self._window_start = now
         self._close_at = now + self._interval
         self._event_i = self._next_event()
         self._sender.submit(window)
+
+    # -- steering (training thread, at a window close) --------------------------------
+    def _apply_directives(self) -> None:
+        """Apply the collector's new directives (``_steering``); each is acknowledged."""
+        st = self._steering
+        done = self._first_step - 1  # the last finished step
+        while True:
+            try:
+                d = st.inbox.popleft()
+            except IndexError:
+                return
+            ident = d["id"]
+            try:
+                if d["kind"] == "capture":
+                    self._apply_capture(ident, d, done)
+                else:
+                    self._apply_config(ident, d)
+            except Exception as exc:  # never into the training loop
+                st.ack(
+                    ident, "missed" if d["kind"] == "capture" else "refused", f"could not apply it: {exc!r}"
+                )
+
+    def _apply_capture(self, ident: str, d: dict[str, Any], done: int) -> None:
+        first, steps = d.get("first_step"), d.get("steps")
+        if type(first) is not int or type(steps) is not int:
+            self._steering.ack(ident, "missed", "first_step and steps must be integers")
+            return
+        pw = self._pw
+        if pw is None:
+            self._steering.ack(
+                ident, "missed", "no profiler in this process (torch.profiler is not importable)"
+            )
+            return
+        reason = pw.request_capture(first, steps, ident, done)
+        if reason is not None:
+            self._steering.ack(ident, "missed", reason)
+            return
+        if not pw.active:
+            self._prof_at = pw.next_start(done)
+        self._steering.ack(ident, "scheduled")
+
+    def _apply_config(self, ident: str, d: dict[str, Any]) -> None:
+        settings, reason = wire.check_live_settings(d.get("settings"))
+        pw = self._pw
+        if reason is None and ("profile_every" in settings or "profile_steps" in settings):
+            if pw is None:
+                reason = "no profiler in this process (torch.profiler is not importable)"
+            else:
+                every = int(settings.get("profile_every", pw.base))
+                reason = pw.reconfigure(every, int(settings.get("profile_steps", pw.k)))
+                if reason is None and not pw.active:
+                    self._prof_at = pw.next_start(self._first_step - 1)
+        if reason is not None:
+            self._steering.ack(ident, "refused", reason)
+            return
+        if "send_interval_s" in settings:
+            self._interval = settings["send_interval_s"]
+            if isinstance(self._sender, Sender):
+                self._sender.heartbeat_s = HEARTBEAT_INTERVALS * self._interval
+        self._steering.ack(ident, "applied", settings=self._live_settings())
+
+    def _live_settings(self) -> dict[str, float]:
+        """The live settings in force (what a config directive's ack reports)."""
+        out: dict[str, float] = {"send_interval_s": self._interval}
+        if self._pw is not None:
+            out["profile_every"] = self._pw.base
+            out["profile_steps"] = self._pw.k
+        return out
 
     # -- collectives ----------------------------------------------------------------
     def watch(self, model: Any, state: Any = None, *, per_bucket: bool = False) -> None:
@@ -518,7 +592,10 @@ class Stepwatch:
             "dropped_windows": stats.lost_windows,
             "dropped_steps": stats.lost_steps,
             "hot_path_mean_s": self.hot_path_mean_s(),
+            "send_interval_s": self._interval,
         }
+        if window.acks is None:
+            window.acks = self._steering.take_acks()
         if window.profiles is None:
             window.profiles = self._pw.take() if self._pw is not None else []
         payload = build_payload(
@@ -531,6 +608,7 @@ class Stepwatch:
             plan=self.plan,
             profiles=window.profiles,
             comm=window.comm_section,
+            acks=window.acks,
         )
         return encode(payload)
 

@@ -271,9 +271,8 @@ def _plan(
 def _profiler(
     cfg: config.AgentConfig, info: _env.RankInfo, *, start_step: int, cuda: bool
 ) -> ProfilerWindow | None:
-    """The profiler window, or None when it is off or torch is missing (then no breakdown)."""
-    if cfg.profile_every <= 0:
-        return None
+    """The profiler window (periodic off with ``profile_every=0``: it then still runs the
+    collector's captures), or None when torch is missing (then no breakdown)."""
     try:
         import torch.profiler  # noqa: F401
     except ImportError:
@@ -289,5 +288,6 @@ def _profiler(
         clock_sync=ClockSync(info.rank, info.host, single_host=single_host),
         nvml=for_current_cuda_device() if cuda else None,
     )
-    pw.warm()
+    if cfg.profile_every > 0:  # with the periodic window off, a first capture pays the imports
+        pw.warm()
     return pw

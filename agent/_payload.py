@@ -45,6 +45,7 @@ def build_payload(
     plan: Mapping[str, Any] | None = None,
     profiles: Sequence[Mapping[str, Any]] | None = None,
     comm: Mapping[str, Any] | None = None,
+    acks: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Assemble the payload dict for one window (sender thread only).
 
@@ -54,7 +55,8 @@ def build_payload(
     :mod:`.profiler._entry`), ``final`` (the rank's last batch), ``heartbeat`` (a batch
     without steps sent while the training thread closes no window) and ``comm`` (the always-on
     collective timing of these steps, a section with its own ``version``; see
-    ``_comm_timing.summarise``).
+    ``_comm_timing.summarise``) and ``acks`` (the acknowledgements of the collector's
+    directives, ``wire``'s steering contract).
     """
     times = step_time_s if step_time_s is not None else window.step_time_s
     tags = window.tags
@@ -83,6 +85,8 @@ def build_payload(
         payload["profiles"] = [dict(p) for p in profiles]
     if comm:
         payload["comm"] = dict(comm)
+    if acks:
+        payload["acks"] = [dict(a) for a in acks]
     if window.final:
         payload["final"] = True
     if window.heartbeat:

@@ -152,6 +152,7 @@ class Sender:
         clock: Callable[[], float] = time.monotonic,
         heartbeat: Callable[[], Window | None] | None = None,
         heartbeat_s: float = 15.0,
+        on_answer: Callable[[bytes], None] | None = None,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -190,7 +191,9 @@ class Sender:
         self._posting_since: float | None = None  # clock() when the POST on the wire began
         self._thread: threading.Thread | None = None
         self._heartbeat = heartbeat
-        self._heartbeat_s = heartbeat_s
+        #: Written by the training thread when the send interval changes (one store).
+        self.heartbeat_s = heartbeat_s
+        self._on_answer = on_answer
         #: clock() of the last submit or heartbeat (written by both threads: one store each).
         self._last_activity = clock()
         self._pid = os.getpid()
@@ -344,7 +347,7 @@ class Sender:
 
     def _due_heartbeat(self) -> Window | None:
         """A heartbeat window when one is due (nothing sent for ``heartbeat_s``), else None."""
-        if self._heartbeat is None or self._clock() - self._last_activity < self._heartbeat_s:
+        if self._heartbeat is None or self._clock() - self._last_activity < self.heartbeat_s:
             return None
         self._last_activity = self._clock()
         try:
@@ -379,6 +382,11 @@ class Sender:
             self.stats.sent_batches += 1
             self.stats.sent_steps += window.n_steps
             self._delivered()
+            if self._on_answer is not None:
+                try:  # the collector's directives for this rank (``_steering``)
+                    self._on_answer(resp.content)
+                except Exception:
+                    log.exception("%s: could not read the collector's answer", self._who)
             return None
         reason = _refusal(resp)
         if outcome is Verdict.REFUSED:

@@ -39,6 +39,8 @@ class Window:
     #: Profiler-window entries riding on this batch; fixed at its first encoding so that
     #: a retry sends the same body.
     profiles: list[dict[str, Any]] | None = None
+    #: Acknowledgements of the collector's directives (``_steering``), fixed like profiles.
+    acks: list[dict[str, Any]] | None = None
     #: The communication hook's slots for these steps (summarised on the sender thread
     #: into ``comm_section``, once, so that a retry sends the same body).
     comm: TimingSlices | None = None

@@ -1,4 +1,5 @@
-"""The ``stepwatch`` command: ``serve``, ``db``, ``demo``, ``top``, ``trace``, ``simulate``, ``evaluate``.
+"""The ``stepwatch`` command: ``serve``, ``db``, ``demo``, ``top``, ``capture``, ``config``, ``trace``,
+``simulate``, ``evaluate``.
 
 A training job installs the agent alone (``pip install stepwatch``); the other commands
 need an extra (:data:`EXTRAS`) and import it only when they run. Without it a command
@@ -38,7 +39,13 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
 }
 #: command -> the extra it needs (``simulate`` needs only the agent).
-NEEDS = {"serve": "server", "db": "server", "evaluate": "server", "top": "top", "demo": "demo"}
+NEEDS = {
+    "serve": "server",
+    "db": "server",
+    "evaluate": "server",
+    "top": "top",
+    "demo": "demo",
+}
 
 
 def missing_extra(command: str) -> str | None:
@@ -107,6 +114,36 @@ def _top(args: argparse.Namespace) -> int:
     )
 
 
+def _capture(args: argparse.Namespace) -> int:
+    from .views.steer import capture
+
+    return capture(
+        args.url,
+        args.run,
+        token=args.token,
+        rank=args.rank,
+        host=args.host,
+        everyone=args.all,
+        steps=args.steps,
+        wait_s=args.wait,
+    )
+
+
+def _config(args: argparse.Namespace) -> int:
+    from .views.steer import configure
+
+    settings = {
+        k: v
+        for k, v in (
+            ("send_interval_s", args.send_interval),
+            ("profile_every", args.profile_every),
+            ("profile_steps", args.profile_steps),
+        )
+        if v is not None
+    }
+    return configure(args.url, args.run, settings, token=args.token, ranks=args.rank)
+
+
 def _trace(args: argparse.Namespace) -> int:
     from .profiler.report import main as trace_report
 
@@ -131,6 +168,17 @@ def _evaluate(args: argparse.Namespace) -> int:
     from stepwatch_server.evaluation.cli import main as evaluate
 
     return evaluate(args)
+
+
+def _url_and_token(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--url",
+        default=os.environ.get("STEPWATCH_URL", DEFAULT_URL),
+        help=f"collector base URL (default: STEPWATCH_URL or {DEFAULT_URL})",
+    )
+    p.add_argument(
+        "--token", default=os.environ.get("STEPWATCH_TOKEN"), help="admin token (or STEPWATCH_TOKEN)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,6 +267,42 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=_positive_float, default=2.0, help="seconds between refreshes")
     top.add_argument("--iterations", type=_positive_int, default=None, help="stop after this many refreshes")
     top.set_defaults(func=_top)
+
+    cap = sub.add_parser(
+        "capture",
+        help="profile the same steps on a rank and its peers, a host or the job, and explain",
+        description="Ask a running job's ranks (through the collector) to run torch.profiler over the same "
+        "steps, then print the explanation: per rank its breakdown and top ops, and how the subject rank "
+        "differs from its peers. Needs an admin token when the collector has tokens.",
+    )
+    cap.add_argument("run", help="the run's name")
+    who = cap.add_mutually_exclusive_group(required=True)
+    who.add_argument("--rank", type=int, help="this rank and every rank it shares a communicator group with")
+    who.add_argument("--host", help="the ranks of this host")
+    who.add_argument("--all", action="store_true", help="the whole job (capped at 64 ranks)")
+    cap.add_argument("--steps", type=_positive_int, default=None, help="steps to profile (1-16)")
+    cap.add_argument(
+        "--wait", type=float, default=120.0, help="seconds to wait for the explanation (0: do not wait)"
+    )
+    _url_and_token(cap)
+    cap.set_defaults(func=_capture)
+
+    cfg = sub.add_parser(
+        "config",
+        help="change a running job's live settings without a restart",
+        description="Change the agents' send interval or profiler period and length through the collector; "
+        "each rank applies it at its next window and says so (GET /api/v1/runs/RUN shows requested vs "
+        "applied). Needs an admin token when the collector has tokens.",
+    )
+    cfg.add_argument("run", help="the run's name")
+    cfg.add_argument("--send-interval", type=_positive_float, default=None, help="seconds between batches")
+    cfg.add_argument(
+        "--profile-every", type=int, default=None, help="steps between profiler windows (0: off)"
+    )
+    cfg.add_argument("--profile-steps", type=_positive_int, default=None, help="steps per profiler window")
+    cfg.add_argument("--rank", type=int, action="append", default=None, help="only these ranks (repeatable)")
+    _url_and_token(cfg)
+    cfg.set_defaults(func=_config)
 
     tr = sub.add_parser(
         "trace",

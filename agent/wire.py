@@ -8,7 +8,9 @@ and the collector imports it without the agent's dependencies.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
 
 #: The payload version the agent sends (the collector also accepts 1); 2 adds the
 #: optional ``profiles`` list (profiler-window entries, ``stepwatch.profiler._entry``).
@@ -80,3 +82,62 @@ ENDPOINT_ID_BOUND = 2**63
 MAX_HOST_BATCHES = 256
 INGEST_PATH = "/api/v1/ingest"
 HOST_BATCH_PATH = "/api/v1/ingest/batches"
+
+# -- Steering: collector -> agents --------------------------------------------------------
+#: The answer to an ingest POST may carry ``directives`` for the posting rank (no new
+#: connection, no port on the training host); the rank's next batch acknowledges each in
+#: ``acks``. A directive is applied at most once per process (idempotent by ``id``):
+#:
+#: Each directive carries ``"v"`` (:data:`DIRECTIVES_VERSION`); an agent refuses one of a
+#: newer version than its own, with the reason, rather than guess at it.
+#:
+#: * ``{"id", "v", "kind": "capture", "first_step": S, "steps": K}``: profile steps
+#:   ``S .. S+K-1`` with torch.profiler (every selected rank the same steps). Its result is
+#:   the profiler entry carrying ``"capture": id`` (skipped, with the reason, if missed).
+#: * ``{"id", "v", "kind": "config", "settings": {name: value}}``: change a live setting
+#:   (:data:`LIVE_SETTINGS`) without a restart.
+#:
+#: An ack is ``{"id", "state": AckState, "reason"?, "settings"?}`` (``settings``: the
+#: values in force after a config directive).
+DIRECTIVES_VERSION = 1
+DirectiveKind = Literal["capture", "config"]
+DIRECTIVE_KINDS: tuple[str, ...] = get_args(DirectiveKind)
+#: ``scheduled``: a capture will run; ``missed``: it cannot (too late, profiler busy or
+#: absent); ``applied`` / ``refused``: a config directive.
+AckState = Literal["scheduled", "missed", "applied", "refused"]
+ACK_STATES: tuple[str, ...] = get_args(AckState)
+DIRECTIVE_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+#: Directives in one answer; acks in one payload.
+MAX_DIRECTIVES = 8
+MAX_ACKS = 16
+#: Longest capture (steps): torch.profiler's buffers and the parse grow with it.
+MAX_CAPTURE_STEPS = 16
+#: What a config directive may change, each with its inclusive bounds.
+LIVE_SETTINGS: dict[str, tuple[float, float]] = {
+    "send_interval_s": (0.5, 3600.0),
+    "profile_every": (0, 1_000_000),
+    "profile_steps": (1, MAX_CAPTURE_STEPS),
+}
+
+
+def check_live_settings(settings: Any) -> tuple[dict[str, float], str | None]:
+    """The live settings of a config directive, or the reason it is refused."""
+    if not isinstance(settings, Mapping) or not settings:
+        return {}, "settings must be a non-empty object"
+    out: dict[str, float] = {}
+    for name, value in settings.items():
+        bounds = LIVE_SETTINGS.get(name)
+        if bounds is None:
+            return {}, f"{name!r} is not a live setting (one of {sorted(LIVE_SETTINGS)})"
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return {}, f"{name} must be a number"
+        lo, hi = bounds
+        if not lo <= value <= hi:
+            return {}, f"{name}={value} is outside [{lo:g}, {hi:g}]"
+        if name != "send_interval_s" and value != int(value):
+            return {}, f"{name} must be an integer"
+        out[name] = float(value) if name == "send_interval_s" else int(value)
+    every, k = out.get("profile_every"), out.get("profile_steps")
+    if every == 1 or (every and k is not None and k >= every):
+        return {}, "profile_every must be 0 (off) or larger than profile_steps"
+    return out, None

@@ -26,15 +26,18 @@ from .api.auth import Authenticator, require_read
 from .api.ingest_path import IngestPath, is_ingest
 from .api.limits import BodyLimit
 from .api.routes import INGEST_SCHEMAS, router
+from .api.steering import router as steering_router
 from .exporter import ExporterConfig, RunStateCollector
 from .exporter.registry import CollectorMetrics
 from .ingest.group_commit import GroupCommitter
 from .ingest.store import Ingestor
 from .settings import Settings
+from .steering.delivery import Deliveries
 from .storage.backend import open_storage
 from .storage.engine import make_engine
 from .storage.migrate import current_revision, head_revision
 from .worker import AnalysisWorker, WorkerConfig
+from .worker.captures import CaptureConfig
 from .worker.webhook import WebhookNotifier
 
 
@@ -49,6 +52,12 @@ def _worker_config(settings: Settings) -> WorkerConfig:
         regressions=RegressionConfig(
             baseline_samples=settings.analysis_baseline_windows,
             baseline_max=max(RegressionConfig().baseline_max, settings.analysis_baseline_windows),
+        ),
+        captures=CaptureConfig(
+            on_flag=settings.capture_on_flag,
+            min_interval_s=settings.capture_min_interval_s,
+            steps=settings.capture_steps,
+            max_cost_s=settings.capture_max_cost_s,
         ),
     )
 
@@ -113,7 +122,10 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         lifespan=lifespan,
     )
     app.state.settings = settings
-    app.state.auth = Authenticator.from_specs(settings.write_tokens, settings.read_tokens)
+    app.state.auth = Authenticator.from_specs(
+        settings.write_tokens, settings.read_tokens, settings.admin_tokens
+    )
+    app.state.deliveries = Deliveries(engine)
     app.state.engine = engine
     app.state.ingestor = ingestor = Ingestor(
         storage, window_seconds=settings.window_seconds, window_steps=settings.window_steps
@@ -130,6 +142,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.notifier = notifier
     errors.install(app, retry_after_s=settings.retry_after_s)
     app.include_router(router)
+    app.include_router(steering_router)
     _publish_schemas(app, INGEST_SCHEMAS)
     # The built-in web page at / and its /static files; its pages read runs like the API.
     web.install(app, dependencies=[Depends(require_read)])

@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     write_tokens: str = Field(default="", repr=False)
     #: Bearer tokens allowed to read the API (same syntax). Empty: reads are open.
     read_tokens: str = Field(default="", repr=False)
+    #: Bearer tokens allowed to steer the agents (captures, live settings) and to read.
+    #: Steering is open only while no token of any kind is configured.
+    admin_tokens: str = Field(default="", repr=False)
     #: Require a read token for /metrics too (Prometheus then sends ``authorization``).
     metrics_require_token: bool = False
     #: Browser origins allowed to read the API (comma-separated). Empty: CORS off.
@@ -93,6 +96,17 @@ class Settings(BaseSettings):
     hang_floor_s: float = Field(default=60.0, ge=0)
     #: The threshold while a run has no step past its warm-up (compilation, first steps).
     hang_startup_s: float = Field(default=600.0, ge=0)
+
+    # -- captures: the same steps profiled on a flagged rank and its peers --
+    #: A straggler or regression flag that opens asks for a capture (at most one per run
+    #: per ``capture_min_interval_s``).
+    capture_on_flag: bool = True
+    capture_min_interval_s: float = Field(default=600.0, ge=0)
+    #: Steps a capture profiles unless asked otherwise.
+    capture_steps: int = Field(default=4, ge=1, le=16)
+    #: A capture whose estimated cost per rank (from the run's measured profiler windows)
+    #: exceeds this many seconds of training time is shortened, and says so.
+    capture_max_cost_s: float = Field(default=5.0, gt=0)
 
     # -- webhook for flags that open or close (optional) --
     webhook_url: str | None = None

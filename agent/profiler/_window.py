@@ -55,6 +55,15 @@ A window is skipped (and the skip is reported in the payload) when another profi
 active in the process (CUPTI allows one subscriber), when the previous window is still
 being parsed, or when the profiler fails to start.
 
+Captures (asked for by the collector, ``stepwatch._steering``): one window over steps
+``S .. S+K-1`` chosen by the collector for several ranks at once, scheduled with
+:meth:`ProfilerWindow.request_capture` on the training thread. It takes precedence over a
+periodic window that would overlap it, runs even with the periodic window off
+(``every=0``), and its entry carries ``capture`` (the directive's id) with its measured
+cost; it is not counted in the periodic budget (a person or a flag asked for it, and the
+collector bounds its length), and a capture that cannot start is reported as skipped
+with the reason, like a window.
+
 Why more than 400 lines: one class, because the schedule, the cost accounting and the
 budget stretch read and write the same window state from two threads; the cost model
 above is most of its length.
@@ -87,6 +96,7 @@ NEVER = 1 << 62
 MAX_STRETCH = 1024
 BASELINE_STEPS = 32
 MAX_PENDING = 8
+MAX_STEPS = 16
 PRIOR_COST_S = 0.1
 """Assumed cost of a window before one is measured (measured here: 50-100 ms on a small
 CPU model; pushed out of the median by the first measured windows)."""
@@ -135,6 +145,7 @@ class _Job:
     calls_s: float
     stop_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    capture: str | None = None
 
 
 def _other_profiler_active() -> bool:
@@ -161,8 +172,10 @@ class ProfilerWindow:
         other_profiler_active: Callable[[], bool] = _other_profiler_active,
         max_trace_bytes: int = MAX_TRACE_BYTES,
     ) -> None:
-        if every < 2 or not (1 <= steps < every):
-            raise ValueError(f"need 1 <= profile_steps < profile_every, got {steps} and {every}")
+        if every < 0 or every == 1 or not 1 <= steps <= MAX_STEPS or (every and steps >= every):
+            raise ValueError(
+                f"need profile_every 0 (off) or 1 <= profile_steps < profile_every, got {steps} and {every}"
+            )
         self.base = every
         #: The period in force; written by the profiler thread, read at start edges.
         self.every = every
@@ -184,6 +197,12 @@ class ProfilerWindow:
         self._prof: Any = None
         self._first = 0
         self._every_used = every
+        self._k_used = steps
+        #: A capture scheduled by ``request_capture``: (first step, steps, directive id).
+        self._capture: tuple[int, int, str] | None = None
+        self._capture_id: str | None = None
+        self.captures = 0
+        self.last_capture_cost: dict[str, Any] | None = None
         self._times: list[float] = []
         self._baseline: list[float] = []
         self._start_s = 0.0
@@ -219,10 +238,38 @@ class ProfilerWindow:
 
     # -- schedule ------------------------------------------------------------------
     def next_start(self, after: int) -> int:
-        """The first step ``s > after`` (and past warm-up) that starts a window."""
+        """The first step ``s > after`` (and past warm-up) that starts a window, or the
+        start edge of a scheduled capture if that comes first."""
         every = self.every
-        s = max(after, self.warmup_end)
-        return (s // every + 1) * every
+        periodic = (max(after, self.warmup_end) // every + 1) * every if every else NEVER
+        c = self._capture
+        if c is not None and c[0] - 1 > after:
+            return min(periodic, c[0] - 1)
+        return periodic
+
+    def request_capture(self, first_step: int, steps: int, ident: str, done: int) -> str | None:
+        """Schedule a capture of ``first_step .. first_step + steps - 1`` (training thread,
+        ``done`` = the last finished step). Returns why it cannot be, else None; the
+        caller then takes :meth:`next_start` as its next edge unless a window records."""
+        if not 1 <= steps <= MAX_STEPS:
+            return f"steps={steps} is outside [1, {MAX_STEPS}]"
+        if self._capture is not None:
+            return f"capture {self._capture[2]} is already scheduled"
+        if first_step - 1 <= done or (self.active and first_step - 1 <= self._first + self._k_used - 1):
+            return f"too late: applied after step {done}, the capture starts at step {first_step}"
+        self._capture = (first_step, steps, ident)
+        return None
+
+    def reconfigure(self, every: int, steps: int) -> str | None:
+        """A new period and window length (a live setting; training thread). The period
+        is then stretched again by the budget from the new base."""
+        if every < 0 or every == 1 or not 1 <= steps <= MAX_STEPS or (every and steps >= every):
+            return (
+                f"need profile_every 0 (off) or 1 <= profile_steps < profile_every, got {steps} and {every}"
+            )
+        self.base = self.every = every
+        self.k = steps
+        return None
 
     # -- training thread -----------------------------------------------------------
     def edge(self, step: int, times: array[float], n: int) -> int:
@@ -233,7 +280,7 @@ class ProfilerWindow:
             if not self.active:
                 return self._start(step, times, n)
             self._times.append(times[n - 1])
-            if step >= self._first + self.k - 1:
+            if step >= self._first + self._k_used - 1:
                 return self._stop(step)
             t0 = _perf()
             self._prof.step()
@@ -244,19 +291,31 @@ class ProfilerWindow:
             return self.next_start(step)
 
     def _start(self, step: int, times: array[float], n: int) -> int:
-        if not self._checked_prior and n:  # before the first window: the prior vs the budget
-            self._checked_prior = True
-            self.every = self._stretch(statistics.median(times[max(0, n - BASELINE_STEPS) : n]))
-        every = self.every
-        if step % every or step <= self.warmup_end:  # the period changed since scheduling
-            return self.next_start(step)
+        c = self._capture
+        capture = c is not None and step == c[0] - 1
+        if not capture:
+            if (
+                not self._checked_prior and n and self.base
+            ):  # before the first window: the prior vs the budget
+                self._checked_prior = True
+                self.every = self._stretch(statistics.median(times[max(0, n - BASELINE_STEPS) : n]))
+            every = self.every
+            if not every or step % every or step <= self.warmup_end:  # the period changed since scheduling
+                return self.next_start(step)
+            if c is not None and step + self.k >= c[0] - 1:  # it would overlap the capture
+                return self.next_start(step)
+            k, ident = self.k, None
+        else:
+            assert c is not None
+            self._capture = None
+            every, k, ident = 0, c[1], c[2]
         reason = None
         if not self._idle.is_set():
             reason = "previous window still being parsed"
         elif self._other_active():
             reason = "another profiler active"
         if reason is not None:
-            self._skip(step + 1, reason)
+            self._skip(step + 1, reason, ident)
             return self.next_start(step)
         if self.clock_sync is not None:
             self.clock_sync.start()
@@ -268,6 +327,8 @@ class ProfilerWindow:
         self._prof = prof
         self._first = step + 1
         self._every_used = every
+        self._k_used = k
+        self._capture_id = ident
         self._times = []
         self._calls_s = 0.0
         self._baseline = list(times[max(0, n - BASELINE_STEPS) : n])
@@ -299,6 +360,7 @@ class ProfilerWindow:
                 start_s=self._start_s,
                 calls_s=self._calls_s,
                 stop_s=stop_s,
+                capture=self._capture_id,
             )
         )
         self._ensure_thread()
@@ -312,11 +374,14 @@ class ProfilerWindow:
         if prof is not None:
             with contextlib.suppress(Exception):
                 prof.stop()
-        self._skip(self._first if prof is not None else step + 1, reason)
+        self._skip(self._first if prof is not None else step + 1, reason, self._capture_id)
 
-    def _skip(self, first_step: int, reason: str) -> None:
+    def _skip(self, first_step: int, reason: str, capture: str | None = None) -> None:
         self.skipped += 1
-        self._push({"first_step": first_step, "n_steps": 0, "skipped": reason[:128]})
+        entry: dict[str, Any] = {"first_step": first_step, "n_steps": 0, "skipped": reason[:128]}
+        if capture is not None:
+            entry["capture"] = capture
+        self._push(entry)
 
     def _push(self, entry: dict[str, Any]) -> None:
         while len(self.results) >= MAX_PENDING:
@@ -344,6 +409,8 @@ class ProfilerWindow:
                 self.record_function = None
                 with contextlib.suppress(Exception):
                     prof.stop()
+                if self._capture_id is not None:
+                    self._skip(self._first, "agent closed at the capture's first step", self._capture_id)
         return self._idle.wait(timeout_s)
 
     def stats(self) -> dict[str, Any]:
@@ -358,6 +425,8 @@ class ProfilerWindow:
             "warm_cpu_s": self.warm_cpu_s,
             "before_first_s": self.before_first_s,
             "cupti_teardown": self.cupti_teardown,
+            "captures": self.captures,
+            "last_capture_cost": self.last_capture_cost,
         }
 
     def take(self) -> list[dict[str, Any]]:
@@ -451,11 +520,16 @@ class ProfilerWindow:
             lasting_ratio = max(0.0, base_step / ref - 1.0)
             if lasting_ratio > LASTING_NOISE:
                 lasting = (base_step - ref) * max(0, job.every - job.n_steps)
+        if job.capture is not None:  # asked for: its cost is reported, not budgeted
+            lasting, lasting_ratio = 0.0, None
         total = on_thread + slowdown + parse_s + lasting
-        self._costs.append(total)
-        self.every = self._stretch(base_step)
-        self.windows += 1
-        self.recent.append((job.first_step, job.every))
+        if job.capture is None:
+            self._costs.append(total)
+            self.every = self._stretch(base_step)
+            self.windows += 1
+            self.recent.append((job.first_step, job.every))
+        else:
+            self.captures += 1
         cost = {
             "window_s": total,
             "on_thread_s": on_thread,
@@ -465,9 +539,13 @@ class ProfilerWindow:
             "lasting_ratio": lasting_ratio,
             "every": job.every,
             "next_every": self.every,
-            "overhead_ratio": total / (job.every * base_step) if base_step else None,
+            "overhead_ratio": total / (job.every * base_step) if base_step and job.every else None,
         }
-        self.last_cost = cost
+        if job.capture is None:
+            self.last_cost = cost
+        else:
+            self.last_capture_cost = cost
+            entry["capture"] = job.capture
         entry["cost"] = cost
         cs = self.clock_sync
         entry["clock"] = cs.estimate.to_dict() if cs is not None and cs.estimate is not None else None
@@ -475,7 +553,7 @@ class ProfilerWindow:
         return entry
 
     def _stretch(self, step_s: float | None) -> int:
-        if not step_s or step_s <= 0 or self.budget <= 0 or not self._costs:
+        if not self.base or not step_s or step_s <= 0 or self.budget <= 0 or not self._costs:
             return self.every
         need = statistics.median(self._costs) / (self.budget * step_s)
         mult = 1

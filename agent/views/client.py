@@ -1,4 +1,5 @@
-"""A small read client for the collector's REST API, with errors that say what to do.
+"""A small client for the collector's REST API (reads, and the steering requests of
+``stepwatch capture`` / ``stepwatch config``), with errors that say what to do.
 
 Every failure becomes a :class:`CollectorError` whose message names the URL and the next
 step (start a collector, pass ``--url``, check the token, pick another run), so that the
@@ -49,8 +50,12 @@ class CollectorClient:
         self._http.close()
 
     def _get(self, path: str, **params: Any) -> Any:
+        return self._call("GET", path, params=params)
+
+    def _call(self, method: str, path: str, *, params: JSON | None = None, body: JSON | None = None) -> Any:
+        query = {k: v for k, v in (params or {}).items() if v is not None}
         try:
-            resp = self._http.get(f"/api/v1{path}", params={k: v for k, v in params.items() if v is not None})
+            resp = self._http.request(method, f"/api/v1{path}", params=query, json=body)
         except httpx.ConnectError as exc:
             raise CollectorError(
                 f"no collector answers at {self.url} ({exc.__class__.__name__}). Start one with "
@@ -64,9 +69,10 @@ class CollectorClient:
         except httpx.HTTPError as exc:
             raise CollectorError(f"request to {self.url} failed: {exc}. Check the URL.") from exc
         if resp.status_code in (401, 403):
+            kind = "read" if method == "GET" else "admin (STEPWATCH_ADMIN_TOKENS)"
             raise CollectorError(
-                f"the collector at {self.url} refused the request ({resp.status_code}); pass its read "
-                "token with --token (or STEPWATCH_TOKEN)."
+                f"the collector at {self.url} refused the request ({resp.status_code}: {_detail(resp)}); "
+                f"pass one of its {kind} tokens with --token (or STEPWATCH_TOKEN)."
             )
         if resp.status_code == 404:
             raise CollectorError(
@@ -105,6 +111,19 @@ class CollectorClient:
     def series(self, run: str, metric: str, *, max_points: int = 60, from_step: int | None = None) -> JSON:
         s: JSON = self._get(f"/runs/{run}/series", metric=metric, max_points=max_points, from_step=from_step)
         return s
+
+    def capture(self, run: str, **target: Any) -> JSON:
+        """Ask for a capture (``rank=``, ``ranks=``, ``host=`` or ``all=True``; ``steps=``)."""
+        out: JSON = self._call("POST", f"/runs/{run}/captures", body={k: v for k, v in target.items() if v})
+        return out
+
+    def get_capture(self, run: str, ident: int) -> JSON:
+        out: JSON = self._get(f"/runs/{run}/captures/{ident}")
+        return out
+
+    def put_config(self, run: str, settings: dict[str, float], ranks: list[int] | None = None) -> JSON:
+        out: JSON = self._call("PUT", f"/runs/{run}/config", body={"settings": settings, "ranks": ranks})
+        return out
 
     def snapshot(self, run: str, *, last_steps: int = 120, points: int = 48) -> Snapshot:
         """Overview, ranks, events and the recent step-time series of one run."""

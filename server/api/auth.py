@@ -1,13 +1,17 @@
-"""Bearer tokens for writing (agents) and reading (dashboards, people).
+"""Bearer tokens for writing (agents), reading (dashboards, people) and steering (admins).
 
 Configured from the environment, each a comma-separated list of entries:
 
     STEPWATCH_WRITE_TOKENS="team-a=s3cret,team-b=sha256:9f86d08...
     STEPWATCH_READ_TOKENS="grafana=sha256:..."
+    STEPWATCH_ADMIN_TOKENS="oncall=..."
 
 An entry is ``[name=]secret`` or ``[name=]sha256:<hex of the secret's SHA-256>`` (so the
 secret itself need not sit in the environment). A list left empty leaves that side open
-(the development default). Every presented token is compared with every configured one
+(the development default). Admin tokens ask for captures and change the agents' live
+settings (``api/steering.py``), and may read; steering is open only while no token of any
+kind is configured: a collector with write or read tokens and no admin token refuses it.
+Every presented token is compared with every configured one
 with ``hmac.compare_digest`` over SHA-256 digests: constant time, whatever the lengths,
 and no early exit that would tell which entry was close.
 
@@ -29,7 +33,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..errors import ForbiddenError, UnauthorizedError
 
-Scope = Literal["read", "write"]
+Scope = Literal["read", "write", "admin"]
 bearer = HTTPBearer(auto_error=False, description="A write token for POST /ingest, a read token for GET")
 
 
@@ -45,7 +49,11 @@ def _digest(secret: str) -> bytes:
 
 
 #: The environment variable each scope's list is read from, named in every complaint.
-SETTING: dict[Scope, str] = {"write": "STEPWATCH_WRITE_TOKENS", "read": "STEPWATCH_READ_TOKENS"}
+SETTING: dict[Scope, str] = {
+    "write": "STEPWATCH_WRITE_TOKENS",
+    "read": "STEPWATCH_READ_TOKENS",
+    "admin": "STEPWATCH_ADMIN_TOKENS",
+}
 MIN_SECRET_CHARS = 16
 
 
@@ -81,14 +89,19 @@ def parse_tokens(spec: str, scope: Scope) -> list[Token]:
 class Authenticator:
     """Decides who a request is; owned by the app (built from its settings)."""
 
-    def __init__(self, write: list[Token], read: list[Token]) -> None:
+    def __init__(self, write: list[Token], read: list[Token], admin: list[Token] | None = None) -> None:
+        admin = admin or []
         self.write_open = not write
         self.read_open = not read
-        self._tokens = [*write, *read]
+        self.admin_open = not (write or read or admin)
+        self._tokens = [*write, *read, *admin]
 
     @classmethod
-    def from_specs(cls, write: str, read: str) -> Authenticator:
-        return cls(parse_tokens(write, "write"), parse_tokens(read, "read"))
+    def from_specs(cls, write: str, read: str, admin: str = "") -> Authenticator:
+        return cls(parse_tokens(write, "write"), parse_tokens(read, "read"), parse_tokens(admin, "admin"))
+
+    def _open(self, scope: Scope) -> bool:
+        return {"write": self.write_open, "read": self.read_open, "admin": self.admin_open}[scope]
 
     def identify(self, presented: str) -> Token | None:
         digest = _digest(presented)
@@ -102,7 +115,7 @@ class Authenticator:
         """The name of the token allowed to do ``scope``; None on an open side (where a
         token is not needed, and one that is not for this side is ignored)."""
         token = self.identify(credentials.credentials) if credentials is not None else None
-        if self.write_open if scope == "write" else self.read_open:
+        if self._open(scope):
             return token.name if token is not None and token.scope == scope else None
         if credentials is None:
             raise UnauthorizedError(
@@ -113,8 +126,12 @@ class Authenticator:
             raise UnauthorizedError(
                 "unknown bearer token", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}
             )
-        if token.scope != scope:
-            raise ForbiddenError(f"token {token.name!r} may {token.scope} but not {scope}")
+        if token.scope != scope and not (token.scope == "admin" and scope == "read"):
+            verb = "steer" if scope == "admin" else scope
+            raise ForbiddenError(
+                f"token {token.name!r} may {token.scope} but not {verb}"
+                + (" (steering needs a token of STEPWATCH_ADMIN_TOKENS)" if scope == "admin" else "")
+            )
         return token.name
 
 
@@ -129,6 +146,11 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 async def require_write(request: Request, credentials: Credentials) -> str | None:
     """Dependency of the ingest route: the writing token's name (None when writes are open)."""
     return authenticator(request).check(credentials, "write")
+
+
+async def require_admin(request: Request, credentials: Credentials) -> str | None:
+    """Dependency of the steering routes: an admin token (open only with no token configured)."""
+    return authenticator(request).check(credentials, "admin")
 
 
 async def require_read(request: Request, credentials: Credentials) -> str | None:

@@ -54,7 +54,7 @@ class IngestPath:
         try:
             request.state.token = authenticator(request).check(await bearer(request), "write")
             result = await ROUTES[scope["path"]](request)
-            response = Response(result.model_dump_json(), media_type="application/json")
+            response = Response(result.model_dump_json(exclude_none=True), media_type="application/json")
         except BodyTooLargeError:
             raise  # answered 413 by the body limit
         except ClientDisconnect:

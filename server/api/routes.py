@@ -21,7 +21,8 @@ from ..exporter.registry import CollectorMetrics
 from ..ingest.admission import QuotaExceededError, may_write
 from ..ingest.group_commit import GroupCommitter
 from ..ingest.store import Ingestor, RunKey
-from ..reads import queries
+from ..reads import queries, steering
+from ..reads.runs import find_run
 from ..reads.status import MEANING, STATUSES, StatusRule
 from ..schemas.ingest import IngestBatches, IngestPayload
 from ..schemas.responses import (
@@ -35,6 +36,7 @@ from ..schemas.responses import (
     Series,
 )
 from ..settings import Settings
+from ..steering.delivery import Deliveries
 from .auth import Credentials, authenticator
 from .edge import RunPath, refuse_nul
 
@@ -209,7 +211,23 @@ async def _store(request: Request, payload: IngestPayload, owner: str | None) ->
     n = len(payload.steps.time_s)
     if stored:
         metrics.steps.inc(n)
-    return IngestResult(batch_id=payload.batch_id, stored=stored, steps=n)
+    return IngestResult(
+        batch_id=payload.batch_id, stored=stored, steps=n, directives=await _directives(request, payload)
+    )
+
+
+async def _directives(request: Request, payload: IngestPayload) -> list[dict[str, Any]] | None:
+    """This rank's directives (``steering/delivery.py``); never the batch's failure: it is
+    committed, and the next answer carries what this one could not."""
+    key = request.app.state.ingestor.cached(payload.run)
+    if key is None:
+        return None
+    deliveries: Deliveries = request.app.state.deliveries
+    try:
+        return await deliveries.for_rank(key.id, payload.rank.rank)
+    except Exception:
+        log.warning("could not read the directives of run %r", payload.run, exc_info=True)
+        return None
 
 
 async def _within_limits(request: Request, payload: IngestPayload, owner: str | None) -> None:
@@ -338,7 +356,11 @@ def list_runs(
 @router.get("/runs/{run}", response_model=RunOverview, responses=_ERRORS)
 def run_overview(run: RunPath, request: Request) -> RunOverview:
     with _engine(request).connect() as conn:
-        return queries.overview(conn, run, rule=StatusRule.from_settings(request.app.state.settings))
+        out = queries.overview(conn, run, rule=StatusRule.from_settings(request.app.state.settings))
+        info = find_run(conn, run)
+        if info is not None:
+            out.config = steering.configs(conn, info.id)
+        return out
 
 
 @router.get("/runs/{run}/series", response_model=Series, responses=_ERRORS)

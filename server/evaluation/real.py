@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -223,6 +223,10 @@ class RealOutcome:
     #: and when it began (epoch seconds).
     paused_s: float = 0.0
     paused_at: float | None = None
+    #: The run's captures as the collector served them at the end (``GET .../captures``).
+    captures: list[dict[str, Any]] = field(default_factory=list)
+    #: Wall time each step ended, the latest over the ranks (step 1 first).
+    step_ends: list[float] = field(default_factory=list)
 
     @property
     def false_flags(self) -> int:
@@ -503,9 +507,12 @@ def run_scenario(
     timeout_s: float = 240.0,
     burn: bool = True,
     record: str | None = None,
+    during: Callable[[str, str], None] | None = None,
 ) -> RealOutcome:
     """Run one scenario end to end and score it (see the module docstring); with
-    ``record``, every rank also writes the payloads it sent into that folder."""
+    ``record``, every rank also writes the payloads it sent into that folder; ``during``
+    is called on a thread of its own with the collector's URL and the run's name once the
+    ranks started (what a person does to a running job: steer it, read it)."""
     if s.in_namespaces and not os.environ.get("STEPWATCH_REAL_INSIDE"):
         return _run_in_namespaces(
             s,
@@ -525,6 +532,7 @@ def run_scenario(
             timeout_s=timeout_s,
             burn=burn,
             record=record,
+            during=during,
         )
     return replace(o, paused_s=still.longest_s, paused_at=still.at)
 
@@ -538,6 +546,7 @@ def _run_here(
     timeout_s: float,
     burn: bool,
     record: str | None,
+    during: Callable[[str, str], None] | None = None,
 ) -> RealOutcome:
     """:func:`run_scenario` in this network namespace."""
     t0 = time.monotonic()
@@ -571,6 +580,9 @@ def _run_here(
                 netns=netns,
                 record=record,
             )
+            side = threading.Thread(target=during, args=(col.url, run), daemon=True) if during else None
+            if side is not None:
+                side.start()
             try:
                 events, ov = _wait(
                     s,
@@ -585,6 +597,10 @@ def _run_here(
                 )
             finally:
                 _stop_all(procs)
+            if side is not None:
+                side.join(timeout_s)
+            captures = _captures(col.url, run)
+            step_ends = _step_ends(work)
             onset = _onset(work, s, 2 if s.fault == "link" else fault_from)
     ws = int(ov.get("window_steps") or 1)
     # A slowed link is shaped from the start: its onset is the first step.
@@ -618,7 +634,31 @@ def _run_here(
         note=note,
         analysed_through_step=analysed,
         first_hang_diagnosed=first_diagnosed[0],
+        captures=captures,
+        step_ends=step_ends,
     )
+
+
+def _step_ends(work: str) -> list[float]:
+    """Per step, the latest of the ranks' own step ends (as far as every rank got)."""
+    per_rank = []
+    for r in range(RANKS):
+        try:
+            with open(os.path.join(work, f"rank{r}.json")) as f:
+                per_rank.append([float(x) for x in json.load(f)["step_ends"]])
+        except (OSError, ValueError, KeyError):
+            return []
+    return [max(ends) for ends in zip(*per_rank, strict=False)]
+
+
+def _captures(url: str, run: str) -> list[dict[str, Any]]:
+    """The run's captures (asked for by its flags or by ``during``), newest first."""
+    try:
+        r = httpx.get(f"{url}/api/v1/runs/{run}/captures", timeout=10.0)
+        got: list[dict[str, Any]] = r.json() if r.status_code == 200 else []
+        return got
+    except (httpx.HTTPError, ValueError):
+        return []
 
 
 def _onset(work: str, s: RealScenario, fault_from: int) -> float | None:

@@ -175,6 +175,7 @@ def _ranks(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns
             "dropped_windows": a.dropped_windows,
             "dropped_steps": a.dropped_steps,
             "hot_path_mean_s": a.hot_path_mean_s,
+            "send_interval_s": a.send_interval_s,
             "final_step": s.first + len(s.time_s) - 1 if p.final else None,
         }
         old = merged.get((run_id, r.rank))

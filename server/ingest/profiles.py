@@ -39,6 +39,7 @@ from ..storage import columns
 from ..storage.backend import Storage
 from ..storage.columns import BREAKDOWN, SKEW, window_of
 from ..storage.models import CollectiveStat, ProfileArrival, ProfilePending, ProfileWindow, Rank, RankWindow
+from . import acks
 
 PENDING_KEEP = 16
 SKETCH_ALPHA = 0.01
@@ -146,7 +147,9 @@ def _store_one(
             index_elements=["run_id", "first_step"], set_={"arrivals": PP.c.arrivals + 1}
         ).returning(PP.c.arrivals)
     ).scalar_one()
-    if count >= world_size:
+    # A capture's window completes when the ranks it asked for have answered.
+    expected = acks.capture_size(conn, run_id, prof.capture) or world_size
+    if count >= expected:
         finalize(
             conn, run_id=run_id, first_step=prof.first_step, window_steps=window_steps, world_size=world_size
         )

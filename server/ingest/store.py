@@ -29,7 +29,7 @@ from ..schemas.ingest import IngestPayload, PlanIn
 from ..storage.backend import Storage
 from ..storage.columns import Rows
 from ..storage.models import Run, unix
-from . import admission, fold, profiles
+from . import acks, admission, fold, profiles
 
 
 @dataclass(frozen=True)
@@ -375,8 +375,11 @@ class Ingestor:
                         [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
                     )
                 self.storage.write(conn, rows)
-                for p, k in fresh:  # profiler windows: a few batches in a thousand
-                    profiles.store(conn, self.storage, k.id, k.window_steps, k.world_size, p)
+                for p, k in fresh:  # profiler windows and directive answers: a few batches in a thousand
+                    if p.profiles:
+                        profiles.store(conn, self.storage, k.id, k.window_steps, k.world_size, p)
+                    if p.acks or p.profiles:
+                        acks.store(conn, self.storage, k.id, p)
         return fresh
 
     def _forget(self, runs: Iterable[str]) -> None:

@@ -113,6 +113,8 @@ class AgentIn(_Strict):
     dropped_windows: Count = 0
     dropped_steps: Count = 0
     hot_path_mean_s: Seconds | None = None
+    #: The send interval in force (a live setting): how far ahead a capture must start.
+    send_interval_s: NonNeg | None = None
 
 
 class ConventionIn(BaseModel):
@@ -264,8 +266,9 @@ class CostIn(_Strict):
     # window (already inside window_s); optional, so older agents' entries stay valid.
     lasting_s: NonNeg = 0.0
     lasting_ratio: NonNeg | None = None
-    every: int = Field(ge=1, le=INT32_MAX)
-    next_every: int = Field(ge=1, le=INT32_MAX)
+    # 0 for a capture (asked for, no period) or with the periodic window off.
+    every: int = Field(ge=0, le=INT32_MAX)
+    next_every: int = Field(ge=0, le=INT32_MAX)
     overhead_ratio: NonNeg | None = None
 
 
@@ -295,6 +298,8 @@ class ProfileIn(_Strict):
     clock: ClockIn | None = None
     nvml: NvmlIn | None = None
     cost: CostIn | None = None
+    #: The capture directive this window answers (``wire``'s steering contract).
+    capture: str | None = Field(default=None, pattern=wire.DIRECTIVE_ID_PATTERN)
 
     @model_validator(mode="after")
     def _consistent(self) -> ProfileIn:
@@ -480,6 +485,27 @@ class CommIn(_Strict):
         return self
 
 
+class AckIn(_Strict):
+    """An agent's acknowledgement of a directive (``wire``'s steering contract)."""
+
+    id: str = Field(pattern=wire.DIRECTIVE_ID_PATTERN)
+    state: wire.AckState
+    reason: str | None = Field(default=None, max_length=200)
+    #: The live settings in force after a config directive.
+    settings: dict[str, float] | None = Field(default=None, max_length=len(wire.LIVE_SETTINGS))
+
+    @field_validator("settings")
+    @classmethod
+    def _live(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for name, value in (v or {}).items():
+            bounds = wire.LIVE_SETTINGS.get(name)
+            if bounds is None:
+                raise ValueError(f"{name!r} is not a live setting (one of {sorted(wire.LIVE_SETTINGS)})")
+            if not bounds[0] <= value <= bounds[1]:
+                raise ValueError(f"{name}={value} is outside [{bounds[0]:g}, {bounds[1]:g}]")
+        return v
+
+
 class IngestPayload(_Strict):
     schema_version: Literal[1, 2]
     batch_id: str = Field(pattern=r"^[A-Za-z0-9_-]{8,64}$")
@@ -497,6 +523,7 @@ class IngestPayload(_Strict):
     heartbeat: bool = False
     profiles: list[ProfileIn] | None = Field(default=None, max_length=MAX_PROFILES)
     comm: CommIn | None = None
+    acks: list[AckIn] | None = Field(default=None, max_length=wire.MAX_ACKS)
 
     @model_validator(mode="after")
     def _comm_per_step(self) -> IngestPayload:

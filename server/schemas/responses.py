@@ -19,6 +19,11 @@ class IngestResult(BaseModel):
     batch_id: str
     stored: bool = Field(description="False when this batch id was already stored (a retry)")
     steps: int
+    directives: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="What the collector asks of this rank (captures, live settings; "
+        "stepwatch.wire's steering contract), left out when nothing",
+    )
 
 
 class IngestBatchesResult(BaseModel):
@@ -92,6 +97,74 @@ class AnalysisOut(BaseModel):
     stage_imbalance: str | None = Field(description="Static pipeline-stage imbalance (efficiency)")
 
 
+class RankAnswer(BaseModel):
+    """One rank's latest answer to a directive."""
+
+    rank: int
+    state: str = Field(description="scheduled, done or missed (a capture); applied or refused (a config)")
+    reason: str | None = None
+    settings: dict[str, float] | None = Field(default=None, description="A config's settings in force")
+
+
+class CaptureOut(BaseModel):
+    id: int
+    run: str
+    first_step: int = Field(description="First profiled step, ahead of every selected rank when asked")
+    steps: int
+    requested_steps: int
+    ranks: list[int]
+    reason: str = Field(description="flag <event key> or token <name> (who asked)")
+    event_id: int | None
+    notes: list[str] = Field(description="What was cut to fit: shortened by the budget, ranks capped")
+    estimated_cost_s: float | None = Field(description="Per rank, from the run's measured profiler windows")
+    created_at: datetime
+    status: Literal["pending", "done"] = Field(description="done: every rank answered or the time ran out")
+    done_at: datetime | None = Field(default=None, description="When the explanation was written")
+    answers: list[RankAnswer]
+    result: dict[str, Any] | None = Field(
+        description="The explanation: per captured rank its breakdown, top ops and collectives, "
+        "and the comparison of the subject ranks with their peers (message, findings)"
+    )
+
+
+class CaptureRequest(BaseModel):
+    """What to capture: one rank with its peers, explicit ranks, a host, or the whole job."""
+
+    model_config = {"extra": "forbid"}
+
+    rank: int | None = Field(
+        default=None, ge=0, description="This rank and every rank it shares a group with"
+    )
+    ranks: list[int] | None = Field(default=None, min_length=1, max_length=4096)
+    host: str | None = Field(default=None, min_length=1, max_length=255)
+    all: bool = False
+    steps: int | None = Field(default=None, ge=1, le=16, description="Default: STEPWATCH_CAPTURE_STEPS")
+
+
+class ConfigRequest(BaseModel):
+    """New live settings for the run's agents (or some ranks), applied without a restart."""
+
+    model_config = {"extra": "forbid"}
+
+    settings: dict[str, float] = Field(description="send_interval_s, profile_every, profile_steps")
+    ranks: list[int] | None = Field(default=None, min_length=1, max_length=4096)
+
+
+class ConfigState(BaseModel):
+    """A live config directive: what was requested, and which ranks applied it."""
+
+    id: int
+    settings: dict[str, float]
+    ranks: list[int] | None = Field(description="null: every rank")
+    created_at: datetime
+    applied: int = Field(description="Ranks that applied it")
+    pending: list[int] = Field(description="Reporting ranks that have not answered (at most 64)")
+    refused: list[RankAnswer]
+    in_force: dict[str, dict[str, float]] = Field(
+        description="Settings in force per rank as the agents reported them (at most 64 ranks)"
+    )
+
+
 class RunOverview(BaseModel):
     name: str
     world_size: int
@@ -115,6 +188,9 @@ class RunOverview(BaseModel):
     plan: PlanOut | None = None
     progress: ProgressOut | None = None
     analysis: AnalysisOut | None = None
+    config: list[ConfigState] = Field(
+        default_factory=list, description="Live settings requested through the API, and applied per rank"
+    )
 
 
 class SeriesPoint(BaseModel):

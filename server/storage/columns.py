@@ -100,7 +100,7 @@ RANKS = Summed(
         *_cols(Rule.KEY, "run_id", "rank"),
         *_cols(Rule.LAST, "host", "local_rank", "coords", "agent_version", "clock"),
         *_cols(Rule.MAX, "last_step", "last_seen", "dropped_windows", "dropped_steps"),
-        *_cols(Rule.LAST_KNOWN, "hot_path_mean_s", "final_step"),
+        *_cols(Rule.LAST_KNOWN, "hot_path_mean_s", "send_interval_s", "final_step"),
     ),
 )
 

@@ -125,6 +125,8 @@ class Rank(Base):
     dropped_windows: Mapped[int] = mapped_column(BigInteger, default=0)
     dropped_steps: Mapped[int] = mapped_column(BigInteger, default=0)
     hot_path_mean_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: The rank's send interval in force (a live setting): how far ahead a capture starts.
+    send_interval_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     #: Last step of the rank's final batch (sent by ``close()``). The rank finished, and
     #: is no hang, while ``final_step >= last_step``; a restart that steps further clears it.
     final_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
@@ -460,6 +462,53 @@ class Event(Base):
         UniqueConstraint("run_id", "key", "first_step"),
         Index(None, "run_id", "status"),
     )
+
+
+class Directive(Base):
+    """A request to some ranks of a run, delivered in the answers to their batches
+    (``stepwatch.wire``'s steering contract): a capture or new live settings.
+
+    ``ranks`` null means every rank. A directive is delivered to a targeted rank until
+    that rank acknowledges it or ``expires_at`` passes (a capture: soon after its steps; a
+    config: when a newer config of the run replaces it). ``result`` is a capture's
+    explanation once every targeted rank answered (``worker/captures.py``).
+    """
+
+    __tablename__ = "directives"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(8))
+    ranks: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    #: Who or what asked: ``flag <event key>`` or ``token <name>`` / ``open``.
+    reason: Mapped[str] = mapped_column(String(256))
+    #: The flag whose opening asked for this capture (its evidence gets the explanation).
+    event_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    done_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    __table_args__ = (Index(None, "run_id", "expires_at"),)
+
+
+class DirectiveAck(Base):
+    """One rank's answer to a directive: its latest state (``wire.AckState``, or ``done``
+    when a capture's profiler entry arrived) and, for a config, the settings in force."""
+
+    __tablename__ = "directive_acks"
+
+    directive_id: Mapped[int] = mapped_column(
+        ForeignKey("directives.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    settings: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    #: A capture's profiled steps on this rank (its ``profile_windows`` row).
+    first_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 class AnalysisState(Base):

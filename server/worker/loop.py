@@ -11,6 +11,8 @@ interval, out of the request path. Each pass:
    checks hangs from ``ranks.last_seen`` (:func:`~..analysis.hangs.check_hang`, ranks
    that sent their final batch excluded), upserts the events and writes the state back
    (compare-and-set on its version);
+   then asks for the captures new flags call for and explains the answered ones
+   (:mod:`.captures`);
 3. after the commit, hands the flags that opened or closed to the webhook, if any.
 
 Several collector replicas on one PostgreSQL therefore analyse each run one at a time,
@@ -42,7 +44,8 @@ from ..analysis.regressions import Baseline, RegressionConfig
 from ..analysis.types import Finding
 from ..reads.runs import RunInfo, find_run
 from ..storage.backend import Storage
-from . import inputs
+from . import captures, inputs
+from .captures import CaptureConfig
 from .outputs import (
     StateConflictError,
     StoredState,
@@ -72,6 +75,7 @@ class WorkerConfig:
     hang_startup_s: float = 600.0
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     regressions: RegressionConfig = field(default_factory=RegressionConfig)
+    captures: CaptureConfig = field(default_factory=CaptureConfig)
 
 
 @dataclass
@@ -229,6 +233,7 @@ class AnalysisWorker:
             refresh = analysis.open_findings() if ready.windows else []
             transitions = write_findings(conn, run.id, changes, refresh, stamp)
             transitions += self._hangs(conn, run, ranks, now, next_window, stamp)
+            transitions += captures.on_pass(conn, run, transitions, ranks, cfg.captures, stamp)
             if stored is None or ready.windows or dict(ready.pending) != dict(stored.pending):
                 save_state(
                     conn,

@@ -207,6 +207,9 @@ def write_findings(
                 evidence[name] = old[name]
             elif value is not None:
                 evidence[name] = value
+        if "capture" in old:  # a capture's explanation (``captures.py``) outlives the refresh
+            evidence["capture"] = old["capture"]
+            finding = replace(finding, message=finding.message + capture_sentence(old["capture"]))
         values = _row(finding, evidence, now)
         if row is None:
             conn.execute(insert(Event).values(run_id=run_id, opened_at=now, **values))
@@ -216,6 +219,16 @@ def write_findings(
         if row.status != finding.status or _newly_diagnosed(finding, old):
             transitions.append(Transition(finding, row.status))
     return transitions
+
+
+#: An event message's capture sentence starts with this (``captures.py``).
+CAPTURE_MARK = " Capture of steps "
+
+
+def capture_sentence(capture: Mapping[str, Any]) -> str:
+    """The sentence a capture's explanation adds to its event's message."""
+    first, k = capture["first_step"], capture["steps"]
+    return f"{CAPTURE_MARK}{first}-{first + k - 1}: {capture['message']}"
 
 
 def _newly_diagnosed(finding: Finding, old_evidence: Mapping[str, Any]) -> bool:

@@ -1,0 +1,105 @@
+"""Which directives go into the answer to a rank's batch.
+
+Every rank posts every window, so this is on the ingest path: a directive is read from
+the database at most once per run per :data:`TTL_S` per collector process (one indexed
+query for the run's live directives and the ranks that acknowledged them), and a rank's
+answer is filtered from that in memory. Directives are rare: a run with none costs one
+small query a second, not one per POST. A directive created on another collector replica
+reaches the ranks within ``TTL_S``; a rank answered from a copy older than its own ack
+gets the directive again and acknowledges it again (the agent applies each id once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, cast
+
+from sqlalchemy import Engine, Table, select
+
+from stepwatch import wire
+
+from ..storage.models import Directive, DirectiveAck
+from .directives import wire_form
+
+D = cast(Table, Directive.__table__)
+ACK = cast(Table, DirectiveAck.__table__)
+TTL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Live:
+    wire: dict[str, Any]
+    ranks: frozenset[int] | None
+    acked: frozenset[int]
+
+
+class Deliveries:
+    """The live directives of each run, cached per process (see the module docstring)."""
+
+    def __init__(
+        self, engine: Engine, *, ttl_s: float = TTL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._engine = engine
+        self._ttl = ttl_s
+        self._clock = clock
+        self._cache: dict[int, tuple[float, list[_Live]]] = {}
+        self._loading: dict[int, asyncio.Future[list[_Live]]] = {}
+
+    async def for_rank(self, run_id: int, rank: int) -> list[dict[str, Any]] | None:
+        """The directives rank ``rank`` of run ``run_id`` has not acknowledged (None: none)."""
+        hit = self._cache.get(run_id)
+        if hit is not None and self._clock() - hit[0] < self._ttl:
+            live = hit[1]
+        else:
+            live = await self._load(run_id)
+        out = [d.wire for d in live if (d.ranks is None or rank in d.ranks) and rank not in d.acked][
+            : wire.MAX_DIRECTIVES
+        ]
+        return out or None
+
+    async def _load(self, run_id: int) -> list[_Live]:
+        """One load per run at a time: the ranks of a run post at about the same moment."""
+        fut = self._loading.get(run_id)
+        if fut is None:
+            fut = asyncio.ensure_future(asyncio.to_thread(self.read, run_id))
+            self._loading[run_id] = fut
+            fut.add_done_callback(lambda _: self._loading.pop(run_id, None))
+        live = await asyncio.shield(fut)
+        self._cache[run_id] = (self._clock(), live)
+        if len(self._cache) > 4096:  # runs that stopped posting
+            oldest = sorted(self._cache, key=lambda r: self._cache[r][0])[:1024]
+            for r in oldest:
+                self._cache.pop(r, None)
+        return live
+
+    def read(self, run_id: int) -> list[_Live]:
+        now = datetime.now(timezone.utc)
+        with self._engine.connect() as conn:
+            rows = conn.execute(
+                select(D.c.id, D.c.kind, D.c.ranks, D.c.params)
+                .where(D.c.run_id == run_id, D.c.expires_at > now)
+                .order_by(D.c.id)
+            ).all()
+            if not rows:
+                return []
+            acked: dict[int, set[int]] = {r.id: set() for r in rows}
+            for a in conn.execute(
+                select(ACK.c.directive_id, ACK.c.rank).where(ACK.c.directive_id.in_(list(acked)))
+            ):
+                acked[a.directive_id].add(a.rank)
+        return [
+            _Live(
+                wire=wire_form(r.kind, r.id, r.params),
+                ranks=frozenset(r.ranks) if r.ranks is not None else None,
+                acked=frozenset(acked[r.id]),
+            )
+            for r in rows
+        ]
+
+    def forget(self, run_id: int) -> None:
+        """Drop a run's copy (this process created a directive for it)."""
+        self._cache.pop(run_id, None)

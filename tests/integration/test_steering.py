@@ -1,0 +1,237 @@
+"""Steering over a real database (SQLite and PostgreSQL): captures and live settings asked
+through the API reach the chosen ranks in the answers to their batches, once, and their
+answers come back as stored state and an explanation; only admin tokens may steer (shown
+on a real ``stepwatch serve`` over loopback).
+
+The agent's side (applying a directive in a real training loop) is in
+``tests/e2e/test_steering_real.py``; here the ranks are played by payloads, so every
+answer the collector must handle (acks, a capture's profiler entries, a miss) is sent on
+purpose."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine
+
+from stepwatch.demo import launch
+from stepwatch_server.app import create_app
+from stepwatch_server.settings import Settings
+
+from ..payloads import payload, profile_entry
+
+ADMIN, READ, WRITE = "admin-secret-0123456789", "read-secret-0123456789", "write-secret-0123456789"
+
+
+@pytest.fixture
+def client(db_url: str, engine: Engine) -> Iterator[TestClient]:
+    app = create_app(Settings(database_url=db_url, window_seconds=2.0, analysis_enabled=False), engine=engine)
+    with TestClient(app) as c:
+        yield c
+
+
+def _post(client: TestClient, rank: int, *, first: int, n: int = 8, **extra: Any) -> dict[str, Any]:
+    body = payload(rank=rank, world=4, first=first, times=[0.1] * n, **extra)
+    body["agent"]["send_interval_s"] = 1.0
+    r = client.post("/api/v1/ingest", json=body)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _ack(
+    client: TestClient, rank: int, first: int, acks: list[dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
+    body = payload(rank=rank, world=4, first=first, times=[0.1] * 8, **extra)
+    body["agent"]["send_interval_s"] = 1.0
+    body["acks"] = acks
+    r = client.post("/api/v1/ingest", json=body)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _capture_entry(first: int, n: int, capture: str, mm_s: float) -> dict[str, Any]:
+    e = profile_entry(
+        first_step=first, enter=[0.1 * i for i in range(n)], end=[0.1 * i + 0.01 for i in range(n)]
+    )
+    e["capture"] = capture
+    e["top_ops"] = [
+        {"name": "aten::mm", "self_s": mm_s, "count": 12.0},
+        {"name": "aten::add", "self_s": 0.01, "count": 4.0},
+    ]
+    return e
+
+
+def test_a_capture_reaches_its_ranks_once_and_is_explained_from_their_answers(
+    client: TestClient, engine: Engine
+) -> None:
+    for rank in range(4):
+        assert "directives" not in _post(client, rank, first=1)  # nothing asked yet: the answer is as before
+    r = client.post("/api/v1/runs/test-run/captures", json={"rank": 2, "steps": 3})
+    assert r.status_code == 201, r.text
+    cap = r.json()
+    assert r.headers["location"] == f"/api/v1/runs/test-run/captures/{cap['id']}"
+    assert cap["ranks"] == [0, 1, 2, 3]  # no communicator groups reported: its peers are the world
+    # Ahead of the furthest reported step (8) by four send intervals (1 s) of 0.1 s steps.
+    assert cap["first_step"] == 8 + 40
+    assert (cap["steps"], cap["status"], cap["reason"]) == (3, "pending", "open")
+    ident = str(cap["id"])
+    want = {"id": ident, "v": 1, "kind": "capture", "first_step": 48, "steps": 3}
+    for rank in range(4):
+        assert _post(client, rank, first=9)["directives"] == [want]
+    # Acknowledged: no longer sent to that rank, still to the others.
+    _ack(client, 0, 17, [{"id": ident, "state": "scheduled"}])
+    _ack(client, 1, 17, [{"id": ident, "state": "scheduled"}])
+    client.app.state.deliveries.forget(1)  # type: ignore[attr-defined]  # as after its 1 s lifetime
+    assert "directives" not in _post(client, 0, first=25)
+    assert _post(client, 3, first=17)["directives"] == [want]
+    # The answers: three ranks profiled the steps (rank 2's matmuls 1.6x), rank 3 missed them.
+    for rank, mm in ((0, 0.010), (1, 0.011), (2, 0.0168)):
+        _post(client, rank, first=41 if rank else 33, n=16, profiles=[_capture_entry(48, 3, ident, mm)])
+    miss = {"first_step": 48, "n_steps": 0, "skipped": "previous window still being parsed", "capture": ident}
+    _post(client, 3, first=25, n=24, profiles=[miss])
+    got = client.get(f"/api/v1/runs/test-run/captures/{ident}").json()
+    assert [(a["rank"], a["state"]) for a in got["answers"]] == [
+        (0, "done"),
+        (1, "done"),
+        (2, "done"),
+        (3, "missed"),
+    ]
+    # A late repeat of "scheduled" does not take back an outcome.
+    _ack(client, 0, 57, [{"id": ident, "state": "scheduled"}])
+    assert client.get(f"/api/v1/runs/test-run/captures/{ident}").json()["answers"][0]["state"] == "done"
+    client.app.state.worker.run_once()  # type: ignore[attr-defined]
+    got = client.get(f"/api/v1/runs/test-run/captures/{ident}").json()
+    assert got["status"] == "done"
+    result = got["result"]
+    assert result["message"].startswith("rank 2: aten::mm 1.6x its peers' median"), result["message"]
+    assert result["missed"] == {"3": "previous window still being parsed"}
+    assert (result["captured"], result["ranks"], result["first_step"], result["steps"]) == (3, 4, 48, 3)
+    assert [c["id"] for c in client.get("/api/v1/runs/test-run/captures").json()] == [cap["id"]]
+
+
+def test_a_capture_longer_than_the_budget_is_shortened_and_says_so(db_url: str, engine: Engine) -> None:
+    app = create_app(
+        Settings(database_url=db_url, window_seconds=2.0, analysis_enabled=False, capture_max_cost_s=0.5),
+        engine=engine,
+    )
+    with TestClient(app) as client:
+        entry = profile_entry(first_step=3, enter=[0.0, 0.1], end=[0.01, 0.11])
+        entry["cost"] = {
+            "window_s": 0.4, "on_thread_s": 0.1, "slowdown_s": 0.1, "parse_cpu_s": 0.2,
+            "every": 100, "next_every": 100,
+        }  # fmt: skip
+        for rank in range(4):
+            _post(client, rank, first=1, profiles=[entry])
+        r = client.post("/api/v1/runs/test-run/captures", json={"all": True, "steps": 8})
+        assert r.status_code == 201, r.text
+        cap = r.json()
+        # 0.2 s per profiled step: at most 2 steps fit in 0.5 s.
+        assert (cap["steps"], cap["requested_steps"]) == (2, 8)
+        assert cap["notes"] == [
+            "shortened from 8 to 2 steps: 1.60 s estimated cost per rank over the budget of 0.5 s "
+            "(STEPWATCH_CAPTURE_MAX_COST_S)"
+        ]
+        assert cap["estimated_cost_s"] == pytest.approx(0.4)
+
+
+def test_new_live_settings_reach_every_rank_and_show_as_requested_and_applied(client: TestClient) -> None:
+    for rank in range(4):
+        _post(client, rank, first=1)
+    bad = client.put("/api/v1/runs/test-run/config", json={"settings": {"send_interval_s": 0.01}})
+    assert bad.status_code == 422
+    assert "send_interval_s=0.01 is outside [0.5, 3600]" in bad.text and "settings" in bad.text
+    assert (
+        client.put("/api/v1/runs/test-run/config", json={"settings": {"profile_every": 1}}).status_code == 422
+    )
+    r = client.post("/api/v1/runs/test-run/captures", json={"rank": 1, "all": True})
+    assert r.status_code == 422 and "exactly one of rank, ranks, host or all" in r.text
+    r = client.post("/api/v1/runs/test-run/captures", json={"rank": 7})
+    assert r.status_code == 422 and "rank 7 is not a running rank" in r.text
+    r = client.put("/api/v1/runs/test-run/config", json={"settings": {"send_interval_s": 2}})
+    assert r.status_code == 202, r.text
+    ident = str(r.json()["id"])
+    want = [{"id": ident, "v": 1, "kind": "config", "settings": {"send_interval_s": 2.0}}]
+    for rank in range(4):
+        assert _post(client, rank, first=9)["directives"] == want
+    for rank in range(3):
+        _ack(client, rank, 17, [{"id": ident, "state": "applied", "settings": {"send_interval_s": 2.0}}])
+    (state,) = client.get("/api/v1/runs/test-run").json()["config"]
+    assert (state["settings"], state["ranks"], state["applied"], state["pending"]) == (
+        {"send_interval_s": 2.0},
+        None,
+        3,
+        [3],
+    )
+    assert state["in_force"]["0"] == {"send_interval_s": 2.0}
+    # A newer config for the whole run replaces it: only the newer one is live.
+    r2 = client.put("/api/v1/runs/test-run/config", json={"settings": {"send_interval_s": 5}})
+    assert [c["id"] for c in client.get("/api/v1/runs/test-run/config").json()] == [r2.json()["id"]]
+    # An ack for a directive of another run, or one never issued, is ignored.
+    _ack(client, 3, 25, [{"id": "999999", "state": "applied"}])
+
+
+def test_a_finished_run_takes_no_directive(client: TestClient) -> None:
+    for rank in range(4):
+        _post(client, rank, first=1, final=True)
+    for method, path, body in (
+        ("POST", "captures", {"all": True}),
+        ("PUT", "config", {"settings": {"send_interval_s": 2}}),
+    ):
+        r = client.request(method, f"/api/v1/runs/test-run/{path}", json=body)
+        assert r.status_code == 409, r.text
+        assert "every rank finished" in r.json()["detail"]
+    assert client.get("/api/v1/runs/test-run/captures").json() == []
+    assert client.post("/api/v1/runs/nope/captures", json={"all": True}).status_code == 404
+
+
+def test_only_admin_tokens_steer_a_real_collector(tmp_path: Path) -> None:
+    """A real ``stepwatch serve`` over loopback, with write, read and admin tokens; then
+    with write and read tokens only, where nothing may steer."""
+    tokens = {"STEPWATCH_WRITE_TOKENS": f"w={WRITE}", "STEPWATCH_READ_TOKENS": f"r={READ}"}
+    db = f"sqlite:///{tmp_path / 'auth.db'}"
+    env = {**tokens, "STEPWATCH_ADMIN_TOKENS": f"a={ADMIN}"}
+    with (
+        launch.collector(db, log_path=str(tmp_path / "a.log"), env=env) as col,
+        httpx.Client(base_url=col.url) as c,
+    ):
+        for rank in range(4):
+            body = payload(rank=rank, world=4, times=[0.1] * 8)
+            assert c.post("/api/v1/ingest", json=body, headers=_bearer(WRITE)).status_code == 200
+        path = "/api/v1/runs/test-run/captures"
+        assert c.post(path, json={"all": True}).status_code == 401
+        for token in (WRITE, READ):
+            r = c.post(path, json={"all": True}, headers=_bearer(token))
+            assert r.status_code == 403 and "STEPWATCH_ADMIN_TOKENS" in r.json()["detail"]
+            body = {"settings": {"send_interval_s": 2}}
+            assert c.put("/api/v1/runs/test-run/config", json=body, headers=_bearer(token)).status_code == 403
+        # The command line says which token it needs.
+        cli = [sys.executable, "-m", "stepwatch", "capture", "test-run", "--all", "--url", col.url]
+        out = subprocess.run([*cli, "--token", READ], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "admin (STEPWATCH_ADMIN_TOKENS) tokens" in out.stderr, out.stderr
+        out = subprocess.run(
+            [*cli, "--token", ADMIN, "--wait", "0"], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0 and "on 4 rank(s) [0, 1, 2, 3]" in out.stdout, out.stderr
+        assert c.get(path, headers=_bearer(ADMIN)).status_code == 200  # an admin may read
+        assert len(c.get(path, headers=_bearer(READ)).json()) == 1
+    # Tokens configured but no admin token: nothing steers.
+    with (
+        launch.collector(db, log_path=str(tmp_path / "b.log"), env=tokens) as col,
+        httpx.Client(base_url=col.url) as c,
+    ):
+        for token in (WRITE, READ):
+            r = c.post("/api/v1/runs/test-run/captures", json={"all": True}, headers=_bearer(token))
+            assert r.status_code == 403
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}

@@ -1,0 +1,107 @@
+"""The agent's side of steering: directives parsed from an ingest answer on the sender
+thread are applied at the next window close, each once, and acknowledged; a capture runs
+the real torch.profiler over exactly the steps asked for, with the periodic window off."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+import stepwatch
+from stepwatch._env import detect
+from stepwatch._sender import MemorySink
+from stepwatch._steering import Steering
+from stepwatch.config import AgentConfig
+from stepwatch.profiler._window import ProfilerWindow
+
+
+def _answer(*directives: dict[str, Any]) -> bytes:
+    return json.dumps({"batch_id": "x", "stored": True, "steps": 8, "directives": list(directives)}).encode()
+
+
+def _agent(every: int = 0) -> tuple[stepwatch.Stepwatch, ProfilerWindow, MemorySink]:
+    cfg = AgentConfig(run="steer", max_window_steps=8, send_interval_s=1e9, warmup_steps=0)
+    pw = ProfilerWindow(every=every, steps=2, budget=1e9, warmup_end=0)  # no stretch: exact steps
+    sink = MemorySink()
+    sw = stepwatch.Stepwatch(cfg, detect({}, host="h"), convention=None, sender=sink, profiler=pw)
+    return sw, pw, sink
+
+
+def _train(sw: stepwatch.Stepwatch, steps: int) -> None:
+    a = torch.randn(64, 64)
+    for _ in range(steps):
+        a = torch.tanh(a @ a)
+        sw.step(tokens=10)
+
+
+def test_a_capture_profiles_exactly_the_steps_asked_for_with_the_periodic_window_off() -> None:
+    sw, pw, _ = _agent(every=0)
+    sw._steering.receive(_answer({"id": "7", "kind": "capture", "first_step": 12, "steps": 3}))
+    _train(sw, 7)
+    assert sw._steering.inbox, "nothing applied before the window closes"
+    _train(sw, 1)  # step 8 closes the first window: the directive is applied there
+    assert sw._steering.take_acks() == [{"id": "7", "state": "scheduled"}]
+    _train(sw, 24)
+    assert sw.flush(30.0)
+    (entry,) = pw.take()
+    assert (entry["capture"], entry["first_step"], entry["n_steps"]) == ("7", 12, 3)
+    assert entry["top_ops"] and entry["cost"]["every"] == 0  # asked for, not periodic
+    assert pw.captures == 1 and pw.windows == 0 and pw.every == 0
+    sw.close(1.0)
+
+
+def test_a_directive_is_applied_once_acknowledged_again_and_never_raises() -> None:
+    sw, _, _ = _agent(every=0)
+    st = sw._steering
+    late = {"id": "1", "kind": "capture", "first_step": 3, "steps": 2}
+    st.receive(_answer(late, {"id": "bad id!", "kind": "capture"}, {"id": "2", "kind": "reboot"}))
+    assert st.ignored == 2
+    _train(sw, 8)
+    (ack,) = st.take_acks()
+    assert ack["id"] == "1" and ack["state"] == "missed" and "too late" in ack["reason"]
+    st.receive(_answer(late))  # the collector did not get the ack: it is sent again, not reapplied
+    assert not st.inbox and st.take_acks() == [ack]
+    st.receive(_answer({"id": "3", "kind": "capture", "first_step": "soon", "steps": 2}))
+    _train(sw, 8)
+    assert st.take_acks()[0]["state"] == "missed"
+    st.receive(b"not json")  # a broken answer is ignored
+    st.receive(_answer({"id": "4", "v": 2, "kind": "config", "settings": {"send_interval_s": 2}}))
+    (newer,) = st.take_acks()
+    assert newer["state"] == "refused" and "version 2 is newer than this agent's (1)" in newer["reason"]
+    assert not st.inbox
+    sw.close(1.0)
+
+
+def test_live_settings_change_the_send_interval_and_the_profiler_at_the_next_window() -> None:
+    sw, pw, _ = _agent(every=0)
+    st = sw._steering
+    settings = {"send_interval_s": 2.5, "profile_every": 6}
+    st.receive(_answer({"id": "9", "kind": "config", "settings": settings}))
+    st.receive(_answer({"id": "10", "kind": "config", "settings": {"send_interval_s": 0.001}}))
+    st.receive(_answer({"id": "11", "kind": "config", "settings": {"profile_steps": 2, "profile_every": 2}}))
+    _train(sw, 8)
+    applied, refused, bad = st.take_acks()
+    assert applied == {
+        "id": "9",
+        "state": "applied",
+        "settings": {"send_interval_s": 2.5, "profile_every": 6, "profile_steps": 2},
+    }
+    assert refused["state"] == "refused" and "outside [0.5, 3600]" in refused["reason"]
+    assert bad["state"] == "refused" and "larger than profile_steps" in bad["reason"]
+    assert sw._interval == 2.5 and (pw.base, pw.k) == (6, 2)
+    _train(sw, 16)  # the periodic window now runs every 6 steps: steps 13-14 and 19-20
+    assert sw.flush(30.0)
+    assert [e["first_step"] for e in pw.take() if e["n_steps"]][:2] == [13, 19]
+    sw.close(1.0)
+
+
+def test_the_inbox_and_the_acks_are_bounded() -> None:
+    st = Steering()
+    for i in range(200):
+        st.receive(_answer(*({"id": f"{i}-{j}", "kind": "config", "settings": {}} for j in range(8))))
+    assert len(st.inbox) <= 32
+    for _ in range(200):
+        st.ack("x", "refused", "r")
+    assert len(st.take_acks()) == 16
