@@ -146,7 +146,7 @@ class Stepwatch:
                 label=f"rank {rank.rank}",
                 heartbeat=self._heartbeat,
                 heartbeat_s=HEARTBEAT_INTERVALS * self._interval,
-                on_answer=self._steering.receive,
+                on_answer=self._on_answer,
             )
             if self._enabled:  # here, not on the training thread at the first window close
                 sender.start()
@@ -277,9 +277,18 @@ class Stepwatch:
         self._event_i = self._next_event()
         self._sender.submit(window)
 
-    # -- steering (training thread, at a window close) --------------------------------
+    # -- steering ------------------------------------------------------------------------
+    def _on_answer(self, body: bytes) -> None:
+        """The collector's answer to a batch (sender thread): queue its directives; a
+        capture readies the profiler now (its one-time imports, about 1 s of CPU, on the
+        profiler thread: with the periodic window off nothing paid them at ``init``)."""
+        pw = self._pw
+        if self._steering.receive(body) and pw is not None and pw.warm_cpu_s is None:
+            pw.warm()
+
     def _apply_directives(self) -> None:
-        """Apply the collector's new directives (``_steering``); each is acknowledged."""
+        """Apply the collector's new directives (``_steering``; training thread, at a
+        window close); each is acknowledged."""
         st = self._steering
         done = self._first_step - 1  # the last finished step
         while True:

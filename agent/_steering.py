@@ -13,7 +13,6 @@ applied is acknowledged with the reason, never raised into the training loop.
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections import OrderedDict, deque
 from collections.abc import Mapping
@@ -21,7 +20,6 @@ from typing import Any
 
 from . import wire
 
-log = logging.getLogger("stepwatch")
 _ID = re.compile(wire.DIRECTIVE_ID_PATTERN)
 #: Directive ids remembered (to apply each once, and to acknowledge a repeat again).
 SEEN = 256
@@ -42,18 +40,21 @@ class Steering:
         self.ignored = 0
 
     # -- sender thread ---------------------------------------------------------------
-    def receive(self, body: bytes) -> None:
+    def receive(self, body: bytes) -> bool:
         """Queue the new directives of an ingest answer; a repeat is acknowledged again
-        (its ack was lost with a dropped batch) and a malformed one is ignored."""
+        (its ack was lost with a dropped batch) and a malformed one is ignored. Returns
+        whether a new capture was queued (the caller then readies the profiler, here on
+        the sender thread, rather than at the capture's start on the training thread)."""
+        capture = False
         if b'"directives"' not in body:  # the common answer: no parse at all
-            return
+            return False
         try:
             answer = json.loads(body)
         except ValueError:
-            return
+            return False
         directives = answer.get("directives") if isinstance(answer, dict) else None
         if not isinstance(directives, list):
-            return
+            return False
         for d in directives[: wire.MAX_DIRECTIVES]:
             ident = d.get("id") if isinstance(d, dict) else None
             if (
@@ -81,7 +82,9 @@ class Steering:
                     f"directive version {v!r} is newer than this agent's ({wire.DIRECTIVES_VERSION})",
                 )
                 continue
+            capture = capture or d["kind"] == "capture"
             self.inbox.append(d)
+        return capture
 
     def take_acks(self) -> list[dict[str, Any]]:
         """The acks to send with the next payload (at most ``wire.MAX_ACKS``)."""
@@ -109,6 +112,4 @@ class Steering:
             a["reason"] = reason[:200]
         if settings:
             a["settings"] = dict(settings)
-        if state in ("missed", "refused"):
-            log.info("stepwatch: directive %s %s: %s", ident, state, reason)
-        self._acks.append(a)
+        self._acks.append(a)  # no logging here: its handlers' locks are the sender's too

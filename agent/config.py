@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from . import wire
 
 DEFAULT_URL = "http://127.0.0.1:8321"
+DEFAULT_PROFILE_EVERY = 2000
 RUN_NAME = re.compile(wire.RUN_NAME_PATTERN)
 
 
@@ -39,8 +40,10 @@ class AgentConfig:
     max_attempts: int = 5
     #: A profiler window of ``profile_steps`` steps starts every ``profile_every`` steps
     #: (0 turns it off); the period is stretched (x2, x4, ...) while the window's
-    #: self-measured cost exceeds ``profile_budget`` of training time.
-    profile_every: int = 100
+    #: self-measured cost exceeds ``profile_budget`` of training time. Rare by default:
+    #: the always-on timing finds a slow rank, and a capture (asked for by its flag or a
+    #: person, ``_steering``) profiles it and its peers when it matters.
+    profile_every: int = DEFAULT_PROFILE_EVERY
     profile_steps: int = 2
     profile_budget: float = 0.01
 
@@ -89,7 +92,9 @@ def load(
     if warmup < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup}")
     every = (
-        profile_every if profile_every is not None else int(_env_float(env, "STEPWATCH_PROFILE_EVERY", 100))
+        profile_every
+        if profile_every is not None
+        else int(_env_float(env, "STEPWATCH_PROFILE_EVERY", DEFAULT_PROFILE_EVERY))
     )
     k = profile_steps if profile_steps is not None else int(_env_float(env, "STEPWATCH_PROFILE_STEPS", 2))
     budget = (

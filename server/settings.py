@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from stepwatch import wire
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STEPWATCH_", extra="ignore")
@@ -103,7 +105,7 @@ class Settings(BaseSettings):
     capture_on_flag: bool = True
     capture_min_interval_s: float = Field(default=600.0, ge=0)
     #: Steps a capture profiles unless asked otherwise.
-    capture_steps: int = Field(default=4, ge=1, le=16)
+    capture_steps: int = Field(default=4, ge=1, le=wire.MAX_CAPTURE_STEPS)
     #: A capture whose estimated cost per rank (from the run's measured profiler windows)
     #: exceeds this many seconds of training time is shortened, and says so.
     capture_max_cost_s: float = Field(default=5.0, gt=0)

@@ -86,7 +86,7 @@ class Plan:
         args = ["--run", run, "--steps", str(self.steps), "--peak-flops", str(peak)]
         args += ["--send-interval", "1", "--warmup-steps", str(WARMUP_STEPS)]
         # A short run needs frequent profiler windows to show its breakdown and to name a
-        # compute straggler (production default: every 100 steps within a 1% budget).
+        # compute straggler (production default: every 2,000 steps within a 1% budget).
         args += ["--profile-every", str(PROFILE_EVERY), "--profile-steps", "2"]
         args += ["--profile-budget", str(PROFILE_BUDGET)]
         if self.has_straggler:

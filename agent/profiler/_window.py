@@ -83,6 +83,7 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import wire
 from .._clock_sync import ClockSync
 from .._nvml import Nvml
 from ._entry import build_entry
@@ -96,7 +97,9 @@ NEVER = 1 << 62
 MAX_STRETCH = 1024
 BASELINE_STEPS = 32
 MAX_PENDING = 8
-MAX_STEPS = 16
+MAX_STEPS = wire.MAX_CAPTURE_STEPS
+#: Captures one process holds scheduled at once.
+MAX_CAPTURES = 4
 PRIOR_COST_S = 0.1
 """Assumed cost of a window before one is measured (measured here: 50-100 ms on a small
 CPU model; pushed out of the median by the first measured windows)."""
@@ -198,8 +201,8 @@ class ProfilerWindow:
         self._first = 0
         self._every_used = every
         self._k_used = steps
-        #: A capture scheduled by ``request_capture``: (first step, steps, directive id).
-        self._capture: tuple[int, int, str] | None = None
+        #: Captures scheduled by ``request_capture``, in step order: (first step, steps, id).
+        self._captures: list[tuple[int, int, str]] = []
         self._capture_id: str | None = None
         self.captures = 0
         self.last_capture_cost: dict[str, Any] | None = None
@@ -242,9 +245,9 @@ class ProfilerWindow:
         start edge of a scheduled capture if that comes first."""
         every = self.every
         periodic = (max(after, self.warmup_end) // every + 1) * every if every else NEVER
-        c = self._capture
-        if c is not None and c[0] - 1 > after:
-            return min(periodic, c[0] - 1)
+        for c in self._captures:
+            if c[0] - 1 > after:
+                return min(periodic, c[0] - 1)
         return periodic
 
     def request_capture(self, first_step: int, steps: int, ident: str, done: int) -> str | None:
@@ -253,11 +256,15 @@ class ProfilerWindow:
         caller then takes :meth:`next_start` as its next edge unless a window records."""
         if not 1 <= steps <= MAX_STEPS:
             return f"steps={steps} is outside [1, {MAX_STEPS}]"
-        if self._capture is not None:
-            return f"capture {self._capture[2]} is already scheduled"
+        self._captures = [c for c in self._captures if c[0] - 1 > done]  # passed without a start edge
+        if len(self._captures) >= MAX_CAPTURES:
+            return f"{MAX_CAPTURES} captures are already scheduled"
         if first_step - 1 <= done or (self.active and first_step - 1 <= self._first + self._k_used - 1):
             return f"too late: applied after step {done}, the capture starts at step {first_step}"
-        self._capture = (first_step, steps, ident)
+        for f, k, other in self._captures:  # one window at a time: [S, S+K) and the edge before it
+            if first_step - 1 <= f + k - 1 and f - 1 <= first_step + steps - 1:
+                return f"overlaps capture {other} (steps {f}-{f + k - 1})"
+        self._captures = sorted([*self._captures, (first_step, steps, ident)])
         return None
 
     def reconfigure(self, every: int, steps: int) -> str | None:
@@ -291,7 +298,7 @@ class ProfilerWindow:
             return self.next_start(step)
 
     def _start(self, step: int, times: array[float], n: int) -> int:
-        c = self._capture
+        c = self._captures[0] if self._captures else None
         capture = c is not None and step == c[0] - 1
         if not capture:
             if (
@@ -307,8 +314,10 @@ class ProfilerWindow:
             k, ident = self.k, None
         else:
             assert c is not None
-            self._capture = None
+            self._captures.pop(0)
             every, k, ident = 0, c[1], c[2]
+        # Named before anything can fail, so that a skip reports the capture it skips.
+        self._capture_id = ident
         reason = None
         if not self._idle.is_set():
             reason = "previous window still being parsed"
@@ -459,7 +468,11 @@ class ProfilerWindow:
             self._thread.start()
 
     def warm(self) -> None:
-        """Start the profiler thread now and let it pay torch.profiler's one-time imports."""
+        """Start the profiler thread now and let it pay torch.profiler's one-time imports
+        (at ``init``; or on the sender thread when a capture is asked for and nothing paid
+        them yet). Once: a second call while the first is pending does nothing."""
+        if self._warm_pending or self.warm_cpu_s is not None:
+            return
         self._warm_pending = True
         self._ensure_thread()
         self._wake.set()

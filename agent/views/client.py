@@ -114,7 +114,11 @@ class CollectorClient:
 
     def capture(self, run: str, **target: Any) -> JSON:
         """Ask for a capture (``rank=``, ``ranks=``, ``host=`` or ``all=True``; ``steps=``)."""
-        out: JSON = self._call("POST", f"/runs/{run}/captures", body={k: v for k, v in target.items() if v})
+        out: JSON = self._call(
+            "POST",
+            f"/runs/{run}/captures",
+            body={k: v for k, v in target.items() if v is not None and v is not False},
+        )
         return out
 
     def get_capture(self, run: str, ident: int) -> JSON:

@@ -3,9 +3,10 @@
 An answer is an ack (``acks``: a capture scheduled or missed, a config applied or
 refused) or a profiler entry that names its capture (``profiles[].capture``: ``done``, or
 ``missed`` with the reason the window was skipped). One row per directive and rank holds
-the latest state, except that a capture's outcome (``done``/``missed``) is never taken
-back by a late ``scheduled`` (a repeated ack). Answers to directives of another run, or
-to ids the collector never issued, are ignored: a rank cannot answer for another run.
+the latest state, except that a capture's states only move forward (``scheduled`` <
+``missed`` < ``done``: a repeated ack never takes back an outcome). Answers to directives
+of another run, to ids the collector never issued, or from ranks a directive did not ask,
+are ignored: a rank cannot answer for another run or another rank.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from ..storage.models import Directive, DirectiveAck
 
 D = cast(Table, Directive.__table__)
 ACK = cast(Table, DirectiveAck.__table__)
-#: States a later ``scheduled`` does not replace.
-OUTCOMES = frozenset({"done", "missed"})
+#: A capture's states in the order they may move (a config's replace each other).
+ORDER = {"scheduled": 1, "missed": 2, "done": 3}
 
 
 def answers(p: IngestPayload) -> dict[int, dict[str, Any]]:
@@ -53,16 +54,17 @@ def store(conn: Connection, storage: Storage, run_id: int, p: IngestPayload) -> 
     got = answers(p)
     if not got:
         return
-    ours = set(conn.execute(select(D.c.id).where(D.c.run_id == run_id, D.c.id.in_(list(got)))).scalars())
+    rank = p.rank.rank
+    asked = conn.execute(select(D.c.id, D.c.ranks).where(D.c.run_id == run_id, D.c.id.in_(list(got)))).all()
+    ours = {d.id for d in asked if d.ranks is None or rank in d.ranks}
     if not ours:
         return
-    rank = p.rank.rank
     q = select(ACK.c.directive_id, ACK.c.state).where(ACK.c.directive_id.in_(list(ours)), ACK.c.rank == rank)
     before = {r.directive_id: r.state for r in conn.execute(q)}
     now = datetime.now(timezone.utc)
     for ident in sorted(ours):
         a = got[ident]
-        if before.get(ident) in OUTCOMES and a["state"] == "scheduled":
+        if ORDER.get(before.get(ident) or "", 0) > ORDER.get(a["state"], 4):
             continue
         values = {"state": a["state"], "reason": a["reason"], "settings": a["settings"], "at": now}
         if a["first_step"] is not None:

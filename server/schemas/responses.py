@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from stepwatch import wire
+
 from ..analysis.types import Cause
 from ..reads.status import RunStatus
 
@@ -138,7 +140,9 @@ class CaptureRequest(BaseModel):
     ranks: list[int] | None = Field(default=None, min_length=1, max_length=4096)
     host: str | None = Field(default=None, min_length=1, max_length=255)
     all: bool = False
-    steps: int | None = Field(default=None, ge=1, le=16, description="Default: STEPWATCH_CAPTURE_STEPS")
+    steps: int | None = Field(
+        default=None, ge=1, le=wire.MAX_CAPTURE_STEPS, description="Default: STEPWATCH_CAPTURE_STEPS"
+    )
 
 
 class ConfigRequest(BaseModel):

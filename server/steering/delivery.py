@@ -3,10 +3,12 @@
 Every rank posts every window, so this is on the ingest path: a directive is read from
 the database at most once per run per :data:`TTL_S` per collector process (one indexed
 query for the run's live directives and the ranks that acknowledged them), and a rank's
-answer is filtered from that in memory. Directives are rare: a run with none costs one
-small query a second, not one per POST. A directive created on another collector replica
-reaches the ranks within ``TTL_S``; a rank answered from a copy older than its own ack
-gets the directive again and acknowledges it again (the agent applies each id once).
+answer is filtered from that in memory; a stale copy answers while it is read again, so
+no answer but a run's first in a process waits for the database. Directives are rare: a
+run with none costs one small query a second, not one per POST. A directive created on
+another collector replica reaches the ranks within ``TTL_S``; a rank answered from a copy
+older than its own ack gets the directive again and acknowledges it again (the agent
+applies each id once).
 """
 
 from __future__ import annotations
@@ -48,14 +50,19 @@ class Deliveries:
         self._clock = clock
         self._cache: dict[int, tuple[float, list[_Live]]] = {}
         self._loading: dict[int, asyncio.Future[list[_Live]]] = {}
+        self._refreshes: set[asyncio.Future[list[_Live]]] = set()  # held until done
 
     async def for_rank(self, run_id: int, rank: int) -> list[dict[str, Any]] | None:
         """The directives rank ``rank`` of run ``run_id`` has not acknowledged (None: none)."""
         hit = self._cache.get(run_id)
-        if hit is not None and self._clock() - hit[0] < self._ttl:
-            live = hit[1]
+        if hit is None:
+            live = await self._load(run_id)  # the first batch of a run in this process
         else:
-            live = await self._load(run_id)
+            live = hit[1]
+            if self._clock() - hit[0] >= self._ttl and run_id not in self._loading:
+                # Stale: answered from the copy, refreshed beside the answer.
+                self._refreshes.add(task := asyncio.ensure_future(self._load(run_id)))
+                task.add_done_callback(self._refreshes.discard)
         out = [d.wire for d in live if (d.ranks is None or rank in d.ranks) and rank not in d.acked][
             : wire.MAX_DIRECTIVES
         ]

@@ -145,6 +145,15 @@ def plan_capture(
     lead_s = LEAD_INTERVALS * interval
     lead = math.ceil(lead_s / step_s) if step_s and step_s > 0 else 100
     first = furthest + max(lead, 2)
+    # One profiler window at a time on a rank: after any live capture of the same ranks
+    # (with a step between, the edge the next one starts at).
+    for d in conn.execute(
+        select(DIRECTIVES.c.ranks, DIRECTIVES.c.params).where(
+            DIRECTIVES.c.run_id == run_id, DIRECTIVES.c.kind == "capture", DIRECTIVES.c.expires_at > now
+        )
+    ):
+        if d.ranks is None or set(d.ranks) & set(ranks):
+            first = max(first, int(d.params["first_step"]) + int(d.params["steps"]) + 1)
     per_step = _cost_per_step(conn, run_id)
     k = steps
     if per_step is not None and per_step > 0 and per_step * k > max_cost_s:
@@ -212,15 +221,21 @@ def create_config(
     reason: str,
     now: datetime,
 ) -> int:
-    """A config directive; older live ones it covers expire (their ranks get this one)."""
+    """A config directive; older live ones it covers expire, their settings merged into
+    it (this one's win), so a rank that had not applied them yet still gets them."""
     live = conn.execute(
-        select(DIRECTIVES.c.id, DIRECTIVES.c.ranks).where(
-            DIRECTIVES.c.run_id == run_id, DIRECTIVES.c.kind == "config", DIRECTIVES.c.expires_at > now
-        )
+        select(DIRECTIVES.c.id, DIRECTIVES.c.ranks, DIRECTIVES.c.params)
+        .where(DIRECTIVES.c.run_id == run_id, DIRECTIVES.c.kind == "config", DIRECTIVES.c.expires_at > now)
+        .order_by(DIRECTIVES.c.id)
     ).all()
-    covered = [d.id for d in live if ranks is None or (d.ranks is not None and set(d.ranks) <= set(ranks))]
+    covered = [d for d in live if ranks is None or (d.ranks is not None and set(d.ranks) <= set(ranks))]
     if covered:
-        conn.execute(update(DIRECTIVES).where(DIRECTIVES.c.id.in_(covered)).values(expires_at=now))
+        merged: dict[str, float] = {}
+        for d in covered:
+            merged.update(d.params["settings"])
+        settings = {**merged, **settings}
+        ids = [d.id for d in covered]
+        conn.execute(update(DIRECTIVES).where(DIRECTIVES.c.id.in_(ids)).values(expires_at=now))
     return int(
         conn.execute(
             insert(DIRECTIVES)

@@ -26,9 +26,18 @@ from stepwatch.sketch import LogSketch
 
 from ..analysis.captures import CapturedRank, CollectiveTimes, OpTime, explain
 from ..analysis.types import Finding
+from ..ingest import profiles
 from ..reads.runs import RunInfo
 from ..steering import directives
-from ..storage.models import CollectiveStat, Directive, DirectiveAck, Event, ProfileWindow, unix
+from ..storage.models import (
+    CollectiveStat,
+    Directive,
+    DirectiveAck,
+    Event,
+    ProfilePending,
+    ProfileWindow,
+    unix,
+)
 from .inputs import RankRow
 from .outputs import CAPTURE_MARK, Transition, capture_sentence
 
@@ -37,6 +46,7 @@ ACK = cast(Table, DirectiveAck.__table__)
 EV = cast(Table, Event.__table__)
 PW = cast(Table, ProfileWindow.__table__)
 CS = cast(Table, CollectiveStat.__table__)
+PP = cast(Table, ProfilePending.__table__)
 #: Flags that ask for a capture when they open.
 TRIGGERS = frozenset({"straggler", "regression"})
 
@@ -92,9 +102,13 @@ def _trigger(
     event_id = conn.execute(
         select(EV.c.id).where(EV.c.run_id == run.id, EV.c.key == f.key, EV.c.first_step == f.first_step)
     ).scalar()
-    flagged = list(f.ranks)
-    pool = directives.with_peers(conn, run.id, flagged) if flagged else [r.rank for r in ranks]
-    targets = directives.cap_ranks(pool, flagged)
+    # Ranks that finished would never answer (the explanation would wait for its expiry).
+    running = {r.rank for r in ranks if r.final_step is None or r.last_step > r.final_step}
+    flagged = [r for r in f.ranks if r in running]
+    if not running or (f.ranks and not flagged):
+        return
+    pool = directives.with_peers(conn, run.id, flagged) if flagged else sorted(running)
+    targets = directives.cap_ranks([r for r in pool if r in running], flagged)
     plan = directives.plan_capture(conn, run.id, targets, steps=cfg.steps, max_cost_s=cfg.max_cost_s, now=now)
     directives.create_capture(
         conn, run.id, plan, reason=f"flag {f.key}", event_id=event_id, subject=flagged, now=now
@@ -182,6 +196,12 @@ def _explain(
     by_rank = {r.rank: r for r in ranks}
     params = dict(row.params)
     first, k = int(params["first_step"]), int(params["steps"])
+    # Wait and transfer are split once every asked rank's entry is in; with a rank that
+    # missed by its ack alone (no entry), split now among the ranks that were captured.
+    if conn.execute(select(PP.c.first_step).where(PP.c.run_id == run.id, PP.c.first_step == first)).first():
+        profiles.finalize(
+            conn, run_id=run.id, first_step=first, window_steps=run.window_steps, world_size=run.world_size
+        )
     captured = [_captured(conn, run.id, first, by_rank.get(r), r, acks.get(r)) for r in targeted]
     subject = [r for r in params.get("subject", []) if r in targeted]
     explanation = explain(captured, subject)

@@ -90,7 +90,8 @@ def test_a_capture_reaches_its_ranks_once_and_is_explained_from_their_answers(
     # Acknowledged: no longer sent to that rank, still to the others.
     _ack(client, 0, 17, [{"id": ident, "state": "scheduled"}])
     _ack(client, 1, 17, [{"id": ident, "state": "scheduled"}])
-    client.app.state.deliveries.forget(1)  # type: ignore[attr-defined]  # as after its 1 s lifetime
+    run_id = client.app.state.ingestor.cached("test-run").id  # type: ignore[attr-defined]
+    client.app.state.deliveries.forget(run_id)  # type: ignore[attr-defined]  # as after its 1 s lifetime
     assert "directives" not in _post(client, 0, first=25)
     assert _post(client, 3, first=17)["directives"] == [want]
     # The answers: three ranks profiled the steps (rank 2's matmuls 1.6x), rank 3 missed them.
@@ -175,8 +176,50 @@ def test_new_live_settings_reach_every_rank_and_show_as_requested_and_applied(cl
     # A newer config for the whole run replaces it: only the newer one is live.
     r2 = client.put("/api/v1/runs/test-run/config", json={"settings": {"send_interval_s": 5}})
     assert [c["id"] for c in client.get("/api/v1/runs/test-run/config").json()] == [r2.json()["id"]]
-    # An ack for a directive of another run, or one never issued, is ignored.
+    # A newer config keeps the older one's settings it does not change.
+    r3 = client.put("/api/v1/runs/test-run/config", json={"settings": {"profile_every": 500}})
+    (live,) = client.get("/api/v1/runs/test-run/config").json()
+    assert live["id"] == r3.json()["id"] and live["settings"] == {
+        "send_interval_s": 5.0,
+        "profile_every": 500.0,
+    }
+    # An ack for a directive never issued is ignored; one reporting settings the agent
+    # started with (below what a directive may ask) is stored as reported.
     _ack(client, 3, 25, [{"id": "999999", "state": "applied"}])
+    ident3 = str(live["id"])
+    _ack(client, 3, 33, [{"id": ident3, "state": "applied", "settings": {"send_interval_s": 0.25}}])
+    (live,) = client.get("/api/v1/runs/test-run/config").json()
+    assert (live["applied"], live["in_force"]) == (1, {"3": {"send_interval_s": 0.25}})
+
+
+def test_a_capture_of_some_ranks_reaches_only_them_and_a_miss_by_ack_is_explained(client: TestClient) -> None:
+    for rank in range(4):
+        _post(client, rank, first=1, host="node-a" if rank < 2 else "node-b")
+    r = client.post("/api/v1/runs/test-run/captures", json={"host": "node-b", "steps": 2})
+    assert r.status_code == 201, r.text
+    cap = r.json()
+    ident = str(cap["id"])
+    assert cap["ranks"] == [2, 3]
+    # A second capture of some of the same ranks starts after the first one's steps (one
+    # profiler window at a time on a rank); one of other ranks need not wait.
+    second = client.post("/api/v1/runs/test-run/captures", json={"ranks": [3]}).json()
+    assert second["first_step"] == cap["first_step"] + cap["steps"] + 1
+    other = client.post("/api/v1/runs/test-run/captures", json={"ranks": [0]}).json()
+    assert other["first_step"] == cap["first_step"]
+    assert "directives" not in _post(client, 1, first=9, host="node-a")
+    assert [d["id"] for d in _post(client, 2, first=9, host="node-b")["directives"]] == [ident]
+    # A rank it did not ask cannot answer for it.
+    _ack(client, 1, 17, [{"id": ident, "state": "missed", "reason": "forged"}], host="node-a")
+    # Rank 2 captured, rank 3 missed by its ack alone (no profiler entry): explained anyway.
+    entry = _capture_entry(cap["first_step"], 2, ident, 0.012)
+    entry["arrivals"][0]["ranks"] = [2, 3]
+    _post(client, 2, first=17, n=32, profiles=[entry], host="node-b")
+    _ack(client, 3, 17, [{"id": ident, "state": "missed", "reason": "too late"}], host="node-b")
+    client.app.state.worker.run_once()  # type: ignore[attr-defined]
+    got = client.get(f"/api/v1/runs/test-run/captures/{ident}").json()
+    assert [(a["rank"], a["state"]) for a in got["answers"]] == [(2, "done"), (3, "missed")]
+    assert got["status"] == "done" and got["result"]["missed"] == {"3": "too late"}
+    assert got["result"]["message"] == "1 of 2 ranks captured"
 
 
 def test_a_finished_run_takes_no_directive(client: TestClient) -> None:

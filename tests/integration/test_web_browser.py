@@ -109,7 +109,7 @@ def test_a_finished_run_without_a_profiler_window_says_how_to_get_one(
     sqlite_url: str,
     browser: Any,  # noqa: F811
 ) -> None:
-    """A 16-step trial ended before the default profile_every=100: "no profiler data yet"
+    """A 16-step trial ended before the default profile_every=2000: "no profiler data yet"
     on a finished run waits for nothing; the page says what to set instead."""
     from selenium.webdriver.common.by import By
 
@@ -120,6 +120,7 @@ def test_a_finished_run_without_a_profiler_window_says_how_to_get_one(
         assert browser.find_element(By.ID, "run-status").text == "finished"
         text = browser.find_element(By.ID, "breakdown").text
         assert "ended before the first one" in text and "profile_every=20" in text, text
+        assert "stepwatch capture RUN --all" in text, text
         assert "yet" not in text, text
 
 

@@ -38,7 +38,7 @@ def _train(sw: stepwatch.Stepwatch, steps: int) -> None:
 
 def test_a_capture_profiles_exactly_the_steps_asked_for_with_the_periodic_window_off() -> None:
     sw, pw, _ = _agent(every=0)
-    sw._steering.receive(_answer({"id": "7", "kind": "capture", "first_step": 12, "steps": 3}))
+    sw._on_answer(_answer({"id": "7", "kind": "capture", "first_step": 12, "steps": 3}))  # as the sender does
     _train(sw, 7)
     assert sw._steering.inbox, "nothing applied before the window closes"
     _train(sw, 1)  # step 8 closes the first window: the directive is applied there
@@ -48,7 +48,7 @@ def test_a_capture_profiles_exactly_the_steps_asked_for_with_the_periodic_window
     (entry,) = pw.take()
     assert (entry["capture"], entry["first_step"], entry["n_steps"]) == ("7", 12, 3)
     assert entry["top_ops"] and entry["cost"]["every"] == 0  # asked for, not periodic
-    assert pw.captures == 1 and pw.windows == 0 and pw.every == 0
+    assert pw.captures == 1 and pw.windows == 0 and pw.warm_cpu_s is not None  # readied on receipt
     sw.close(1.0)
 
 
@@ -91,9 +91,11 @@ def test_live_settings_change_the_send_interval_and_the_profiler_at_the_next_win
     assert refused["state"] == "refused" and "outside [0.5, 3600]" in refused["reason"]
     assert bad["state"] == "refused" and "larger than profile_steps" in bad["reason"]
     assert sw._interval == 2.5 and (pw.base, pw.k) == (6, 2)
-    _train(sw, 16)  # the periodic window now runs every 6 steps: steps 13-14 and 19-20
+    _train(sw, 16)  # the periodic window now runs every 6 steps: steps 13-14, then 19-20
     assert sw.flush(30.0)
-    assert [e["first_step"] for e in pw.take() if e["n_steps"]][:2] == [13, 19]
+    # (the second may be skipped, with its reason, while the first is still being parsed)
+    entries = sorted(pw.take(), key=lambda e: e["first_step"])
+    assert [e["first_step"] for e in entries][:2] == [13, 19] and entries[0]["n_steps"] == 2, entries
     sw.close(1.0)
 
 
@@ -105,3 +107,35 @@ def test_the_inbox_and_the_acks_are_bounded() -> None:
     for _ in range(200):
         st.ack("x", "refused", "r")
     assert len(st.take_acks()) == 16
+
+
+class _Failing:
+    def start(self) -> None:
+        raise RuntimeError("CUPTI busy")
+
+    step_num = 0
+
+
+def test_captures_queue_in_step_order_and_one_that_cannot_start_answers_for_itself() -> None:
+    sw, pw, _ = _agent(every=0)
+    st = sw._steering
+    st.receive(
+        _answer(
+            {"id": "b", "kind": "capture", "first_step": 20, "steps": 2},
+            {"id": "a", "kind": "capture", "first_step": 12, "steps": 2},
+            {"id": "c", "kind": "capture", "first_step": 21, "steps": 2},  # overlaps b
+        )
+    )
+    _train(sw, 8)
+    acks = {a["id"]: a for a in st.take_acks()}
+    assert (acks["a"]["state"], acks["b"]["state"]) == ("scheduled", "scheduled")
+    assert acks["c"]["state"] == "missed" and "overlaps capture b (steps 20-21)" in acks["c"]["reason"]
+    _train(sw, 8)  # a: steps 12-13 with the real profiler
+    assert sw.flush(30.0)
+    pw._make = _Failing  # capture b's profiler will not start (edge at step 19)
+    _train(sw, 8)
+    assert sw.flush(30.0)
+    by_id = {e["capture"]: e for e in pw.take()}
+    assert by_id["a"]["first_step"] == 12 and by_id["a"]["n_steps"] == 2
+    assert by_id["b"]["n_steps"] == 0 and "CUPTI busy" in by_id["b"]["skipped"], by_id["b"]
+    sw.close(1.0)
