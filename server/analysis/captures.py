@@ -153,11 +153,25 @@ def _med(peers: Sequence[CapturedRank], get: Callable[[CapturedRank], float | No
     return peers_median([get(p) for p in peers])
 
 
+#: Op and kernel names of communication (their time is the collectives' wait and transfer,
+#: compared apart: a straggler's collective *call* can take longer on CPU, which read as
+#: an op 3x its peers' would point at the network instead of at its compute).
+COMM_OPS = ("c10d::", "gloo", "nccl", "record_param_comms", "allreduce", "all_reduce", "all_gather")
+
+
+def is_comm_op(name: str) -> bool:
+    low = name.lower()
+    return any(tag in low for tag in COMM_OPS)
+
+
 def _op_phrases(f: CapturedRank, peers: Sequence[CapturedRank]) -> list[str]:
-    """The ops that take the most extra time on ``f``; compute as a whole when none does."""
+    """The ops that take the most extra time on ``f``; compute as a whole when none does.
+    Communication ops are left to the collectives' phrases."""
     peer_ops = [{o.name: o.self_s for o in p.top_ops} for p in peers]
     scored: list[tuple[float, str]] = []
     for op in f.top_ops:
+        if is_comm_op(op.name):
+            continue
         med = peers_median([ops.get(op.name) for ops in peer_ops])
         if med is None or med <= 0:
             if f.step_s and op.self_s >= ONLY_HERE_SHARE * f.step_s:
