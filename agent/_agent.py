@@ -318,7 +318,9 @@ class Stepwatch:
                 ident, "missed", "no profiler in this process (torch.profiler is not importable)"
             )
             return
-        reason = pw.request_capture(first, steps, ident, done)
+        keep = d.get("trace_max_bytes") if self.rank.rank in (d.get("trace_ranks") or ()) else 0
+        keep = keep if type(keep) is int and keep > 0 else 0
+        reason = pw.request_capture(first, steps, ident, done, keep_trace=keep)
         if reason is not None:
             self._steering.ack(ident, "missed", reason)
             return
@@ -607,6 +609,7 @@ class Stepwatch:
             window.acks = self._steering.take_acks()
         if window.profiles is None:
             window.profiles = self._pw.take() if self._pw is not None else []
+            self._upload_traces()
         payload = build_payload(
             window,
             run=self.config.run,
@@ -620,6 +623,16 @@ class Stepwatch:
             acks=window.acks,
         )
         return encode(payload)
+
+    def _upload_traces(self) -> None:
+        """Hand a capture's raw trace (kept by the profiler thread) to the sender, which
+        uploads it beside the batches (sender thread)."""
+        pw, sender = self._pw, self._sender
+        if pw is None or not pw.traces or not isinstance(sender, Sender):
+            return
+        while pw.traces:
+            capture, packed = pw.traces.popleft()
+            sender.upload(wire.capture_trace_path(self.config.run, capture, self.rank.rank), packed)
 
     def _disable(self, exc: BaseException) -> None:
         if self._enabled:

@@ -66,6 +66,9 @@ class SenderStats:
     dropped_windows: int = 0
     dropped_steps: int = 0
     last_error: str | None = None
+    #: Raw traces of captures uploaded, or not (sender thread).
+    uploads: int = 0
+    failed_uploads: int = 0
 
     @property
     def lost_windows(self) -> int:
@@ -194,6 +197,10 @@ class Sender:
         #: Written by the training thread when the send interval changes (one store).
         self.heartbeat_s = heartbeat_s
         self._on_answer = on_answer
+        #: Bodies to PUT beside the batches (a capture's raw trace): (path, gzipped bytes);
+        #: best effort, one attempt each, after the windows waiting.
+        self._uploads: deque[tuple[str, bytes]] = deque(maxlen=4)
+        self._base = url.rstrip("/")
         #: clock() of the last submit or heartbeat (written by both threads: one store each).
         self._last_activity = clock()
         self._pid = os.getpid()
@@ -230,6 +237,10 @@ class Sender:
 
     def pending(self) -> int:
         return len(self._queue) + (self._inflight is not None)
+
+    def upload(self, path: str, body: bytes) -> None:
+        """Queue a gzipped body to PUT at ``path`` (sender thread, from the encoder)."""
+        self._uploads.append((path, body))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until everything queued so far is sent (or given up)."""
@@ -313,6 +324,9 @@ class Sender:
                         self._attempts = 0
                         self._popped_bytes += self._inflight.approx_bytes()
                     except IndexError:
+                        if self._uploads and not self._closing():  # windows sent: a raw trace now
+                            self._put(client, *self._uploads.popleft())
+                            continue
                         self._idle.set()
                         if self._queue:  # appended meanwhile: not idle after all
                             self._idle.clear()
@@ -401,6 +415,24 @@ class Sender:
                 return None
         self._waiting()
         return retry_after_s(resp.headers.get("retry-after")) or 0.0
+
+    def _put(self, client: httpx.Client, path: str, body: bytes) -> None:
+        """One best-effort upload: a failure is counted and logged, never retried (the
+        explanation does not need it; the next capture may ask again)."""
+        import httpx
+
+        headers = {"content-type": "application/gzip"}
+        try:
+            resp = client.put(self._base + path, content=body, headers=headers, timeout=self._timeout_s)
+            ok = resp.status_code < 300
+            why = "" if ok else _refusal(resp)
+        except (httpx.HTTPError, OSError) as exc:
+            ok, why = False, _describe(exc, self._timeout_s)
+        if ok:
+            self.stats.uploads += 1
+        else:
+            self.stats.failed_uploads += 1
+            log.warning("%s: could not upload %s (%d bytes): %s", self._who, path, len(body), why)
 
     def _waiting(self) -> None:
         if self._warn_waiting():

@@ -89,6 +89,7 @@ def _db_prune(args: argparse.Namespace) -> int:
         full_days=args.full_days,
         factor=args.factor,
         batch_id_days=args.batch_id_days,
+        trace_days=args.trace_days,
     )
 
 
@@ -226,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--factor", type=int, default=360, help="windows per rolled-up row (default 360: an hour of 10 s)"
     )
     pr.add_argument("--batch-id-days", type=float, default=7.0, help="forget batch ids after (default 7)")
+    pr.add_argument(
+        "--trace-days", type=float, default=7.0, help="delete captures' raw traces after (default 7)"
+    )
     pr.set_defaults(func=_db_prune)
 
     demo = sub.add_parser(

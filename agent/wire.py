@@ -94,6 +94,8 @@ HOST_BATCH_PATH = "/api/v1/ingest/batches"
 #: * ``{"id", "v", "kind": "capture", "first_step": S, "steps": K}``: profile steps
 #:   ``S .. S+K-1`` with torch.profiler (every selected rank the same steps). Its result is
 #:   the profiler entry carrying ``"capture": id`` (skipped, with the reason, if missed).
+#:   With ``"trace_ranks": [r, ...]`` and ``"trace_max_bytes": N``, those ranks also upload
+#:   the capture's raw trace, gzipped, when at most N bytes (``capture_trace_path``).
 #: * ``{"id", "v", "kind": "config", "settings": {name: value}}``: change a live setting
 #:   (:data:`LIVE_SETTINGS`) without a restart.
 #:
@@ -141,3 +143,12 @@ def check_live_settings(settings: Any) -> tuple[dict[str, float], str | None]:
     if every == 1 or (every and k is not None and k >= every):
         return {}, "profile_every must be 0 (off) or larger than profile_steps"
     return out, None
+
+
+#: Where a rank uploads a capture's raw trace (``PUT``, a write token, gzipped Chrome JSON);
+#: the same path serves it back (``GET``, a read token).
+CAPTURE_TRACE_PATH = "/api/v1/runs/{run}/captures/{capture}/traces/{rank}"
+
+
+def capture_trace_path(run: str, capture: str, rank: int) -> str:
+    return CAPTURE_TRACE_PATH.format(run=run, capture=capture, rank=rank)

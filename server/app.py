@@ -27,6 +27,7 @@ from .api.ingest_path import IngestPath, is_ingest
 from .api.limits import BodyLimit
 from .api.routes import INGEST_SCHEMAS, router
 from .api.steering import router as steering_router
+from .api.steering import traces as trace_router
 from .exporter import ExporterConfig, RunStateCollector
 from .exporter.registry import CollectorMetrics
 from .ingest.group_commit import GroupCommitter
@@ -58,6 +59,7 @@ def _worker_config(settings: Settings) -> WorkerConfig:
             min_interval_s=settings.capture_min_interval_s,
             steps=settings.capture_steps,
             max_cost_s=settings.capture_max_cost_s,
+            max_bytes=min(settings.capture_max_bytes, settings.max_body_bytes),
         ),
     )
 
@@ -143,6 +145,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     errors.install(app, retry_after_s=settings.retry_after_s)
     app.include_router(router)
     app.include_router(steering_router)
+    app.include_router(trace_router)
     _publish_schemas(app, INGEST_SCHEMAS)
     # The built-in web page at / and its /static files; its pages read runs like the API.
     web.install(app, dependencies=[Depends(require_read)])

@@ -22,7 +22,9 @@ def db_upgrade(*, database_url: str | None, revision: str = "head") -> int:
     return 0
 
 
-def db_prune(*, database_url: str | None, full_days: float, factor: int, batch_id_days: float) -> int:
+def db_prune(
+    *, database_url: str | None, full_days: float, factor: int, batch_id_days: float, trace_days: float = 7.0
+) -> int:
     from .storage.backend import open_storage
     from .storage.engine import make_engine
     from .storage.retention import prune
@@ -30,13 +32,20 @@ def db_prune(*, database_url: str | None, full_days: float, factor: int, batch_i
     settings = _settings(database_url=database_url)
     engine = make_engine(settings.database_url)
     try:
-        r = prune(open_storage(engine), full_days=full_days, factor=factor, batch_id_days=batch_id_days)
+        r = prune(
+            open_storage(engine),
+            full_days=full_days,
+            factor=factor,
+            batch_id_days=batch_id_days,
+            trace_days=trace_days,
+        )
     finally:
         engine.dispose()
     print(
         f"{r.runs} run(s): {r.windows_rolled_up} rank windows older than {full_days:g} days rolled up "
         f"into {r.rows_written} rows ({factor} windows each); {r.batch_ids_deleted} batch ids older "
-        f"than {batch_id_days:g} days deleted"
+        f"than {batch_id_days:g} days deleted; {r.traces_deleted} capture traces older than "
+        f"{trace_days:g} days deleted"
     )
     return 0
 

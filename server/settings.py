@@ -109,6 +109,10 @@ class Settings(BaseSettings):
     #: A capture whose estimated cost per rank (from the run's measured profiler windows)
     #: exceeds this many seconds of training time is shortened, and says so.
     capture_max_cost_s: float = Field(default=5.0, gt=0)
+    #: A capture's subject rank uploads its raw trace (gzipped) when at most this many
+    #: bytes (0: no raw trace); within ``max_body_bytes``. ``stepwatch db prune`` deletes
+    #: traces older than its ``--trace-days``.
+    capture_max_bytes: int = Field(default=2 * 1024 * 1024, ge=0, le=1 << 30)
 
     # -- webhook for flags that open or close (optional) --
     webhook_url: str | None = None

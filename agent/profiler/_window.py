@@ -149,6 +149,8 @@ class _Job:
     stop_s: float
     extra: dict[str, Any] = field(default_factory=dict)
     capture: str | None = None
+    #: Keep the capture's raw trace, gzipped, when at most this many bytes (0: do not).
+    keep_trace: int = 0
 
 
 def _other_profiler_active() -> bool:
@@ -203,6 +205,10 @@ class ProfilerWindow:
         self._k_used = steps
         #: Captures scheduled by ``request_capture``, in step order: (first step, steps, id).
         self._captures: list[tuple[int, int, str]] = []
+        #: Raw-trace caps of the scheduled captures that asked this rank for its trace.
+        self._keep: dict[str, int] = {}
+        #: (capture id, gzipped trace) for the sender to upload (profiler thread appends).
+        self.traces: deque[tuple[str, bytes]] = deque(maxlen=2)
         self._capture_id: str | None = None
         self.captures = 0
         self.last_capture_cost: dict[str, Any] | None = None
@@ -250,10 +256,13 @@ class ProfilerWindow:
                 return min(periodic, c[0] - 1)
         return periodic
 
-    def request_capture(self, first_step: int, steps: int, ident: str, done: int) -> str | None:
+    def request_capture(
+        self, first_step: int, steps: int, ident: str, done: int, *, keep_trace: int = 0
+    ) -> str | None:
         """Schedule a capture of ``first_step .. first_step + steps - 1`` (training thread,
-        ``done`` = the last finished step). Returns why it cannot be, else None; the
-        caller then takes :meth:`next_start` as its next edge unless a window records."""
+        ``done`` = the last finished step; ``keep_trace``: keep the raw trace, gzipped, up
+        to that many bytes). Returns why it cannot be, else None; the caller then takes
+        :meth:`next_start` as its next edge unless a window records."""
         if not 1 <= steps <= MAX_STEPS:
             return f"steps={steps} is outside [1, {MAX_STEPS}]"
         self._captures = [c for c in self._captures if c[0] - 1 > done]  # passed without a start edge
@@ -265,6 +274,8 @@ class ProfilerWindow:
             if first_step - 1 <= f + k - 1 and f - 1 <= first_step + steps - 1:
                 return f"overlaps capture {other} (steps {f}-{f + k - 1})"
         self._captures = sorted([*self._captures, (first_step, steps, ident)])
+        if keep_trace > 0:
+            self._keep[ident] = keep_trace
         return None
 
     def reconfigure(self, every: int, steps: int) -> str | None:
@@ -370,6 +381,7 @@ class ProfilerWindow:
                 calls_s=self._calls_s,
                 stop_s=stop_s,
                 capture=self._capture_id,
+                keep_trace=self._keep.pop(self._capture_id, 0) if self._capture_id else 0,
             )
         )
         self._ensure_thread()
@@ -512,8 +524,11 @@ class ProfilerWindow:
     def process(self, job: _Job) -> dict[str, Any]:
         """Export and parse one finished window, account its cost, stretch the period."""
         c0 = time.thread_time()
+        kept: list[bytes] | None = [] if job.keep_trace else None
         try:
-            trace = trace_from_profiler(job.prof, max_bytes=self.max_trace_bytes)
+            trace = trace_from_profiler(
+                job.prof, max_bytes=self.max_trace_bytes, keep=kept, keep_max=job.keep_trace
+            )
             job.prof = None
             entry = build_entry(trace, first_step=job.first_step, n_steps=job.n_steps)
             del trace
@@ -559,6 +574,8 @@ class ProfilerWindow:
         else:
             self.last_capture_cost = cost
             entry["capture"] = job.capture
+            if kept:  # the raw trace asked for: uploaded by the sender, apart from the batch
+                self.traces.append((job.capture, kept[0]))
         entry["cost"] = cost
         cs = self.clock_sync
         entry["clock"] = cs.estimate.to_dict() if cs is not None and cs.estimate is not None else None

@@ -85,17 +85,30 @@ def load_chrome_trace(path: str | os.PathLike[str], *, max_bytes: int | None = N
     return data
 
 
-def trace_from_profiler(prof: _ExportsChromeTrace, *, max_bytes: int = MAX_TRACE_BYTES) -> dict[str, object]:
+def trace_from_profiler(
+    prof: _ExportsChromeTrace,
+    *,
+    max_bytes: int = MAX_TRACE_BYTES,
+    keep: list[bytes] | None = None,
+    keep_max: int = 0,
+) -> dict[str, object]:
     """Export a finished ``torch.profiler.profile`` to a temporary file and load it.
 
     Kineto only writes its trace to a file, so this is the way to its JSON; the
     file is removed afterwards. Call it off the training thread. A trace over
-    ``max_bytes`` is not parsed (``ValueError``): the window is then skipped.
+    ``max_bytes`` is not parsed (``ValueError``): the window is then skipped. With
+    ``keep``, the file gzipped is appended to it when that is at most ``keep_max`` bytes
+    (a capture's raw trace, uploaded for a person to open in Perfetto).
     """
     fd, name = tempfile.mkstemp(prefix="stepwatch-trace-", suffix=".json")
     os.close(fd)
     try:
         prof.export_chrome_trace(name)
+        if keep is not None and os.path.getsize(name) <= max_bytes:
+            with open(name, "rb") as f:
+                packed = gzip.compress(f.read(), compresslevel=6)
+            if len(packed) <= keep_max:
+                keep.append(packed)
         return load_chrome_trace(name, max_bytes=max_bytes)
     finally:
         with contextlib.suppress(OSError):

@@ -2,7 +2,8 @@
 
 Captures (the same steps profiled on a flagged rank and its peers) and live settings are
 delivered in the answers to the ranks' own batches and acknowledged in their next ones;
-these two tables hold what was asked, of whom, and what each rank answered.
+these two tables hold what was asked, of whom, and what each rank answered;
+``capture_traces`` the gzipped raw trace a capture's subject rank uploads when asked.
 ``ranks.send_interval_s``: each rank's send interval in force, how far ahead a capture
 must start for every selected rank to take it.
 
@@ -65,9 +66,27 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("directive_id", "rank", name=op.f("pk_directive_acks")),
     )
+    op.create_table(
+        "capture_traces",
+        sa.Column("directive_id", BigId, nullable=False),
+        sa.Column("rank", sa.Integer(), nullable=False),
+        sa.Column("data", sa.LargeBinary(), nullable=False),
+        sa.Column("size", sa.Integer(), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["directive_id"],
+            ["directives.id"],
+            name=op.f("fk_capture_traces_directive_id_directives"),
+            ondelete="CASCADE",
+        ),
+        sa.PrimaryKeyConstraint("directive_id", "rank", name=op.f("pk_capture_traces")),
+    )
+    op.create_index(op.f("ix_capture_traces_created_at"), "capture_traces", ["created_at"])
 
 
 def downgrade() -> None:
+    op.drop_index(op.f("ix_capture_traces_created_at"), table_name="capture_traces")
+    op.drop_table("capture_traces")
     op.drop_table("directive_acks")
     op.drop_index(op.f("ix_directives_run_id_expires_at"), table_name="directives")
     op.drop_table("directives")

@@ -2,33 +2,41 @@
 
 ``POST /api/v1/runs/{run}/captures`` and ``PUT /api/v1/runs/{run}/config`` need an admin
 token (``STEPWATCH_ADMIN_TOKENS``; open only while no token of any kind is configured),
-the ``GET`` routes a read token. Directives reach the ranks in the answers to their next
-batches (``steering/delivery.py``); nothing here talks to a training host.
+the ``GET`` routes a read token; a rank uploads a capture's raw trace with its write token
+(``traces``: only a rank the capture asked, into a run its token may write). Directives
+reach the ranks in the answers to their next batches (``steering/delivery.py``); nothing
+here talks to a training host.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, Table, select
 
 from stepwatch import wire
 
-from ..errors import ConflictError, NotFoundError
+from ..errors import ConflictError, ForbiddenError, NotFoundError
+from ..ingest.admission import may_write
 from ..reads import steering as reads
 from ..reads.runs import RunInfo, get_run
 from ..schemas.responses import CaptureOut, CaptureRequest, ConfigRequest, ConfigState, Problem
 from ..settings import Settings
 from ..steering import directives
 from ..steering.delivery import Deliveries
-from ..storage.models import Rank
+from ..storage.backend import Storage
+from ..storage.models import CaptureTrace, Directive, Rank, Run
 from .auth import Credentials, authenticator
 from .edge import RunPath
 
 RANKS = Rank.__table__
+RUNS = Run.__table__
+CAPTURES = Directive.__table__
+TRACES = cast(Table, CaptureTrace.__table__)
 
 
 async def _authorize(request: Request, credentials: Credentials) -> None:
@@ -130,7 +138,14 @@ def create_capture(run: RunPath, body: CaptureRequest, request: Request, respons
         )
         plan = replace(plan, notes=[*plan.notes, *notes])
         ident = directives.create_capture(
-            conn, info.id, plan, reason=_who(request), event_id=None, subject=subject, now=now
+            conn,
+            info.id,
+            plan,
+            reason=_who(request),
+            event_id=None,
+            subject=subject,
+            now=now,
+            trace_max_bytes=min(settings.capture_max_bytes, settings.max_body_bytes),
         )
         out = reads.captures(conn, info.id, info.name, ident=ident)[0]
     deliveries: Deliveries = request.app.state.deliveries
@@ -201,3 +216,101 @@ def get_config(run: RunPath, request: Request) -> list[ConfigState]:
     with _engine(request).connect() as conn:
         info = get_run(conn, run)
         return reads.configs(conn, info.id)
+
+
+async def _authorize_upload(request: Request, credentials: Credentials) -> None:
+    """A rank uploads with its write token; reading a trace back needs a read token."""
+    request.state.token = authenticator(request).check(
+        credentials, "read" if request.method == "GET" else "write"
+    )
+
+
+traces = APIRouter(
+    prefix="/api/v1", dependencies=[Depends(_authorize_upload)], responses=_ERRORS, tags=["steering"]
+)
+TRACE_PATH = wire.CAPTURE_TRACE_PATH.removeprefix("/api/v1")
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _capture_row(conn: Any, run: RunInfo, capture: int) -> Any:
+    row = conn.execute(
+        select(CAPTURES.c.id, CAPTURES.c.params).where(
+            CAPTURES.c.id == capture, CAPTURES.c.run_id == run.id, CAPTURES.c.kind == "capture"
+        )
+    ).first()
+    if row is None:
+        raise NotFoundError(f"run {run.name!r} has no capture {capture}")
+    return row
+
+
+@traces.put(
+    TRACE_PATH,
+    status_code=204,
+    response_class=Response,
+    summary="A capture's raw trace from a rank it asked for one (gzipped Chrome JSON; a write token)",
+    openapi_extra={"requestBody": {"required": True, "content": {"application/gzip": {"schema": {}}}}},
+)
+async def put_trace(
+    run: RunPath,
+    capture: Annotated[int, Path(ge=1, le=2**62)],
+    rank: Annotated[int, Path(ge=0, le=2**31 - 1)],
+    request: Request,
+) -> Response:
+    settings: Settings = request.app.state.settings
+    body = await request.body()
+    if not body.startswith(GZIP_MAGIC):
+        raise _invalid("body", "the trace must be gzipped (Content-Type: application/gzip)")
+    cap = min(settings.capture_max_bytes, settings.max_body_bytes)
+    if len(body) > cap:
+        raise _invalid(
+            "body",
+            f"{len(body)} bytes; this collector keeps traces of at most {cap} (STEPWATCH_CAPTURE_MAX_BYTES)",
+        )
+
+    def store() -> None:
+        with _engine(request).begin() as conn:
+            info = get_run(conn, run)
+            owner = conn.execute(select(RUNS.c.created_by).where(RUNS.c.id == info.id)).scalar()
+            if not may_write(owner, request.state.token, request.app.state.shared_writers):
+                raise ForbiddenError(f"run {run!r} belongs to token {owner!r}")
+            row = _capture_row(conn, info, capture)
+            if rank not in (row.params.get("trace_ranks") or []):
+                raise ForbiddenError(f"capture {capture} did not ask rank {rank} for its trace")
+            storage: Storage = request.app.state.ingestor.storage
+            values = {"data": body, "size": len(body), "created_at": directives.utcnow()}
+            conn.execute(
+                storage.insert(TRACES)
+                .values(directive_id=capture, rank=rank, **values)
+                .on_conflict_do_update(index_elements=["directive_id", "rank"], set_=values)
+            )
+
+    await asyncio.to_thread(store)
+    return Response(status_code=204)
+
+
+@traces.get(
+    TRACE_PATH,
+    response_class=Response,
+    responses={200: {"content": {"application/gzip": {}}, "description": "The trace, gzipped Chrome JSON"}},
+    summary="Download a capture's raw trace (open it in Perfetto or chrome://tracing)",
+)
+def get_trace(
+    run: RunPath,
+    capture: Annotated[int, Path(ge=1, le=2**62)],
+    rank: Annotated[int, Path(ge=0, le=2**31 - 1)],
+    request: Request,
+) -> Response:
+    with _engine(request).connect() as conn:
+        info = get_run(conn, run)
+        _capture_row(conn, info, capture)
+        data = conn.execute(
+            select(TRACES.c.data).where(TRACES.c.directive_id == capture, TRACES.c.rank == rank)
+        ).scalar()
+    if data is None:
+        raise NotFoundError(f"capture {capture} of run {run!r} has no trace of rank {rank}")
+    name = f"{run}-capture{capture}-rank{rank}.json.gz"
+    return Response(
+        bytes(data),
+        media_type="application/gzip",
+        headers={"content-disposition": f'attachment; filename="{name}"'},
+    )

@@ -8,11 +8,12 @@ from typing import Any, cast
 from sqlalchemy import Connection, Table, select
 
 from ..schemas.responses import CaptureOut, ConfigState, RankAnswer
-from ..storage.models import Directive, DirectiveAck, Rank
+from ..storage.models import CaptureTrace, Directive, DirectiveAck, Rank
 
 D = cast(Table, Directive.__table__)
 ACK = cast(Table, DirectiveAck.__table__)
 RANKS = cast(Table, Rank.__table__)
+TRACES = cast(Table, CaptureTrace.__table__)
 #: Ranks listed by name in a config's state (the counts cover the rest).
 LISTED = 64
 
@@ -46,6 +47,14 @@ def capture(conn: Connection, run: str, row: Any) -> CaptureOut:
         status="done" if row.result is not None else "pending",
         done_at=_utc(row.done_at) if row.done_at is not None else None,
         answers=_answers(conn, row.id),
+        traces=[
+            {"rank": t.rank, "size": t.size}
+            for t in conn.execute(
+                select(TRACES.c.rank, TRACES.c.size)
+                .where(TRACES.c.directive_id == row.id)
+                .order_by(TRACES.c.rank)
+            )
+        ],
         result=row.result,
     )
 

@@ -123,6 +123,10 @@ class CaptureOut(BaseModel):
     status: Literal["pending", "done"] = Field(description="done: every rank answered or the time ran out")
     done_at: datetime | None = Field(default=None, description="When the explanation was written")
     answers: list[RankAnswer]
+    traces: list[dict[str, int]] = Field(
+        default_factory=list,
+        description="Raw traces uploaded ({rank, size}): GET .../captures/{id}/traces/{rank} (gzipped)",
+    )
     result: dict[str, Any] | None = Field(
         description="The explanation: per captured rank its breakdown, top ops and collectives, "
         "and the comparison of the subject ranks with their peers (message, findings)"

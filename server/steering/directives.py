@@ -184,10 +184,14 @@ def create_capture(
     event_id: int | None,
     subject: Sequence[int],
     now: datetime,
+    trace_max_bytes: int = 0,
 ) -> int:
-    """Write a capture; ``subject`` are the ranks its explanation compares with their peers."""
+    """Write a capture; ``subject`` are the ranks its explanation compares with their
+    peers, and (at most two of them) upload their raw trace when ``trace_max_bytes``."""
     params = {
         "subject": list(subject),
+        "trace_ranks": list(subject)[:2] if trace_max_bytes > 0 else [],
+        "trace_max_bytes": trace_max_bytes,
         "first_step": plan.first_step,
         "steps": plan.steps,
         "requested_steps": plan.requested_steps,
@@ -258,7 +262,10 @@ def wire_form(kind: str, ident: int, params: dict[str, Any]) -> dict[str, Any]:
     """The directive as the agent reads it (``stepwatch.wire``'s steering contract)."""
     head = {"id": str(ident), "v": wire.DIRECTIVES_VERSION, "kind": kind}
     if kind == "capture":
-        return {**head, "first_step": params["first_step"], "steps": params["steps"]}
+        out = {**head, "first_step": params["first_step"], "steps": params["steps"]}
+        if params.get("trace_ranks"):
+            out.update(trace_ranks=params["trace_ranks"], trace_max_bytes=params["trace_max_bytes"])
+        return out
     return {**head, "settings": dict(params["settings"])}
 
 

@@ -27,6 +27,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     SmallInteger,
     String,
@@ -509,6 +510,23 @@ class DirectiveAck(Base):
     #: A capture's profiled steps on this rank (its ``profile_windows`` row).
     first_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class CaptureTrace(Base):
+    """The raw torch.profiler trace (gzipped Chrome JSON) of a capture's subject rank,
+    uploaded by that rank when asked, under the collector's size cap; deleted by
+    ``stepwatch db prune`` after its retention. The explanation never needs it: it is for
+    the person who wants to open the trace in Perfetto."""
+
+    __tablename__ = "capture_traces"
+
+    directive_id: Mapped[int] = mapped_column(
+        ForeignKey("directives.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    size: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
 
 
 class AnalysisState(Base):

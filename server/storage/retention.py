@@ -15,6 +15,8 @@ about 35 million rows a day, ~200 bytes each with the primary key). The policy:
   the analysis has long finished with windows that old.
 - ``ingested_batches`` (batch ids kept for idempotent retries) older than
   ``batch_id_days`` are deleted: an agent retries within minutes, never after days.
+- ``capture_traces`` (a capture's raw trace, up to ``STEPWATCH_CAPTURE_MAX_BYTES`` each)
+  older than ``trace_days`` are deleted; the capture and its explanation stay.
 
 Run it daily (cron, a Kubernetes CronJob). Each run's windows are rolled up in chunks,
 each chunk in one transaction, so a prune can be stopped and run again at any time.
@@ -31,10 +33,11 @@ from sqlalchemy import Connection, delete, func, select, text
 from . import columns
 from .backend import Storage
 from .columns import RANK_WINDOWS, Rule, SqlFunctions, window_of
-from .models import IngestedBatch, JobStep
+from .models import CaptureTrace, IngestedBatch, JobStep
 
 JS = JobStep.__table__
 IB = IngestedBatch.__table__
+CT = CaptureTrace.__table__
 
 #: A window that spans at most ``window_steps`` steps has not been rolled up yet.
 _UNROLLED = 'run_id = :run AND "window" >= :lo AND "window" < :hi AND last_step - first_step < :ws'
@@ -46,6 +49,7 @@ class PruneReport:
     windows_rolled_up: int = 0
     rows_written: int = 0
     batch_ids_deleted: int = 0
+    traces_deleted: int = 0
 
 
 def prune(
@@ -54,6 +58,7 @@ def prune(
     full_days: float = 2.0,
     factor: int = 360,
     batch_id_days: float = 7.0,
+    trace_days: float = 7.0,
     now: float | None = None,
     chunk_rows: int = 1_000_000,
 ) -> PruneReport:
@@ -83,6 +88,14 @@ def prune(
             report.batch_ids_deleted += conn.execute(
                 delete(IngestedBatch).where(IB.c.run_id == run_id, IB.c.received_at < old)
             ).rowcount
+    # Captures' raw traces (up to a few MB each) go after ``trace_days``; their
+    # explanations stay with the capture.
+    with engine.begin() as conn:
+        report.traces_deleted = conn.execute(
+            delete(CaptureTrace).where(
+                CT.c.created_at < datetime.fromtimestamp(now - trace_days * 86400, timezone.utc)
+            )
+        ).rowcount
     return report
 
 

@@ -57,6 +57,7 @@ class CaptureConfig:
     min_interval_s: float = 600.0
     steps: int = directives.CAPTURE_STEPS
     max_cost_s: float = 5.0
+    max_bytes: int = 0
 
 
 def on_pass(
@@ -111,7 +112,14 @@ def _trigger(
     targets = directives.cap_ranks([r for r in pool if r in running], flagged)
     plan = directives.plan_capture(conn, run.id, targets, steps=cfg.steps, max_cost_s=cfg.max_cost_s, now=now)
     directives.create_capture(
-        conn, run.id, plan, reason=f"flag {f.key}", event_id=event_id, subject=flagged, now=now
+        conn,
+        run.id,
+        plan,
+        reason=f"flag {f.key}",
+        event_id=event_id,
+        subject=flagged,
+        now=now,
+        trace_max_bytes=cfg.max_bytes,
     )
 
 

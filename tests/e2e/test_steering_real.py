@@ -89,6 +89,8 @@ def test_a_flag_asks_for_a_capture_and_a_person_steers_the_running_job() -> None
     auto = next(c for c in o.captures if c["reason"] == "flag straggler:compute:rank=2")
     assert auto["event_id"] is not None and auto["ranks"] == [0, 1, 2, 3]
     assert [a["state"] for a in auto["answers"]] == ["done"] * 4, auto["answers"]
+    # The flagged rank uploaded its raw trace of the captured steps (gzipped, under the cap).
+    assert [t["rank"] for t in auto["traces"]] == [2] and 0 < auto["traces"][0]["size"] <= 2 << 20
     # ... and the event carries its explanation: rank 2 against its peers' median.
     cap = ev["evidence"]["capture"]
     assert cap["id"] == auto["id"] and cap["message"].startswith("rank 2: "), cap
@@ -107,6 +109,7 @@ def test_a_flag_asks_for_a_capture_and_a_person_steers_the_running_job() -> None
                 "capture_end_to_evidence_s": done_at - last_step_end,
                 "auto": [auto["first_step"], auto["steps"], auto["result"]["cost_s"], cap["message"]],
                 "manual": [manual["first_step"], manual["steps"], manual["result"]["cost_s"]],
+                "trace_bytes": auto["traces"][0]["size"],
                 "windows_to_flag": o.windows_to_flag,
                 "false_flags": o.false_flags,
             }

@@ -10,8 +10,11 @@ purpose."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from sqlalchemy import Engine
 from stepwatch.demo import launch
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage.retention import prune
 
 from ..payloads import payload, profile_entry
 
@@ -85,6 +89,8 @@ def test_a_capture_reaches_its_ranks_once_and_is_explained_from_their_answers(
     assert (cap["steps"], cap["status"], cap["reason"]) == (3, "pending", "open")
     ident = str(cap["id"])
     want = {"id": ident, "v": 1, "kind": "capture", "first_step": 48, "steps": 3}
+    # The subject rank is asked for its raw trace too, up to the collector's cap.
+    want |= {"trace_ranks": [2], "trace_max_bytes": 2 * 1024 * 1024}
     for rank in range(4):
         assert _post(client, rank, first=9)["directives"] == [want]
     # Acknowledged: no longer sent to that rank, still to the others.
@@ -278,3 +284,47 @@ def test_only_admin_tokens_steer_a_real_collector(tmp_path: Path) -> None:
 
 def _bearer(token: str) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"}
+
+
+def test_the_subject_rank_uploads_its_raw_trace_and_a_person_downloads_it(client: TestClient) -> None:
+    for rank in range(4):
+        _post(client, rank, first=1)
+    cap = client.post("/api/v1/runs/test-run/captures", json={"rank": 1, "steps": 2}).json()
+    path = f"/api/v1/runs/test-run/captures/{cap['id']}/traces"
+    raw = json.dumps({"traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 1, "dur": 2}]}).encode()
+    packed = gzip.compress(raw)
+    gz = {"content-type": "application/gzip"}
+    assert client.put(f"{path}/1", content=packed, headers=gz).status_code == 204
+    r = client.put(f"{path}/0", content=packed, headers=gz)  # a rank it did not ask
+    assert r.status_code == 403 and "did not ask rank 0 for its trace" in r.json()["detail"]
+    r = client.put(f"{path}/1", content=raw, headers=gz)
+    assert r.status_code == 422 and "must be gzipped" in r.text
+    assert (
+        client.put("/api/v1/runs/test-run/captures/999/traces/1", content=packed, headers=gz).status_code
+        == 404
+    )
+    got = client.get(f"{path}/1")
+    assert got.status_code == 200 and got.headers["content-type"] == "application/gzip"
+    assert gzip.decompress(got.content) == raw and "attachment" in got.headers["content-disposition"]
+    assert client.get(f"{path}/0").status_code == 404
+    (listed,) = client.get("/api/v1/runs/test-run/captures").json()
+    assert listed["traces"] == [{"rank": 1, "size": len(packed)}]
+
+
+def test_a_trace_over_the_cap_is_refused_and_old_traces_are_pruned(db_url: str, engine: Engine) -> None:
+    settings = Settings(database_url=db_url, analysis_enabled=False, capture_max_bytes=64)
+    with TestClient(create_app(settings, engine=engine)) as client:
+        for rank in range(4):
+            _post(client, rank, first=1)
+        cap = client.post("/api/v1/runs/test-run/captures", json={"rank": 1}).json()
+        path = f"/api/v1/runs/test-run/captures/{cap['id']}/traces/1"
+        big = gzip.compress(bytes(range(256)) * 64)
+        r = client.put(path, content=big, headers={"content-type": "application/gzip"})
+        assert r.status_code == 422 and "at most 64 (STEPWATCH_CAPTURE_MAX_BYTES)" in r.text
+        small = gzip.compress(b"{}")
+        assert (
+            client.put(path, content=small, headers={"content-type": "application/gzip"}).status_code == 204
+        )
+        storage = client.app.state.ingestor.storage  # type: ignore[attr-defined]
+    assert prune(storage, trace_days=1.0, now=time.time() + 3600).traces_deleted == 0
+    assert prune(storage, trace_days=1.0, now=time.time() + 2 * 86400).traces_deleted == 1

@@ -4,6 +4,7 @@ the real torch.profiler over exactly the steps asked for, with the periodic wind
 
 from __future__ import annotations
 
+import gzip
 import json
 from typing import Any
 
@@ -38,7 +39,8 @@ def _train(sw: stepwatch.Stepwatch, steps: int) -> None:
 
 def test_a_capture_profiles_exactly_the_steps_asked_for_with_the_periodic_window_off() -> None:
     sw, pw, _ = _agent(every=0)
-    sw._on_answer(_answer({"id": "7", "kind": "capture", "first_step": 12, "steps": 3}))  # as the sender does
+    trace = {"trace_ranks": [0], "trace_max_bytes": 1 << 24}  # this rank is asked for its raw trace
+    sw._on_answer(_answer({"id": "7", "kind": "capture", "first_step": 12, "steps": 3, **trace}))
     _train(sw, 7)
     assert sw._steering.inbox, "nothing applied before the window closes"
     _train(sw, 1)  # step 8 closes the first window: the directive is applied there
@@ -49,6 +51,8 @@ def test_a_capture_profiles_exactly_the_steps_asked_for_with_the_periodic_window
     assert (entry["capture"], entry["first_step"], entry["n_steps"]) == ("7", 12, 3)
     assert entry["top_ops"] and entry["cost"]["every"] == 0  # asked for, not periodic
     assert pw.captures == 1 and pw.windows == 0 and pw.warm_cpu_s is not None  # readied on receipt
+    ((capture, packed),) = pw.traces
+    assert capture == "7" and "ProfilerStep#12" in gzip.decompress(packed).decode()
     sw.close(1.0)
 
 
