@@ -248,7 +248,13 @@ def _capture_row(conn: Any, run: RunInfo, capture: int) -> Any:
     status_code=204,
     response_class=Response,
     summary="A capture's raw trace from a rank it asked for one (gzipped Chrome JSON; a write token)",
-    openapi_extra={"requestBody": {"required": True, "content": {"application/gzip": {"schema": {}}}}},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "description": "The gzipped Chrome trace (the agent sends Content-Type: application/gzip)",
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    },
 )
 async def put_trace(
     run: RunPath,

@@ -23,14 +23,25 @@ def _utc(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
 
 
-def _answers(conn: Connection, ident: int) -> list[RankAnswer]:
-    return [
-        RankAnswer(rank=a.rank, state=a.state, reason=a.reason, settings=a.settings)
-        for a in conn.execute(select(ACK).where(ACK.c.directive_id == ident).order_by(ACK.c.rank))
-    ]
+def _answers(conn: Connection, ids: list[int]) -> dict[int, list[RankAnswer]]:
+    out: dict[int, list[RankAnswer]] = {i: [] for i in ids}
+    q = select(ACK).where(ACK.c.directive_id.in_(ids)).order_by(ACK.c.directive_id, ACK.c.rank)
+    for a in conn.execute(q):
+        out[a.directive_id].append(
+            RankAnswer(rank=a.rank, state=a.state, reason=a.reason, settings=a.settings)
+        )
+    return out
 
 
-def capture(conn: Connection, run: str, row: Any) -> CaptureOut:
+def _traces(conn: Connection, ids: list[int]) -> dict[int, list[dict[str, int]]]:
+    out: dict[int, list[dict[str, int]]] = {i: [] for i in ids}
+    q = select(TRACES.c.directive_id, TRACES.c.rank, TRACES.c.size).where(TRACES.c.directive_id.in_(ids))
+    for t in conn.execute(q.order_by(TRACES.c.directive_id, TRACES.c.rank)):
+        out[t.directive_id].append({"rank": t.rank, "size": t.size})
+    return out
+
+
+def capture(row: Any, run: str, answers: list[RankAnswer], traces: list[dict[str, int]]) -> CaptureOut:
     p: dict[str, Any] = dict(row.params)
     return CaptureOut(
         id=row.id,
@@ -46,15 +57,8 @@ def capture(conn: Connection, run: str, row: Any) -> CaptureOut:
         created_at=_utc(row.created_at),
         status="done" if row.result is not None else "pending",
         done_at=_utc(row.done_at) if row.done_at is not None else None,
-        answers=_answers(conn, row.id),
-        traces=[
-            {"rank": t.rank, "size": t.size}
-            for t in conn.execute(
-                select(TRACES.c.rank, TRACES.c.size)
-                .where(TRACES.c.directive_id == row.id)
-                .order_by(TRACES.c.rank)
-            )
-        ],
+        answers=answers,
+        traces=traces,
         result=row.result,
     )
 
@@ -62,11 +66,16 @@ def capture(conn: Connection, run: str, row: Any) -> CaptureOut:
 def captures(
     conn: Connection, run_id: int, run: str, *, ident: int | None = None, limit: int = 50
 ) -> list[CaptureOut]:
-    """The run's captures, newest first (or the one with id ``ident``)."""
+    """The run's captures, newest first (or the one with id ``ident``): three queries."""
     q = select(D).where(D.c.run_id == run_id, D.c.kind == "capture")
     if ident is not None:
         q = q.where(D.c.id == ident)
-    return [capture(conn, run, r) for r in conn.execute(q.order_by(D.c.id.desc()).limit(limit))]
+    rows = conn.execute(q.order_by(D.c.id.desc()).limit(limit)).all()
+    ids = [r.id for r in rows]
+    if not ids:
+        return []
+    answers, traces = _answers(conn, ids), _traces(conn, ids)
+    return [capture(r, run, answers[r.id], traces[r.id]) for r in rows]
 
 
 def configs(conn: Connection, run_id: int) -> list[ConfigState]:
@@ -78,9 +87,10 @@ def configs(conn: Connection, run_id: int) -> list[ConfigState]:
     if not rows:
         return []
     reporting = list(conn.execute(select(RANKS.c.rank).where(RANKS.c.run_id == run_id)).scalars())
+    by_id = _answers(conn, [r.id for r in rows])
     out = []
     for r in rows:
-        answers = {a.rank: a for a in _answers(conn, r.id)}
+        answers = {a.rank: a for a in by_id[r.id]}
         targeted = r.ranks if r.ranks is not None else reporting
         out.append(
             ConfigState(
