@@ -3,8 +3,8 @@ through the API reach the chosen ranks in the answers to their batches, once, an
 answers come back as stored state and an explanation; only admin tokens may steer (shown
 on a real ``stepwatch serve`` over loopback).
 
-The agent's side (applying a directive in a real training loop) is in
-``tests/e2e/test_steering_real.py``; here the ranks are played by payloads, so every
+The agent's side is in ``tests/unit/test_steering_agent.py`` (a real torch.profiler
+capture in a training loop); here the ranks are played by payloads, so every
 answer the collector must handle (acks, a capture's profiler entries, a miss) is sent on
 purpose."""
 
