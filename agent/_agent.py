@@ -281,10 +281,11 @@ class Stepwatch:
     def _on_answer(self, body: bytes) -> None:
         """The collector's answer to a batch (sender thread): queue its directives; a
         capture readies the profiler now (its one-time imports, about 1 s of CPU, on the
-        profiler thread: with the periodic window off nothing paid them at ``init``)."""
+        profiler thread: with the periodic window off nothing paid them at ``init``), where
+        the interpreter allows it off the training thread."""
         pw = self._pw
         if self._steering.receive(body) and pw is not None and pw.warm_cpu_s is None:
-            pw.warm()
+            pw.warm(background_only=True)
 
     def _apply_directives(self) -> None:
         """Apply the collector's new directives (``_steering``; training thread, at a

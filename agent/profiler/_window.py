@@ -49,7 +49,8 @@ One-time cost: the first ``start()`` of ``torch.profiler`` in a process imports
 ``torch._inductor`` (via ``hasattr(torch, "_inductor")``, about 1 s of CPU here).
 :meth:`ProfilerWindow.warm` does that import on the profiler thread at ``init``, so it
 lands in the warm-up steps (kept out of baselines) instead of stalling the training
-thread at the first window.
+thread at the first window; on interpreters whose AST constructor is not thread-safe
+(:data:`AST_THREAD_SAFE`) it is done inside ``init`` instead.
 
 A window is skipped (and the skip is reported in the payload) when another profiler is
 active in the process (CUPTI allows one subscriber), when the previous window is still
@@ -75,6 +76,7 @@ import contextlib
 import logging
 import os
 import statistics
+import sys
 import threading
 import time
 from array import array
@@ -108,6 +110,12 @@ LASTING_NOISE = 0.03
 lasting CUPTI slowdown is 10-20%; step times of a steady run vary by a few percent)."""
 TEARDOWN_FROM_CUDA = (12, 6)
 """First CUDA version on which Kineto's CUPTI teardown is reliable (kineto #1264)."""
+AST_THREAD_SAFE = sys.version_info >= (3, 12, 2) or (3, 11, 8) <= sys.version_info < (3, 12)
+"""Whether two threads may build ASTs at once. CPython 3.10-3.11.7 and 3.12.0-3.12.1 keep
+the AST constructor's recursion depth in interpreter-wide state (cpython gh-106905, fixed
+in 3.11.8 and 3.12.2): while one thread imports ``torch._inductor`` (dozens of
+``inspect.signature`` calls, each an ``ast.parse``), another thread's ``ast.parse`` can
+raise ``SystemError: AST constructor recursion depth mismatch``."""
 
 
 def release_cupti_after_windows(environ: MutableMapping[str, str], cuda_version: str | None) -> bool:
@@ -479,11 +487,22 @@ class ProfilerWindow:
             self._thread = threading.Thread(target=self._run, name="stepwatch-profiler", daemon=True)
             self._thread.start()
 
-    def warm(self) -> None:
-        """Start the profiler thread now and let it pay torch.profiler's one-time imports
-        (at ``init``; or on the sender thread when a capture is asked for and nothing paid
-        them yet). Once: a second call while the first is pending does nothing."""
+    def warm(self, *, background_only: bool = False) -> None:
+        """Pay torch.profiler's one-time imports now: on the profiler thread (at ``init``;
+        or from the sender thread when a capture is asked for and nothing paid them yet).
+        Once: a second call while the first is pending does nothing.
+
+        Where the interpreter cannot build ASTs on two threads at once
+        (:data:`AST_THREAD_SAFE`), the imports run on the calling thread instead (``init``,
+        before training starts), or not at all with ``background_only`` (then a capture's
+        first window pays them, in its measured cost): a background import could make the
+        training thread's own ``ast.parse`` (``torch.compile``, ``inspect.signature``) raise
+        ``SystemError``."""
         if self._warm_pending or self.warm_cpu_s is not None:
+            return
+        if not AST_THREAD_SAFE:
+            if not background_only:
+                self._warm()
             return
         self._warm_pending = True
         self._ensure_thread()

@@ -8,6 +8,7 @@ import gzip
 import json
 from typing import Any
 
+import pytest
 import torch
 
 import stepwatch
@@ -15,7 +16,8 @@ from stepwatch._env import detect
 from stepwatch._sender import MemorySink
 from stepwatch._steering import Steering
 from stepwatch.config import AgentConfig
-from stepwatch.profiler._window import ProfilerWindow
+from stepwatch.profiler import _window
+from stepwatch.profiler._window import AST_THREAD_SAFE, ProfilerWindow
 
 
 def _answer(*directives: dict[str, Any]) -> bytes:
@@ -50,10 +52,24 @@ def test_a_capture_profiles_exactly_the_steps_asked_for_with_the_periodic_window
     (entry,) = pw.take()
     assert (entry["capture"], entry["first_step"], entry["n_steps"]) == ("7", 12, 3)
     assert entry["top_ops"] and entry["cost"]["every"] == 0  # asked for, not periodic
-    assert pw.captures == 1 and pw.windows == 0 and pw.warm_cpu_s is not None  # readied on receipt
+    assert pw.captures == 1 and pw.windows == 0
+    assert (pw.warm_cpu_s is not None) == AST_THREAD_SAFE  # readied on receipt where safe
     ((capture, packed),) = pw.traces
     assert capture == "7" and "ProfilerStep#12" in gzip.decompress(packed).decode()
     sw.close(1.0)
+
+
+def test_one_time_imports_stay_on_the_calling_thread_where_asts_are_not_thread_safe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CPython before 3.11.8 / 3.12.2 (gh-106905): a background import of torch._inductor
+    can make the training thread's ``ast.parse`` raise, so nothing is imported off it."""
+    monkeypatch.setattr(_window, "AST_THREAD_SAFE", False)
+    pw = ProfilerWindow(every=0, steps=2, budget=1e9, warmup_end=0)
+    pw.warm(background_only=True)  # the sender thread, when a capture arrives
+    assert pw.warm_cpu_s is None and pw._thread is None
+    pw.warm()  # init, on the training thread before the first step
+    assert pw.warm_cpu_s is not None and pw._thread is None
 
 
 def test_a_directive_is_applied_once_acknowledged_again_and_never_raises() -> None:
