@@ -5,8 +5,11 @@ still lie ahead of every selected rank when the directive reaches it: it is deli
 the answer to the rank's next batch (up to one send interval away) and applied when the
 rank closes its next window (one more), while the newest step the collector has seen is
 already up to an interval behind the rank. So ``S`` is the furthest reported step plus
-:data:`LEAD_INTERVALS` send intervals of steps (the slowest rank's interval, at the run's
-current step time). A rank that still misses it says so in its ack.
+:data:`LEAD_INTERVALS` send intervals (the slowest rank's) and :data:`LEAD_SLACK_S` of
+steps, at the run's current step time: the slack covers what does not scale with the
+interval (the delivery cache's second, a POST's round trip and a late window close on a
+loaded host; at a 1 s interval three intervals alone left a rank one step short). A rank
+that still misses it says so in its ack.
 
 A **config** directive carries new live settings (``stepwatch.wire.LIVE_SETTINGS``) for the
 whole run or some ranks; the newest one for a set of ranks replaces older ones (they
@@ -39,7 +42,9 @@ PW = cast(Table, ProfileWindow.__table__)
 RG = cast(Table, RankGroup.__table__)
 
 #: Send intervals of steps between the furthest reported step and a capture's first step.
-LEAD_INTERVALS = 4.0
+LEAD_INTERVALS = 3.0
+#: Seconds of steps added to that lead, whatever the interval.
+LEAD_SLACK_S = 5.0
 #: A rank's send interval when it did not report one (the agent's default).
 DEFAULT_INTERVAL_S = 10.0
 #: Most ranks one capture profiles (each uploads a profiler entry the collector lines up).
@@ -142,7 +147,7 @@ def plan_capture(
     """Choose the capture's steps and length (see the module docstring)."""
     furthest, step_s, interval = _furthest_and_pace(conn, run_id)
     notes: list[str] = []
-    lead_s = LEAD_INTERVALS * interval
+    lead_s = LEAD_INTERVALS * interval + LEAD_SLACK_S
     lead = math.ceil(lead_s / step_s) if step_s and step_s > 0 else 100
     first = furthest + max(lead, 2)
     # One profiler window at a time on a rank: after any live capture of the same ranks

@@ -84,11 +84,11 @@ def test_a_capture_reaches_its_ranks_once_and_is_explained_from_their_answers(
     cap = r.json()
     assert r.headers["location"] == f"/api/v1/runs/test-run/captures/{cap['id']}"
     assert cap["ranks"] == [0, 1, 2, 3]  # no communicator groups reported: its peers are the world
-    # Ahead of the furthest reported step (8) by four send intervals (1 s) of 0.1 s steps.
-    assert cap["first_step"] == 8 + 40
+    # Ahead of the furthest reported step (8) by three send intervals (1 s) and 5 s of 0.1 s steps.
+    assert cap["first_step"] == 8 + 80
     assert (cap["steps"], cap["status"], cap["reason"]) == (3, "pending", "open")
     ident = str(cap["id"])
-    want = {"id": ident, "v": 1, "kind": "capture", "first_step": 48, "steps": 3}
+    want = {"id": ident, "v": 1, "kind": "capture", "first_step": 88, "steps": 3}
     # The subject rank is asked for its raw trace too, up to the collector's cap.
     want |= {"trace_ranks": [2], "trace_max_bytes": 2 * 1024 * 1024}
     for rank in range(4):
@@ -101,9 +101,10 @@ def test_a_capture_reaches_its_ranks_once_and_is_explained_from_their_answers(
     assert "directives" not in _post(client, 0, first=25)
     assert _post(client, 3, first=17)["directives"] == [want]
     # The answers: three ranks profiled the steps (rank 2's matmuls 1.6x), rank 3 missed them.
+    s = cap["first_step"]
     for rank, mm in ((0, 0.010), (1, 0.011), (2, 0.0168)):
-        _post(client, rank, first=41 if rank else 33, n=16, profiles=[_capture_entry(48, 3, ident, mm)])
-    miss = {"first_step": 48, "n_steps": 0, "skipped": "previous window still being parsed", "capture": ident}
+        _post(client, rank, first=s - 7 if rank else s - 15, n=16, profiles=[_capture_entry(s, 3, ident, mm)])
+    miss = {"first_step": s, "n_steps": 0, "skipped": "previous window still being parsed", "capture": ident}
     _post(client, 3, first=25, n=24, profiles=[miss])
     got = client.get(f"/api/v1/runs/test-run/captures/{ident}").json()
     assert [(a["rank"], a["state"]) for a in got["answers"]] == [
@@ -113,7 +114,7 @@ def test_a_capture_reaches_its_ranks_once_and_is_explained_from_their_answers(
         (3, "missed"),
     ]
     # A late repeat of "scheduled" does not take back an outcome.
-    _ack(client, 0, 57, [{"id": ident, "state": "scheduled"}])
+    _ack(client, 0, s + 9, [{"id": ident, "state": "scheduled"}])
     assert client.get(f"/api/v1/runs/test-run/captures/{ident}").json()["answers"][0]["state"] == "done"
     client.app.state.worker.run_once()  # type: ignore[attr-defined]
     got = client.get(f"/api/v1/runs/test-run/captures/{ident}").json()
@@ -121,7 +122,7 @@ def test_a_capture_reaches_its_ranks_once_and_is_explained_from_their_answers(
     result = got["result"]
     assert result["message"].startswith("rank 2: aten::mm 1.6x its peers' median"), result["message"]
     assert result["missed"] == {"3": "previous window still being parsed"}
-    assert (result["captured"], result["ranks"], result["first_step"], result["steps"]) == (3, 4, 48, 3)
+    assert (result["captured"], result["ranks"], result["first_step"], result["steps"]) == (3, 4, s, 3)
     assert [c["id"] for c in client.get("/api/v1/runs/test-run/captures").json()] == [cap["id"]]
 
 
