@@ -605,6 +605,7 @@ class Stepwatch:
             "dropped_steps": stats.lost_steps,
             "hot_path_mean_s": self.hot_path_mean_s(),
             "send_interval_s": self._interval,
+            "configs": list(self._steering.configs),
         }
         if window.acks is None:
             window.acks = self._steering.take_acks()

@@ -38,6 +38,10 @@ class Steering:
         self._seen: OrderedDict[str, dict[str, Any] | None] = OrderedDict()
         self.received = 0
         self.ignored = 0
+        #: Config directives this process applied or refused, newest last (the agent
+        #: section's ``configs``): replaced whole, so the sender thread reads it without
+        #: a lock while the training thread acknowledges the next one.
+        self.configs: tuple[str, ...] = ()
 
     # -- sender thread ---------------------------------------------------------------
     def receive(self, body: bytes) -> bool:
@@ -112,4 +116,6 @@ class Steering:
             a["reason"] = reason[:200]
         if settings:
             a["settings"] = dict(settings)
+        if state in ("applied", "refused"):
+            self.configs = (*self.configs, ident)[-wire.MAX_CONFIGS_REPORTED :]
         self._acks.append(a)  # no logging here: its handlers' locks are the sender's too

@@ -100,7 +100,11 @@ HOST_BATCH_PATH = "/api/v1/ingest/batches"
 #:   (:data:`LIVE_SETTINGS`) without a restart.
 #:
 #: An ack is ``{"id", "state": AckState, "reason"?, "settings"?}`` (``settings``: the
-#: values in force after a config directive).
+#: values in force after a config directive). Every payload's agent section also lists
+#: ``"configs"``: the ids of the config directives this process applied or refused, newest
+#: last, at most :data:`MAX_CONFIGS_REPORTED`; the collector sends a rank the live configs
+#: that list lacks, so a restarted rank (a new process, an empty list) gets them again
+#: although its predecessor acknowledged them.
 DIRECTIVES_VERSION = 1
 DirectiveKind = Literal["capture", "config"]
 DIRECTIVE_KINDS: tuple[str, ...] = get_args(DirectiveKind)
@@ -112,6 +116,7 @@ DIRECTIVE_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 #: Directives in one answer; acks in one payload.
 MAX_DIRECTIVES = 8
 MAX_ACKS = 16
+MAX_CONFIGS_REPORTED = 16
 #: Longest capture (steps): torch.profiler's buffers and the parse grow with it.
 MAX_CAPTURE_STEPS = 16
 #: What a config directive may change, each with its inclusive bounds.

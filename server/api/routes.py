@@ -224,7 +224,7 @@ async def _directives(request: Request, payload: IngestPayload) -> list[dict[str
         return None
     deliveries: Deliveries = request.app.state.deliveries
     try:
-        return await deliveries.for_rank(key.id, payload.rank.rank)
+        return await deliveries.for_rank(key.id, payload.rank.rank, payload.agent.configs)
     except Exception:
         log.warning("could not read the directives of run %r", payload.run, exc_info=True)
         return None

@@ -23,6 +23,7 @@ from ..storage.models import INT32_MAX
 
 RunName = Annotated[str, Field(pattern=wire.RUN_NAME_PATTERN)]
 HostName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._:-]+$")]
+DirectiveId = Annotated[str, Field(pattern=wire.DIRECTIVE_ID_PATTERN)]
 #: Any non-negative measured quantity (seconds, counts, MHz, W); the bound keeps sums finite.
 NonNeg = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, le=2**53)]
@@ -115,6 +116,9 @@ class AgentIn(_Strict):
     hot_path_mean_s: Seconds | None = None
     #: The send interval in force (a live setting): how far ahead a capture must start.
     send_interval_s: NonNeg | None = None
+    #: The config directives this process applied or refused (``wire``'s steering
+    #: contract); absent from agents older than it, which are sent what they did not ack.
+    configs: list[DirectiveId] | None = Field(default=None, max_length=wire.MAX_CONFIGS_REPORTED)
 
 
 class ConventionIn(BaseModel):
@@ -299,7 +303,7 @@ class ProfileIn(_Strict):
     nvml: NvmlIn | None = None
     cost: CostIn | None = None
     #: The capture directive this window answers (``wire``'s steering contract).
-    capture: str | None = Field(default=None, pattern=wire.DIRECTIVE_ID_PATTERN)
+    capture: DirectiveId | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ProfileIn:
@@ -488,7 +492,7 @@ class CommIn(_Strict):
 class AckIn(_Strict):
     """An agent's acknowledgement of a directive (``wire``'s steering contract)."""
 
-    id: str = Field(pattern=wire.DIRECTIVE_ID_PATTERN)
+    id: DirectiveId
     state: wire.AckState
     reason: str | None = Field(default=None, max_length=200)
     #: The live settings in force after a config directive: reported, not requested, so

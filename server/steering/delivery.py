@@ -8,14 +8,16 @@ no answer but a run's first in a process waits for the database. Directives are 
 run with none costs one small query a second, not one per POST. A directive created on
 another collector replica reaches the ranks within ``TTL_S``; a rank answered from a copy
 older than its own ack gets the directive again and acknowledges it again (the agent
-applies each id once).
+applies each id once). A config directive goes to a rank whose batch does not list it
+among the configs its process applied or refused (the agent section's ``configs``), acked
+or not: a restarted rank starts with an empty list and gets the run's live settings again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, cast
@@ -35,6 +37,7 @@ TTL_S = 1.0
 @dataclass(frozen=True, slots=True)
 class _Live:
     wire: dict[str, Any]
+    kind: str
     ranks: frozenset[int] | None
     acked: frozenset[int]
 
@@ -52,8 +55,13 @@ class Deliveries:
         self._loading: dict[int, asyncio.Future[list[_Live]]] = {}
         self._refreshes: set[asyncio.Future[list[_Live]]] = set()  # held until done
 
-    async def for_rank(self, run_id: int, rank: int) -> list[dict[str, Any]] | None:
-        """The directives rank ``rank`` of run ``run_id`` has not acknowledged (None: none)."""
+    async def for_rank(
+        self, run_id: int, rank: int, configs: Sequence[str] | None = None
+    ) -> list[dict[str, Any]] | None:
+        """The directives rank ``rank`` of run ``run_id`` still needs (None: none): the
+        captures it has not acknowledged, and the configs its process has not applied
+        (``configs``, as its batch reports them; None from an agent that does not report
+        them: the configs it has not acknowledged)."""
         hit = self._cache.get(run_id)
         if hit is None:
             live = await self._load(run_id)  # the first batch of a run in this process
@@ -63,9 +71,13 @@ class Deliveries:
                 # Stale: answered from the copy, refreshed beside the answer.
                 self._refreshes.add(task := asyncio.ensure_future(self._load(run_id)))
                 task.add_done_callback(self._refreshes.discard)
-        out = [d.wire for d in live if (d.ranks is None or rank in d.ranks) and rank not in d.acked][
-            : wire.MAX_DIRECTIVES
-        ]
+        done = frozenset(configs) if configs is not None else None
+        out = [
+            d.wire
+            for d in live
+            if (d.ranks is None or rank in d.ranks)
+            and (d.wire["id"] not in done if d.kind == "config" and done is not None else rank not in d.acked)
+        ][: wire.MAX_DIRECTIVES]
         return out or None
 
     async def _load(self, run_id: int) -> list[_Live]:
@@ -101,6 +113,7 @@ class Deliveries:
         return [
             _Live(
                 wire=wire_form(r.kind, r.id, r.params),
+                kind=r.kind,
                 ranks=frozenset(r.ranks) if r.ranks is not None else None,
                 acked=frozenset(acked[r.id]),
             )

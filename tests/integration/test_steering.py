@@ -41,9 +41,19 @@ def client(db_url: str, engine: Engine) -> Iterator[TestClient]:
         yield c
 
 
-def _post(client: TestClient, rank: int, *, first: int, n: int = 8, **extra: Any) -> dict[str, Any]:
+def _post(
+    client: TestClient,
+    rank: int,
+    *,
+    first: int,
+    n: int = 8,
+    agent_configs: list[str] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
     body = payload(rank=rank, world=4, first=first, times=[0.1] * n, **extra)
     body["agent"]["send_interval_s"] = 1.0
+    if agent_configs is not None:
+        body["agent"]["configs"] = agent_configs
     r = client.post("/api/v1/ingest", json=body)
     assert r.status_code == 200, r.text
     out: dict[str, Any] = r.json()
@@ -51,10 +61,17 @@ def _post(client: TestClient, rank: int, *, first: int, n: int = 8, **extra: Any
 
 
 def _ack(
-    client: TestClient, rank: int, first: int, acks: list[dict[str, Any]], **extra: Any
+    client: TestClient,
+    rank: int,
+    first: int,
+    acks: list[dict[str, Any]],
+    agent_configs: list[str] | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
     body = payload(rank=rank, world=4, first=first, times=[0.1] * 8, **extra)
     body["agent"]["send_interval_s"] = 1.0
+    if agent_configs is not None:
+        body["agent"]["configs"] = agent_configs
     body["acks"] = acks
     r = client.post("/api/v1/ingest", json=body)
     assert r.status_code == 200, r.text
@@ -197,6 +214,28 @@ def test_new_live_settings_reach_every_rank_and_show_as_requested_and_applied(cl
     _ack(client, 3, 33, [{"id": ident3, "state": "applied", "settings": {"send_interval_s": 0.25}}])
     (live,) = client.get("/api/v1/runs/test-run/config").json()
     assert (live["applied"], live["in_force"]) == (1, {"3": {"send_interval_s": 0.25}})
+
+
+def test_a_restarted_rank_gets_the_live_settings_again(client: TestClient) -> None:
+    """Acks are per rank, a process's settings are not: a rank whose batch does not list a
+    live config among those its process applied (a new process) is sent it again."""
+    for rank in range(2):
+        _post(client, rank, first=1)
+    ident = str(
+        client.put("/api/v1/runs/test-run/config", json={"settings": {"send_interval_s": 2}}).json()["id"]
+    )
+    want = [{"id": ident, "v": 1, "kind": "config", "settings": {"send_interval_s": 2.0}}]
+    run_id = client.app.state.ingestor.cached("test-run").id  # type: ignore[attr-defined]
+    applied = [{"id": ident, "state": "applied", "settings": {"send_interval_s": 2.0}}]
+    for rank in range(2):
+        assert _post(client, rank, first=9, agent_configs=[])["directives"] == want
+        _ack(client, rank, 17, applied, agent_configs=[ident])
+    client.app.state.deliveries.forget(run_id)  # type: ignore[attr-defined]  # as after its 1 s lifetime
+    assert "directives" not in _post(client, 0, first=25, agent_configs=[ident])
+    # Rank 1 restarted from a checkpoint: a new process that has applied nothing yet.
+    assert _post(client, 1, first=9, agent_configs=[])["directives"] == want
+    # An agent that does not report its configs (older than the field) goes by its ack.
+    assert "directives" not in _post(client, 1, first=25)
 
 
 def test_a_capture_of_some_ranks_reaches_only_them_and_a_miss_by_ack_is_explained(client: TestClient) -> None:

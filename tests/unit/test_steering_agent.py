@@ -95,7 +95,7 @@ def test_a_directive_is_applied_once_acknowledged_again_and_never_raises() -> No
 
 
 def test_live_settings_change_the_send_interval_and_the_profiler_at_the_next_window() -> None:
-    sw, pw, _ = _agent(every=0)
+    sw, pw, sink = _agent(every=0)
     st = sw._steering
     settings = {"send_interval_s": 2.5, "profile_every": 6}
     st.receive(_answer({"id": "9", "kind": "config", "settings": settings}))
@@ -116,6 +116,10 @@ def test_live_settings_change_the_send_interval_and_the_profiler_at_the_next_win
     # (the second may be skipped, with its reason, while the first is still being parsed)
     entries = sorted(pw.take(), key=lambda e: e["first_step"])
     assert [e["first_step"] for e in entries][:2] == [13, 19] and entries[0]["n_steps"] == 2, entries
+    # Every batch says which configs this process applied or refused, so that the
+    # collector sends them again to a restarted rank (whose list starts empty).
+    body = json.loads(sw._encode(sink.windows[-1], sink.stats))
+    assert body["agent"]["configs"] == ["9", "10", "11"]
     sw.close(1.0)
 
 
