@@ -190,8 +190,11 @@ class ProfilerWindow:
                 f"need profile_every 0 (off) or 1 <= profile_steps < profile_every, got {steps} and {every}"
             )
         self.base = every
-        #: The period in force; written by the profiler thread, read at start edges.
-        self.every = every
+        #: The budget's stretch of the period (a power of two), written by the profiler
+        #: thread after each window; the period in force is ``base * _mult`` (:attr:`every`),
+        #: so a new base set live on the training thread is never overwritten by a period
+        #: the profiler thread computed from the old one.
+        self._mult = 1
         self.k = steps
         self.budget = budget
         self.warmup_end = warmup_end
@@ -293,9 +296,15 @@ class ProfilerWindow:
             return (
                 f"need profile_every 0 (off) or 1 <= profile_steps < profile_every, got {steps} and {every}"
             )
-        self.base = self.every = every
+        self.base = every
+        self._mult = 1
         self.k = steps
         return None
+
+    @property
+    def every(self) -> int:
+        """The period in force: the base stretched by the budget (0: periodic window off)."""
+        return self.base * self._mult
 
     # -- training thread -----------------------------------------------------------
     def edge(self, step: int, times: array[float], n: int) -> int:
@@ -324,7 +333,7 @@ class ProfilerWindow:
                 not self._checked_prior and n and self.base
             ):  # before the first window: the prior vs the budget
                 self._checked_prior = True
-                self.every = self._stretch(statistics.median(times[max(0, n - BASELINE_STEPS) : n]))
+                self._mult = self._stretch(statistics.median(times[max(0, n - BASELINE_STEPS) : n]))
             every = self.every
             if not every or step % every or step <= self.warmup_end:  # the period changed since scheduling
                 return self.next_start(step)
@@ -572,7 +581,7 @@ class ProfilerWindow:
         total = on_thread + slowdown + parse_s + lasting
         if job.capture is None:
             self._costs.append(total)
-            self.every = self._stretch(base_step)
+            self._mult = self._stretch(base_step)
             self.windows += 1
             self.recent.append((job.first_step, job.every))
         else:
@@ -602,13 +611,15 @@ class ProfilerWindow:
         return entry
 
     def _stretch(self, step_s: float | None) -> int:
-        if not self.base or not step_s or step_s <= 0 or self.budget <= 0 or not self._costs:
-            return self.every
+        """The stretch (a power of two) that keeps the median window cost within budget."""
+        base = self.base
+        if not base or not step_s or step_s <= 0 or self.budget <= 0 or not self._costs:
+            return self._mult
         need = statistics.median(self._costs) / (self.budget * step_s)
         mult = 1
-        while self.base * mult < need and mult < MAX_STRETCH:
+        while base * mult < need and mult < MAX_STRETCH:
             mult *= 2
-        return self.base * mult
+        return mult
 
 
 __all__ = ["DATA_WAIT_SPAN", "NEVER", "ProfilerWindow"]
