@@ -11,10 +11,13 @@ scenarios' processes run at a raised niceness of their session, so that the load
 is their own burner, not whatever else the machine runs (which would change the whole
 job's speed mid-run: a real change of its step time); a run in which the whole machine
 stood still for seconds, or one of whose ranks did (a hang event in a run without a hang),
-is run once more (``STILL_S``, ``_froze``).
+is run once more (``STILL_S``, ``_froze``); a job-wide run also only counts when the job was
+steady before the onset and the fault slowed it by its full size (``_no_evidence``).
 """
 
 from __future__ import annotations
+
+import statistics
 
 import pytest
 
@@ -51,6 +54,54 @@ def _run(s: real.RealScenario) -> real.RealOutcome:
     return o
 
 
+#: A job-wide run is evidence for "a 10% slowdown is flagged" only if the machine was
+#: steady before the onset and the job really slowed by the scenario's size, both read off
+#: the harness' own step ends (16-step windows: the baseline's windows 2-9, the onset's
+#: window 10 on). Measured on 2026-12-03 over 11 runs on this 2-vCPU machine: the fault
+#: (extra CPU work calibrated at the onset) slowed the job by 0% to 42%, and the baseline
+#: windows' medians spread over 18-52% of their median, where the detector's claim (10% in
+#: 5 windows) holds at a window noise of about 3.4% (``analysis/regressions.py``); every
+#: run that met both conditions was flagged in time. A run that does not meet them is run
+#: again, up to ``JOB_WIDE_TRIES`` runs; if none does, the test fails saying why.
+MAX_BASELINE_SPREAD = 0.25
+JOB_WIDE_TRIES = 3
+
+
+def _no_evidence(o: real.RealOutcome, s: real.RealScenario) -> str | None:
+    """Why a job-wide run says nothing about the detector (None: it is evidence)."""
+    if o.paused_s >= STILL_S:
+        return f"the machine stood still for {o.paused_s:.0f} s"
+    if _froze(o):
+        return f"a rank stood still for the hang threshold: {_froze(o)[0][:120]}"
+    ends, ws = o.step_ends, o.window_steps or 16
+    # Step k's duration (k >= 2: step 1 has no start here), and each whole window's median.
+    dur = [ends[k - 1] - ends[k - 2] for k in range(2, len(ends) + 1)]
+    med = [statistics.median(dur[max(0, w * ws - 1) : (w + 1) * ws - 1]) for w in range(len(ends) // ws)]
+    onset = ((s.fault_from or 1) - 1) // ws
+    if len(med) < onset + 4:
+        return f"only {len(ends)} step ends kept"
+    base = med[2:onset]
+    level = statistics.median(base)
+    spread = (max(base) - min(base)) / level
+    if spread > MAX_BASELINE_SPREAD:
+        return f"unsteady before the onset: window medians spread over {spread:.0%} of their median"
+    ratio = statistics.median(med[onset:]) / level
+    if ratio < 1 + s.size:
+        return f"the fault slowed the job by {ratio - 1:.0%}, not {s.size:.0%}"
+    return None
+
+
+def _job_wide_run(s: real.RealScenario) -> real.RealOutcome:
+    why = []
+    for _ in range(JOB_WIDE_TRIES):
+        o = real.run_scenario(s)
+        reason = _no_evidence(o, s)
+        if reason is None:
+            return o
+        why.append(reason)
+    raise AssertionError(f"no run of {JOB_WIDE_TRIES} was evidence: {why}")
+
+
 def _keys(o: real.RealOutcome, kind: str) -> list[str]:
     return sorted(e["key"] for e in o.events if e["kind"] == kind)
 
@@ -58,7 +109,7 @@ def _keys(o: real.RealOutcome, kind: str) -> list[str]:
 @pytest.mark.solo
 def test_a_job_wide_ten_percent_slowdown_is_a_regression_within_five_windows() -> None:
     s = _scenario("job-wide +10%")
-    o = _run(s)
+    o = _job_wide_run(s)
     assert s.steps is not None and o.analysed_through_step >= s.steps, "the analysis did not reach the end"
     assert "regression:step_time" in _keys(o, "regression"), _keys(o, "straggler")
     assert o.right, [e["message"] for e in o.events if e["kind"] == "regression"]  # attributed to compute
