@@ -59,7 +59,7 @@ def _worker_config(settings: Settings) -> WorkerConfig:
             min_interval_s=settings.capture_min_interval_s,
             steps=settings.capture_steps,
             max_cost_s=settings.capture_max_cost_s,
-            max_bytes=min(settings.capture_max_bytes, settings.max_body_bytes),
+            max_bytes=settings.trace_max_bytes,
         ),
     )
 

@@ -125,6 +125,11 @@ class Settings(BaseSettings):
     #: Base URL of this collector as people reach it, for links in alerts.
     public_url: str | None = None
 
+    @property
+    def trace_max_bytes(self) -> int:
+        """The largest raw trace kept: ``capture_max_bytes`` within a request's body cap."""
+        return min(self.capture_max_bytes, self.max_body_bytes)
+
     @field_validator("window_steps")
     @classmethod
     def _power_of_two(cls, v: int) -> int:

@@ -145,7 +145,7 @@ def create_capture(run: RunPath, body: CaptureRequest, request: Request, respons
             event_id=None,
             subject=subject,
             now=now,
-            trace_max_bytes=min(settings.capture_max_bytes, settings.max_body_bytes),
+            trace_max_bytes=settings.trace_max_bytes,
         )
         out = reads.captures(conn, info.id, info.name, ident=ident)[0]
     deliveries: Deliveries = request.app.state.deliveries
@@ -266,7 +266,7 @@ async def put_trace(
     body = await request.body()
     if not body.startswith(GZIP_MAGIC):
         raise _invalid("body", "the trace must be gzipped (Content-Type: application/gzip)")
-    cap = min(settings.capture_max_bytes, settings.max_body_bytes)
+    cap = settings.trace_max_bytes
     if len(body) > cap:
         raise _invalid(
             "body",

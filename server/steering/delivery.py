@@ -71,12 +71,17 @@ class Deliveries:
                 # Stale: answered from the copy, refreshed beside the answer.
                 self._refreshes.add(task := asyncio.ensure_future(self._load(run_id)))
                 task.add_done_callback(self._refreshes.discard)
-        done = frozenset(configs) if configs is not None else None
+        if not live:  # the common case: nothing asked of this run
+            return None
         out = [
             d.wire
             for d in live
             if (d.ranks is None or rank in d.ranks)
-            and (d.wire["id"] not in done if d.kind == "config" and done is not None else rank not in d.acked)
+            and (
+                d.wire["id"] not in configs  # at most 16 ids: a list is as quick as a set
+                if d.kind == "config" and configs is not None
+                else rank not in d.acked
+            )
         ][: wire.MAX_DIRECTIVES]
         return out or None
 
