@@ -22,6 +22,14 @@ class NullCommitter:
         return True
 
 
+class NullDeliveries:
+    """No directives: the real collector reads a run's once a second from the database,
+    which the no-op collector has none of (every read failed, and logged its traceback)."""
+
+    async def for_rank(self, run_id: int, rank: int, configs: Sequence[str] | None) -> None:
+        return None
+
+
 class NullIngestor:
     """Admits every run and caches its key, as the real collector's run cache does after a
     run's first batch."""
@@ -43,6 +51,7 @@ def app_factory() -> FastAPI:
     app = create_app(Settings())
     app.state.group_commit = NullCommitter()
     app.state.ingestor = NullIngestor()
+    app.state.deliveries = NullDeliveries()
     tune_gc()  # as app_from_env does for the real collector
     return app
 
