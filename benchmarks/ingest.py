@@ -146,6 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratio, host_ratio = pg_rate / rate("null"), host_rate / rate("null-host")
     print(f"  ratio PostgreSQL / COPY            {copy_ratio:9.3f} per rank, {host_copy_ratio:.3f} per host")
     print(f"  ratio PostgreSQL / no-op           {ratio:9.2f} per rank, {host_ratio:.2f} per host")
+    # The web tier's own ceiling: storage replaced by a no-op, the same payloads. No
+    # database path can lift the collector above it.
+    print(
+        f"  ratio no-op / COPY                 {rate('null') / copy_rate:9.3f} per rank, "
+        f"{rate('null-host') / copy_rate:.3f} per host (the ceiling without any storage)"
+    )
     print(
         f"  job_steps after the run            {job_bytes:9.0f} B/row, "
         f"freshly copied {copy_job_bytes:.0f} B/row ({bloat:.2f}x; {job_hot:.0%} of its updates HOT)"
