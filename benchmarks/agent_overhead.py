@@ -5,8 +5,9 @@ with the collector up, down (nothing listens), or up but answering only after 10
 
 Each configuration trains ``stepwatch.demo.train`` (a tiny GPT, DDP over gloo) with the
 ranks timing their own steps independently of stepwatch, long enough (900 steps) for the
-profiler window to fire at its default period (the first window comes at step 100 or,
-stretched by the budget, 400-800 here) beside the always-on per-step timing. A round runs
+profiler window to fire beside the always-on per-step timing: the agent runs take
+``--profile-every`` (200; the agent's default period, 2,000 steps, would not fire in a
+run this short), which the 1% budget may stretch (x2, x4) after measuring a window. A round runs
 no agent, then every agent configuration, then no agent again (A B... A): each agent
 configuration is divided by the mean of the two no-agent runs that bracket it (paired:
 drift of a shared machine cancels, linear drift too), and the second no-agent run by the
@@ -71,7 +72,7 @@ def _target(config: str, workdir: Path) -> Iterator[dict[str, str]]:
             collector.stop()
 
 
-def _once(config: str, steps: int, workdir: Path, slow_ms: float) -> dict[str, Any]:
+def _once(config: str, steps: int, workdir: Path, slow_ms: float, profile_every: int) -> dict[str, Any]:
     """One 2-rank run: per-step wall (median) and CPU (mean) time, and the agents' stats."""
     out = workdir / "rank{rank}.json"
     args = ["--run", "overhead", "--steps", str(steps), "--send-interval", "1", "--out", str(out)]
@@ -79,7 +80,7 @@ def _once(config: str, steps: int, workdir: Path, slow_ms: float) -> dict[str, A
     if slow_ms > 0:
         args += ["--slow-rank", "0", "--slow-kind", "busy", "--slow-ms", f"{slow_ms:.3f}"]
     with _target(config, workdir) as env:
-        env = {**env, "STEPWATCH_FLUSH_TIMEOUT_S": "2"}
+        env = {**env, "STEPWATCH_FLUSH_TIMEOUT_S": "2", "STEPWATCH_PROFILE_EVERY": str(profile_every)}
         with launch.ranks(2, args, env=env, log_dir=str(workdir)) as procs:
             launch.wait_all(procs, timeout_s=900, log_dir=str(workdir))
     ranks = [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(2)]
@@ -166,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=900)
+    p.add_argument("--profile-every", type=int, default=200, help="the agent runs' profiler period")
     p.add_argument(
         "--inject-slowdown", type=float, default=0.0, help="self-test: slow every agent run by this"
     )
@@ -178,7 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 workdir = Path(tmp) / f"{rnd}-{k}"
                 workdir.mkdir()
                 agent = config not in (NO_AGENT, AGAIN)
-                runs[config].append(_once(config, args.steps, workdir, slow_ms if agent else 0.0))
+                runs[config].append(
+                    _once(config, args.steps, workdir, slow_ms if agent else 0.0, args.profile_every)
+                )
                 if rnd == 0 and config == NO_AGENT and args.inject_slowdown:
                     slow_ms = args.inject_slowdown * runs[NO_AGENT][0]["wall_s"] * 1e3
     for line in report(runs, verdict(runs), args):
