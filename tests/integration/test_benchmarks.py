@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -99,6 +100,18 @@ def test_overhead_verdict_says_when_its_band_cannot_resolve_2_percent() -> None:
     noisy = [1.06, 0.95, 1.04, 0.96]
     v = agent_overhead.verdict(_rounds(noisy, [1.03, 1.03, 1.03, 1.03]))
     assert not v["resolves"] and v["band"]["wall_s"] > 0.02 and not v["met"]
+    assert not v["missed"]  # 3% is inside 1% plus that band: unknown, not missed
+
+
+def test_overhead_verdict_misses_an_excess_beyond_even_a_wide_band() -> None:
+    noisy = [1.06, 0.95, 1.04, 0.96]
+    rounds = _rounds(noisy, [1.12, 1.10, 1.11, 1.12])
+    v = agent_overhead.verdict(rounds)
+    assert not v["resolves"] and v["missed"] and not v["met"]
+    runs = {config: [{**r, "stats": []} for r in rs] for config, rs in rounds.items()}
+    args = SimpleNamespace(steps=900, rounds=4, inject_slowdown=0.0)
+    (line,) = [x for x in agent_overhead.report(runs, v, args) if x.startswith("  budget")]
+    assert "MISSED" in line and "+1" in line, line
 
 
 def test_profiler_self_estimate_is_checked_against_the_in_run_excess() -> None:
