@@ -16,7 +16,9 @@ same rows stored, one request instead of ``--ranks-per-host``).
 Throughput is the closed-loop peak (``--concurrency`` connections, each posting its next
 window as soon as the last is answered); phases alternate no-op / PostgreSQL and the
 medians are compared. Latency is measured open-loop: windows offered at the budget rate
-(100,000 rank-steps/s) over 256 connections, timed from when each was due.
+(100,000 rank-steps/s) over 256 connections, timed from when each was due; then again to
+a collector over the same database without the analysis worker (a thread that shares
+its interpreter with ingest; budgeted: the first).
 Budgets (DESIGN §7): >= 30% of the COPY rate; >= 100,000 rank-steps/s on 2 cores and
 >= 50% of the no-op rate; POST p99 <= 100 ms at 4,096 ranks; ``job_steps`` within 2x of
 its freshly copied size per row.
@@ -66,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             phases.append((kind, fleet.run, list(bodies)))
     paced = loadgen.Fleet("bench-paced", args.ranks, n, seed=99)
     paced_bodies = list(paced.payloads(1))
+    quiet = loadgen.Fleet("bench-paced-no-analysis", args.ranks, n, seed=98)
+    quiet_bodies = list(quiet.payloads(1))
 
     results: dict[str, list[loadgen.LoadResult]] = {k: [] for k in kinds}
     copy_rates: list[float] = []
@@ -93,9 +97,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     copy_rates.append(load.rank_steps / load.copy(copy_conn))
             paced_res = loadgen.post_at_rate(pg_url, paced_bodies, n, rate=RATE_BUDGET / n)
             _check("paced", paced_res, len(paced_bodies))
+        # The same offered rate to a collector without the analysis worker (a thread that
+        # shares the interpreter with ingest), over the same database and its runs.
+        no_analysis = {"STEPWATCH_ANALYSIS_ENABLED": "false"}
+        with server(pg_cmd, "/readyz", env=no_analysis) as quiet_url:
+            quiet_res = loadgen.post_at_rate(quiet_url, quiet_bodies, n, rate=RATE_BUDGET / n)
+            _check("paced, no analysis", quiet_res, len(quiet_bodies))
         # Every acknowledged rank-step was stored, once.
         with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
-            for kind, run, bodies in [*phases, ("pg", paced.run, paced_bodies)]:
+            paced_phases = [("pg", paced.run, paced_bodies), ("pg", quiet.run, quiet_bodies)]
+            for kind, run, bodies in [*phases, *paced_phases]:
                 if not kind.startswith("pg"):
                     continue
                 stored = conn.execute(
@@ -139,6 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  PostgreSQL at {RATE_BUDGET:,} rank-steps/s offered (per rank): achieved "
         f"{paced_res.steps_acked / paced_res.seconds:,.0f}, POST p50 {paced_res.quantile(0.5) * 1e3:.1f} ms"
         f"  p99 {p99 * 1e3:.1f} ms"
+    )
+    print(
+        f"  the same without the analysis worker: achieved {quiet_res.steps_acked / quiet_res.seconds:,.0f}, "
+        f"POST p50 {quiet_res.quantile(0.5) * 1e3:.1f} ms  p99 {quiet_res.quantile(0.99) * 1e3:.1f} ms"
     )
     print(f"  raw COPY of the same rows          {copy_rate:11,.0f} rank-steps/s (one transaction per phase)")
     pg_rate, host_rate = rate("pg"), rate("pg-host")
