@@ -47,10 +47,11 @@ from ._harness import median
 
 NO_AGENT = "no agent"
 AGAIN = "no agent, again"
-#: The agent with its collector up but the profiler window off: beside "collector up",
+#: The agent with its collector up but the profiler window off: beside :data:`UP`,
 #: it tells the window's cost from the always-on timing's and the sender's.
-NO_WINDOW = "collector up, no window"
-AGENT_CONFIGS = ("collector up", NO_WINDOW, "collector down", "collector slow (10 s)")
+UP = "collector up"
+NO_WINDOW = f"{UP}, no window"
+AGENT_CONFIGS = (UP, NO_WINDOW, "collector down", "collector slow (10 s)")
 WARMUP = 20
 ALLOWED = 0.01
 RESOLVE = 0.02
@@ -146,7 +147,7 @@ def report(runs: Mapping[str, Sequence[Mapping[str, Any]]], v: Mapping[str, Any]
             if config != NO_AGENT
             else f"  {config:24s} wall {wall * 1e3:7.2f} ms/step  cpu {cpu * 1e3:7.2f} ms/step"
         )
-    stats = [s for r in runs["collector up"] for s in r["stats"]]
+    stats = [s for r in runs[UP] for s in r["stats"]]
     prof = [s["profile"] for s in stats if s.get("profile")]
     windows = statistics.fmean(p["windows"] for p in prof) if prof else 0.0
     costs = [p["last_cost"] for p in prof if p.get("last_cost") and p["last_cost"].get("overhead_ratio")]
@@ -160,7 +161,7 @@ def report(runs: Mapping[str, Sequence[Mapping[str, Any]]], v: Mapping[str, Any]
     )
     if NO_WINDOW in runs:
         r = v["ratios"]
-        uw, uc = r[("collector up", "wall_s")], r[("collector up", "cpu_s")]
+        uw, uc = r[(UP, "wall_s")], r[(UP, "cpu_s")]
         nw, nc = r[(NO_WINDOW, "wall_s")], r[(NO_WINDOW, "cpu_s")]
         lines.append(
             f"  attributed: the profiler window {uw - nw:+.2%} wall, {uc - nc:+.2%} cpu (collector up with "

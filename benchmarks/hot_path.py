@@ -142,9 +142,10 @@ def _summary(s: list[int], overhead: float) -> dict[str, float]:
 
 
 def _floor_ratio(sw: list[int], bare: list[int], timer: list[int]) -> float:
+    """Stepwatch's net median over the floor's, both net of the same stretch's timer cost."""
     overhead = statistics.median(timer)
-    floor = statistics.median(max(0.0, v - overhead) for v in bare)
-    return statistics.median(max(0.0, v - overhead) for v in sw) / floor if floor else math.inf
+    floor = _summary(bare, overhead)["median_us"]
+    return _summary(sw, overhead)["median_us"] / floor if floor else math.inf
 
 
 def run() -> dict[str, Any]:

@@ -82,7 +82,7 @@ def _rounds(aa: list[float], agent: list[float]) -> dict[str, list[dict[str, flo
     base = 0.030
     return {
         agent_overhead.NO_AGENT: [{"wall_s": base, "cpu_s": base} for _ in aa],
-        "collector up": [{"wall_s": base * x, "cpu_s": base * x} for x in agent],
+        agent_overhead.UP: [{"wall_s": base * x, "cpu_s": base * x} for x in agent],
         agent_overhead.AGAIN: [{"wall_s": base * x, "cpu_s": base * x} for x in aa],
     }
 
