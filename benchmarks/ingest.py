@@ -16,9 +16,10 @@ same rows stored, one request instead of ``--ranks-per-host``).
 Throughput is the closed-loop peak (``--concurrency`` connections, each posting its next
 window as soon as the last is answered); phases alternate no-op / PostgreSQL and the
 medians are compared. Latency is measured open-loop: windows offered at the budget rate
-(100,000 rank-steps/s) over 256 connections, timed from when each was due; then again to
-a collector over the same database without the analysis worker (a thread that shares
-its interpreter with ingest; budgeted: the first).
+(100,000 rank-steps/s) over 256 connections, timed from when each was due, to the
+collector as ``stepwatch serve`` runs it on PostgreSQL (the analysis worker in its own
+process; budgeted), then over the same database to one with the worker as a thread of
+each web worker (``STEPWATCH_ANALYSIS_MODE=thread``) and to one without it.
 Budgets (DESIGN §7): >= 30% of the COPY rate; >= 100,000 rank-steps/s on 2 cores and
 >= 50% of the no-op rate; POST p99 <= 100 ms at 4,096 ranks; ``job_steps`` within 2x of
 its freshly copied size per row.
@@ -42,6 +43,8 @@ RATIO_BUDGET = 0.5
 COPY_BUDGET = 0.30
 BLOAT_BUDGET = 2.0
 P99_BUDGET_S = 0.100
+#: New runs each paced-phase collector is given to analyse before its paced windows.
+BACKLOG_RUNS = 4
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,10 +69,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             host = "host" in kind
             bodies = fleet.host_payloads(args.windows, per_host) if host else fleet.payloads(args.windows)
             phases.append((kind, fleet.run, list(bodies)))
-    paced = loadgen.Fleet("bench-paced", args.ranks, n, seed=99)
-    paced_bodies = list(paced.payloads(1))
-    quiet = loadgen.Fleet("bench-paced-no-analysis", args.ranks, n, seed=98)
-    quiet_bodies = list(quiet.payloads(1))
+    # The paced phase, to the collector as served (the analysis worker in its own
+    # process), to one with the worker as a thread of each web worker, and to one without
+    # it; each collector fresh, first given the same backlog to analyse (BACKLOG_RUNS new
+    # runs, posted per host at the peak rate), then the paced windows at once.
+    paced_kinds = {
+        "process": ("the analysis worker in its own process (as served)", {}),
+        "thread": ("the analysis worker a thread of each web worker", {"STEPWATCH_ANALYSIS_MODE": "thread"}),
+        "none": ("no analysis worker", {"STEPWATCH_ANALYSIS_ENABLED": "false"}),
+    }
+    backlog = {
+        kind: [loadgen.Fleet(f"bench-backlog-{kind}-{j}", args.ranks, n, seed=j) for j in range(BACKLOG_RUNS)]
+        for kind in paced_kinds
+    }
+    backlog_bodies = {
+        kind: [list(f.host_payloads(args.windows, per_host)) for f in fleets]
+        for kind, fleets in backlog.items()
+    }
+    paced = {kind: loadgen.Fleet(f"bench-paced-{kind}", args.ranks, n, seed=99) for kind in paced_kinds}
+    paced_bodies = {kind: list(fleet.payloads(args.windows)) for kind, fleet in paced.items()}
+    paced_res: dict[str, loadgen.LoadResult] = {}
 
     results: dict[str, list[loadgen.LoadResult]] = {k: [] for k in kinds}
     copy_rates: list[float] = []
@@ -95,17 +114,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                     load = CopyLoad(bodies)
                     load.prepare(copy_conn, f"copy-{len(copy_rates)}")
                     copy_rates.append(load.rank_steps / load.copy(copy_conn))
-            paced_res = loadgen.post_at_rate(pg_url, paced_bodies, n, rate=RATE_BUDGET / n)
-            _check("paced", paced_res, len(paced_bodies))
-        # The same offered rate to a collector without the analysis worker (a thread that
-        # shares the interpreter with ingest), over the same database and its runs.
-        no_analysis = {"STEPWATCH_ANALYSIS_ENABLED": "false"}
-        with server(pg_cmd, "/readyz", env=no_analysis) as quiet_url:
-            quiet_res = loadgen.post_at_rate(quiet_url, quiet_bodies, n, rate=RATE_BUDGET / n)
-            _check("paced, no analysis", quiet_res, len(quiet_bodies))
+        with psycopg.connect(db_url.replace("+psycopg", "")) as conn:  # the rows the COPY database holds
+            job_bytes = table_bytes_per_row(conn, "job_steps")
+            job_hot = hot_share(conn, "job_steps")
+        for kind, (_, env) in paced_kinds.items():
+            with server(pg_cmd, "/readyz", env=env) as url:
+                for bodies in backlog_bodies[kind]:
+                    res = loadgen.post_all(
+                        url, bodies, n * per_host, concurrency=args.concurrency, path=wire.HOST_BATCH_PATH
+                    )
+                    _check(f"backlog, {kind}", res, len(bodies))
+                paced_res[kind] = loadgen.post_at_rate(url, paced_bodies[kind], n, rate=RATE_BUDGET / n)
+                _check(f"paced, {kind}", paced_res[kind], len(paced_bodies[kind]))
         # Every acknowledged rank-step was stored, once.
         with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
-            paced_phases = [("pg", paced.run, paced_bodies), ("pg", quiet.run, quiet_bodies)]
+            paced_phases = [("pg", paced[kind].run, paced_bodies[kind]) for kind in paced_kinds]
+            paced_phases += [
+                ("pg-host", fleet.run, bodies)
+                for kind in paced_kinds
+                for fleet, bodies in zip(backlog[kind], backlog_bodies[kind], strict=True)
+            ]
             for kind, run, bodies in [*phases, *paced_phases]:
                 if not kind.startswith("pg"):
                     continue
@@ -116,8 +144,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ).fetchone()
                 windows = len(bodies) * (per_host if "host" in kind else 1) // args.ranks
                 assert stored == (args.ranks * windows * n, windows * n), (run, stored)
-            job_bytes = table_bytes_per_row(conn, "job_steps")
-            job_hot = hot_share(conn, "job_steps")
         copy_job_bytes = table_bytes_per_row(copy_conn, "job_steps")
         copy_conn.close()
 
@@ -129,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     copy_rate = median(copy_rates)
     bloat = job_bytes / copy_job_bytes
-    p99 = paced_res.quantile(0.99)
+    p99 = paced_res["process"].quantile(0.99)
     print(
         f"ingest: {args.ranks} simulated ranks, {n}-step windows, {args.workers} uvicorn workers, "
         f"{args.rounds} rounds per phase of {args.ranks * args.windows} POSTs (one per rank) or "
@@ -146,15 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  {label + ' (peak)':<34} {rate(kind):11,.0f} rank-steps/s"
             f"   POST p50 {lat_ms(kind, 0.5):5.1f} ms  p99 {lat_ms(kind, 0.99):5.1f} ms"
         )
-    print(
-        f"  PostgreSQL at {RATE_BUDGET:,} rank-steps/s offered (per rank): achieved "
-        f"{paced_res.steps_acked / paced_res.seconds:,.0f}, POST p50 {paced_res.quantile(0.5) * 1e3:.1f} ms"
-        f"  p99 {p99 * 1e3:.1f} ms"
-    )
-    print(
-        f"  the same without the analysis worker: achieved {quiet_res.steps_acked / quiet_res.seconds:,.0f}, "
-        f"POST p50 {quiet_res.quantile(0.5) * 1e3:.1f} ms  p99 {quiet_res.quantile(0.99) * 1e3:.1f} ms"
-    )
+    for kind, (label, _) in paced_kinds.items():
+        res = paced_res[kind]
+        print(
+            f"  PostgreSQL at {RATE_BUDGET:,} rank-steps/s offered (per rank), {label}: achieved "
+            f"{res.steps_acked / res.seconds:,.0f}, POST p50 {res.quantile(0.5) * 1e3:.1f} ms"
+            f"  p99 {res.quantile(0.99) * 1e3:.1f} ms"
+        )
     print(f"  raw COPY of the same rows          {copy_rate:11,.0f} rank-steps/s (one transaction per phase)")
     pg_rate, host_rate = rate("pg"), rate("pg-host")
     copy_ratio, host_copy_ratio = pg_rate / copy_rate, host_rate / copy_rate

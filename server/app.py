@@ -20,7 +20,6 @@ from starlette.types import Receive, Scope, Send
 import stepwatch
 
 from . import web
-from .analysis.regressions import RegressionConfig
 from .api import errors
 from .api.auth import Authenticator, require_read
 from .api.ingest_path import IngestPath, is_ingest
@@ -37,31 +36,7 @@ from .steering.delivery import Deliveries
 from .storage.backend import open_storage
 from .storage.engine import make_engine
 from .storage.migrate import current_revision, head_revision
-from .worker import AnalysisWorker, WorkerConfig
-from .worker.captures import CaptureConfig
-from .worker.webhook import WebhookNotifier
-
-
-def _worker_config(settings: Settings) -> WorkerConfig:
-    return WorkerConfig(
-        interval_s=settings.analysis_interval_s,
-        grace_s=settings.analysis_grace_s,
-        horizon_s=settings.analysis_horizon_s,
-        hang_k=settings.hang_k,
-        hang_floor_s=settings.hang_floor_s,
-        hang_startup_s=settings.hang_startup_s,
-        regressions=RegressionConfig(
-            baseline_samples=settings.analysis_baseline_windows,
-            baseline_max=max(RegressionConfig().baseline_max, settings.analysis_baseline_windows),
-        ),
-        captures=CaptureConfig(
-            on_flag=settings.capture_on_flag,
-            min_interval_s=settings.capture_min_interval_s,
-            steps=settings.capture_steps,
-            max_cost_s=settings.capture_max_cost_s,
-            max_bytes=settings.trace_max_bytes,
-        ),
-    )
+from .worker.process import build_analysis
 
 
 class CollectorApp(FastAPI):
@@ -84,23 +59,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     storage = open_storage(engine)  # the one place the backend is chosen
 
     metrics = CollectorMetrics()
-    notifier: WebhookNotifier | None = None
-    if settings.webhook_url:
-        notifier = WebhookNotifier(
-            settings.webhook_url,
-            fmt=settings.webhook_format,
-            timeout_s=settings.webhook_timeout_s,
-            max_attempts=settings.webhook_max_attempts,
-            resend_s=settings.webhook_resend_s,
-            public_url=settings.public_url,
-            on_outcome=lambda outcome: metrics.webhook.labels(outcome).inc(),
-        )
-    worker = AnalysisWorker(
-        storage,
-        _worker_config(settings),
-        notify=notifier.notify if notifier is not None else None,
-        on_pass=metrics.record_pass,
-    )
+    worker, notifier = build_analysis(settings, storage, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -139,7 +98,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     )
     app.state.group_commit = GroupCommitter(ingestor.store_many, on_group=metrics.group_batches.observe)
     # Run, rank and flag series, read from the database at each scrape (bounded cardinality).
-    metrics.registry.register(RunStateCollector(engine, ExporterConfig.from_settings(settings)))
+    exposed = metrics.exposition(RunStateCollector(engine, ExporterConfig.from_settings(settings)))
     app.state.worker = worker
     app.state.notifier = notifier
     errors.install(app, retry_after_s=settings.retry_after_s)
@@ -194,7 +153,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         dependencies=metrics_auth,
     )
     def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

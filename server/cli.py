@@ -67,7 +67,20 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.migrate_on_start:
         migrate.upgrade(settings.database_url)
-    run_uvicorn("stepwatch_server.app:app_from_env", settings, log_level=log_level)
+    from .exporter.registry import shared_counters
+    from .worker.process import AnalysisProcess, analysis_apart
+
+    with shared_counters():  # /metrics sums the web workers' and the analysis process's
+        if not (settings.analysis_enabled and analysis_apart(settings)):
+            run_uvicorn("stepwatch_server.app:app_from_env", settings, log_level=log_level)
+            return 0
+        analysis = AnalysisProcess(settings, log_level)
+        analysis.start()
+        try:  # the web workers without the analysis thread: it runs in its own process
+            web = settings.model_copy(update={"analysis_enabled": False})
+            run_uvicorn("stepwatch_server.app:app_from_env", web, log_level=log_level)
+        finally:
+            analysis.stop()
     return 0
 
 

@@ -80,9 +80,13 @@ class Settings(BaseSettings):
     #: Untagged steps after warm-up that form a run's frozen baseline.
     metrics_baseline_steps: int = Field(default=100, ge=1, le=100_000)
 
-    # -- analysis (stragglers, regressions, hangs): a worker thread, off the ingest path --
+    # -- analysis (stragglers, regressions, hangs): a worker off the ingest path --
     #: Run the analysis worker in this collector (every replica may; one analyses a run at a time).
     analysis_enabled: bool = True
+    #: Where ``serve`` runs it: ``process`` (its own, beside the web workers: no GIL shared
+    #: with ingest), ``thread`` (one in each web worker), ``auto``: a process on PostgreSQL,
+    #: a thread on SQLite (one process owns the file). See ``worker/process.py``.
+    analysis_mode: Literal["auto", "process", "thread"] = "auto"
     #: Seconds between analysis passes.
     analysis_interval_s: float = Field(default=5.0, gt=0)
     #: A window some rank has not completed is analysed without it this long after newer

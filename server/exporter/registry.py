@@ -2,14 +2,52 @@
 
 The registry belongs to the app (never the global default), so several collectors can
 live in one process (tests, replicas). Run, rank and flag families come from the custom
-collector in ``exporter/``, which the app factory registers here.
+collector in ``exporter/``, which the app factory registers beside them.
+
+Under ``stepwatch serve`` several processes count: the web workers (``--workers``) and the
+analysis process (``worker/process.py``). ``serve`` then runs prometheus_client's
+multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``: each process writes its counters to files
+there) and every scrape, whichever worker answers it, sums all of them; with one registry
+per process a scrape would show the counters of whichever worker it reached, and none of
+the analysis process.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, values
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from ..worker import PassReport
+
+#: Set (by ``serve``) before the processes that count start: the multiprocess mode's files.
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+
+@contextlib.contextmanager
+def shared_counters() -> Iterator[str]:
+    """Multiprocess mode for this process and those it starts (they inherit the
+    environment), in a fresh directory removed afterwards; an operator's own
+    ``PROMETHEUS_MULTIPROC_DIR`` is used as it is and kept."""
+    given = os.environ.get(MULTIPROCESS_DIR)
+    path = given or tempfile.mkdtemp(prefix="stepwatch-metrics-")
+    os.environ[MULTIPROCESS_DIR] = path
+    # prometheus_client picks its value class when first imported: this process may
+    # have imported it already (counters created from now on write to the files).
+    values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+    try:
+        yield path
+    finally:
+        if given is None:
+            del os.environ[MULTIPROCESS_DIR]
+            values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class CollectorMetrics:
@@ -59,6 +97,17 @@ class CollectorMetrics:
             ["outcome"],
             registry=self.registry,
         )
+
+    def exposition(self, *collectors: Collector) -> CollectorRegistry:
+        """What ``/metrics`` serves: these counters (summed over every process of this
+        ``serve`` in multiprocess mode) and ``collectors``, read at each scrape."""
+        registry = self.registry
+        if MULTIPROCESS_DIR in os.environ:
+            registry = CollectorRegistry(auto_describe=True)
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        for c in collectors:
+            registry.register(c)
+        return registry
 
     def record_pass(self, report: PassReport, seconds: float) -> None:
         """Called by the analysis worker after every pass."""
