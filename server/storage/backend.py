@@ -46,6 +46,11 @@ class Storage(Protocol):
         holds it."""
         ...
 
+    def release_snapshot(self, conn: Connection) -> None:
+        """Let the database forget the snapshot of the last read in this open transaction,
+        so that the long computation that follows holds back no one's cleanup."""
+        ...
+
 
 def open_storage(engine: Engine) -> Storage:
     """The implementation for ``engine``'s backend."""

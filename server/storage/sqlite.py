@@ -74,3 +74,6 @@ class SqliteStorage:
 
     def lock_run(self, conn: Connection, run_id: int) -> bool:
         return True  # one collector process; its one worker thread analyses
+
+    def release_snapshot(self, conn: Connection) -> None:
+        return None  # no row versions to keep: SQLite writers take the file in turn

@@ -14,13 +14,16 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, select
 
+from stepwatch_server.analysis.pipeline import Change, RunAnalysis
 from stepwatch_server.analysis.progress import SECONDS_PER_DAY
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.backend import open_storage
+from stepwatch_server.storage.engine import make_engine
 from stepwatch_server.storage.models import Rank, RankWindow
 from stepwatch_server.worker import AnalysisWorker, WorkerConfig
 
+from .. import pg
 from ..payloads import payload, profile_entry
 
 W = 8  # ranks
@@ -274,3 +277,36 @@ def test_a_provisional_window_size_holds_the_windows_back_but_not_the_hangs(
         assert {ws for (ws,) in conn.execute(select(RankWindow.window)).all()} == {0, 1, 2}
     report = w.run_once()
     assert report.windows == 2  # windows 0 and 1 are complete on every rank (steps 1-16)
+
+
+def test_a_pass_holds_no_snapshot_while_it_computes(
+    pg_admin: str, pg_at_head: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL (SQLite keeps no row versions): while the worker turns windows into
+    findings (Python; seconds at thousands of ranks) no session of the database holds a
+    snapshot or a transaction id (``release_snapshot``), so the versions that ingest's
+    in-place updates of ``job_steps`` leave behind can be pruned meanwhile. Seen from
+    another session, as the server sees it."""
+    held: list[list[tuple[Any, ...]]] = []
+    feed = RunAnalysis.feed
+
+    def observed(self: RunAnalysis, *args: Any, **kwargs: Any) -> list[Change]:
+        with eng.connect() as probe:
+            rows = probe.exec_driver_sql(
+                "SELECT pid, state, query FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)"
+            )
+            held.append([tuple(r) for r in rows])
+        return feed(self, *args, **kwargs)
+
+    with pg.fresh_database(pg_admin, template=pg_at_head) as url:
+        eng = make_engine(url)
+        try:
+            settings = Settings(database_url=url, window_seconds=4.0, analysis_enabled=False)
+            with TestClient(create_app(settings, engine=eng)) as c:
+                send_windows(c, range(0, 5), slow_rank=3)
+            monkeypatch.setattr(RunAnalysis, "feed", observed)
+            assert worker(eng).run_once().windows == 4
+        finally:
+            eng.dispose()
+    assert len(held) == 4 and held == [[]] * 4, held
