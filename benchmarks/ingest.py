@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 import psycopg
 
@@ -71,23 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             phases.append((kind, fleet.run, list(bodies)))
     # The paced phase, to the collector as served (the analysis worker in its own
     # process), to one with the worker as a thread of each web worker, and to one without
-    # it; each collector fresh, first given the same backlog to analyse (BACKLOG_RUNS new
-    # runs, posted per host at the peak rate), then the paced windows at once.
+    # it: each fresh, over a fresh database, first given the same backlog to analyse
+    # (BACKLOG_RUNS runs, posted per host at the peak rate), then the paced windows.
     paced_kinds = {
         "process": ("the analysis worker in its own process (as served)", {}),
         "thread": ("the analysis worker a thread of each web worker", {"STEPWATCH_ANALYSIS_MODE": "thread"}),
         "none": ("no analysis worker", {"STEPWATCH_ANALYSIS_ENABLED": "false"}),
     }
-    backlog = {
-        kind: [loadgen.Fleet(f"bench-backlog-{kind}-{j}", args.ranks, n, seed=j) for j in range(BACKLOG_RUNS)]
-        for kind in paced_kinds
-    }
-    backlog_bodies = {
-        kind: [list(f.host_payloads(args.windows, per_host)) for f in fleets]
-        for kind, fleets in backlog.items()
-    }
-    paced = {kind: loadgen.Fleet(f"bench-paced-{kind}", args.ranks, n, seed=99) for kind in paced_kinds}
-    paced_bodies = {kind: list(fleet.payloads(args.windows)) for kind, fleet in paced.items()}
     paced_res: dict[str, loadgen.LoadResult] = {}
 
     results: dict[str, list[loadgen.LoadResult]] = {k: [] for k in kinds}
@@ -118,32 +109,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             job_bytes = table_bytes_per_row(conn, "job_steps")
             job_hot = hot_share(conn, "job_steps")
         for kind, (_, env) in paced_kinds.items():
-            with server(pg_cmd, "/readyz", env=env) as url:
-                for bodies in backlog_bodies[kind]:
-                    res = loadgen.post_all(
-                        url, bodies, n * per_host, concurrency=args.concurrency, path=wire.HOST_BATCH_PATH
-                    )
-                    _check(f"backlog, {kind}", res, len(bodies))
-                paced_res[kind] = loadgen.post_at_rate(url, paced_bodies[kind], n, rate=RATE_BUDGET / n)
-                _check(f"paced, {kind}", paced_res[kind], len(paced_bodies[kind]))
+            paced_res[kind] = _paced(kind, env, args)
         # Every acknowledged rank-step was stored, once.
         with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
-            paced_phases = [("pg", paced[kind].run, paced_bodies[kind]) for kind in paced_kinds]
-            paced_phases += [
-                ("pg-host", fleet.run, bodies)
-                for kind in paced_kinds
-                for fleet, bodies in zip(backlog[kind], backlog_bodies[kind], strict=True)
-            ]
-            for kind, run, bodies in [*phases, *paced_phases]:
-                if not kind.startswith("pg"):
-                    continue
-                stored = conn.execute(
-                    "SELECT sum(ranks), count(*) FROM job_steps JOIN runs ON runs.id = run_id "
-                    "WHERE name = %s",
-                    (run,),
-                ).fetchone()
-                windows = len(bodies) * (per_host if "host" in kind else 1) // args.ranks
-                assert stored == (args.ranks * windows * n, windows * n), (run, stored)
+            for kind, run, bodies in phases:
+                if kind.startswith("pg"):
+                    _check_stored(conn, run, len(bodies) * (per_host if "host" in kind else 1), args)
         copy_job_bytes = table_bytes_per_row(copy_conn, "job_steps")
         copy_conn.close()
 
@@ -205,6 +176,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print("  budgets: " + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in checks.items()))
     return 0
+
+
+def _paced(kind: str, env: dict[str, str], args: argparse.Namespace) -> loadgen.LoadResult:
+    """The paced windows to a fresh collector of this kind over a fresh database, once it
+    was given the backlog; every acknowledged rank-step checked stored, once."""
+    n, per_host = args.steps_per_window, args.ranks_per_host
+    backlog = [loadgen.Fleet(f"bench-backlog-{j}", args.ranks, n, seed=j) for j in range(BACKLOG_RUNS)]
+    backlog_bodies = [list(f.host_payloads(args.windows, per_host)) for f in backlog]
+    paced = loadgen.Fleet("bench-paced", args.ranks, n, seed=99)
+    paced_bodies = list(paced.payloads(args.windows))
+    with pg_database("stepwatch_bench_paced") as db_url:
+        cmd = ["stepwatch", "serve", "--database-url", db_url, "--log-level", "warning"]
+        with server([*cmd, "--workers", str(args.workers)], "/readyz", env=env) as url:
+            for bodies in backlog_bodies:
+                res = loadgen.post_all(
+                    url, bodies, n * per_host, concurrency=args.concurrency, path=wire.HOST_BATCH_PATH
+                )
+                _check(f"backlog, {kind}", res, len(bodies))
+            result = loadgen.post_at_rate(url, paced_bodies, n, rate=RATE_BUDGET / n)
+            _check(f"paced, {kind}", result, len(paced_bodies))
+        with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
+            for fleet, bodies in zip(backlog, backlog_bodies, strict=True):
+                _check_stored(conn, fleet.run, len(bodies) * per_host, args)
+            _check_stored(conn, paced.run, len(paced_bodies), args)
+    return result
+
+
+def _check_stored(
+    conn: psycopg.Connection[Any], run: str, rank_windows: int, args: argparse.Namespace
+) -> None:
+    """Every acknowledged rank-step of ``run`` stored, once."""
+    n = args.steps_per_window
+    stored = conn.execute(
+        "SELECT sum(ranks), count(*) FROM job_steps JOIN runs ON runs.id = run_id WHERE name = %s", (run,)
+    ).fetchone()
+    windows = rank_windows // args.ranks
+    assert stored == (args.ranks * windows * n, windows * n), (run, stored)
 
 
 def _check(kind: str, res: loadgen.LoadResult, expected: int) -> None:

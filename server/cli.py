@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import sys
 
 from .api.auth import Authenticator
@@ -67,29 +70,51 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.migrate_on_start:
         migrate.upgrade(settings.database_url)
-    from .exporter.registry import shared_counters
-    from .worker.process import AnalysisProcess, analysis_apart
+    from .worker.process import analysis_apart
 
-    with shared_counters():  # /metrics sums the web workers' and the analysis process's
-        if not (settings.analysis_enabled and analysis_apart(settings)):
-            run_uvicorn("stepwatch_server.app:app_from_env", settings, log_level=log_level)
-            return 0
+    apart = settings.analysis_enabled and analysis_apart(settings)
+    try:
+        _serve(settings, log_level, apart)
+    except _TerminatedError:  # stopped: now die of the signal, as a SIGTERMed process does
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return 0
+
+
+class _TerminatedError(Exception):
+    """SIGTERM, raised where ``serve`` was so that its cleanup runs (uvicorn serving in this
+    process shuts down gracefully, restores this handler and raises the signal again)."""
+
+
+def _on_sigterm(*_: object) -> None:
+    raise _TerminatedError
+
+
+def _serve(settings: Settings, log_level: str, apart: bool) -> None:
+    """The web workers and, ``apart``, the analysis process beside them; with more than one
+    process, counters in prometheus_client's multiprocess mode, summed by every scrape."""
+    from .exporter.registry import shared_counters
+    from .worker.process import AnalysisProcess
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    factory = "stepwatch_server.app:app_from_env"
+    with shared_counters() if apart or settings.workers > 1 else contextlib.nullcontext():
+        if not apart:
+            run_uvicorn(factory, settings, log_level=log_level)
+            return
         analysis = AnalysisProcess(settings, log_level)
         analysis.start()
         try:  # the web workers without the analysis thread: it runs in its own process
             web = settings.model_copy(update={"analysis_enabled": False})
-            run_uvicorn("stepwatch_server.app:app_from_env", web, log_level=log_level)
+            run_uvicorn(factory, web, log_level=log_level)
         finally:
             analysis.stop()
-    return 0
 
 
 def run_uvicorn(factory: str, settings: Settings, *, log_level: str = "info") -> None:
     """Serve ``factory`` (an import string of an app factory) the way production does:
     uvloop + httptools, ``settings.workers`` processes. The settings reach each worker
     through the environment, since workers import the factory afresh."""
-    import os
-
     import uvicorn
 
     from .api.timeouts import uvicorn_options

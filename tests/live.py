@@ -63,9 +63,9 @@ class CollectorProcess:
         cmd = [sys.executable, "-m", "stepwatch", "serve", "--port", str(self.port)]
         cmd += ["--database-url", self.database_url, "--log-level", "warning"]
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
-            )
+            # A SIGKILLed serve leaves its counters' directory: in the test's, not /tmp.
+            env = {**os.environ, "TMPDIR": os.path.dirname(os.path.abspath(self.log_path)), **self.env}
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         wait_ready(self.url, self.process, 60.0, self.log_path)
 
     def kill(self) -> None:

@@ -4,8 +4,8 @@ The registry belongs to the app (never the global default), so several collector
 live in one process (tests, replicas). Run, rank and flag families come from the custom
 collector in ``exporter/``, which the app factory registers beside them.
 
-Under ``stepwatch serve`` several processes count: the web workers (``--workers``) and the
-analysis process (``worker/process.py``). ``serve`` then runs prometheus_client's
+Under ``stepwatch serve`` several processes may count: the web workers (``--workers``) and
+the analysis process (``worker/process.py``). ``serve`` then runs prometheus_client's
 multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``: each process writes its counters to files
 there) and every scrape, whichever worker answers it, sums all of them; with one registry
 per process a scrape would show the counters of whichever worker it reached, and none of
@@ -36,6 +36,8 @@ def shared_counters() -> Iterator[str]:
     environment), in a fresh directory removed afterwards; an operator's own
     ``PROMETHEUS_MULTIPROC_DIR`` is used as it is and kept."""
     given = os.environ.get(MULTIPROCESS_DIR)
+    if given and not os.path.isdir(given):
+        raise RuntimeError(f"{MULTIPROCESS_DIR}={given} is not a directory (its counters' files go there)")
     path = given or tempfile.mkdtemp(prefix="stepwatch-metrics-")
     os.environ[MULTIPROCESS_DIR] = path
     # prometheus_client picks its value class when first imported: this process may

@@ -208,9 +208,9 @@ class AnalysisWorker:
             changes: list[Change] = []
             if ready.windows:
                 first, last = ready.windows[0], ready.windows[-1]
-                # Each bulk read is turned into inputs without holding its snapshot
-                # (``release_snapshot``), and the computation after them holds none: the
-                # writes come last, so until then the transaction has no id either.
+                # No snapshot held after each bulk read (``release_snapshot``), so none
+                # through the computation below; the writes come last, so until then
+                # the transaction has no id either.
                 windows = inputs.rank_windows(conn, run, ranks, first, last)
                 self.storage.release_snapshot(conn)
                 steps = inputs.job_steps(conn, run, first, last)

@@ -3,20 +3,21 @@
 Why a process: a pass is CPU-bound Python. As a thread of a web worker it shares that
 interpreter's GIL with ingest, and every request the web worker is answering waits while
 the pass runs: in the ingest benchmark's paced phase (4,096 simulated ranks, 100,000
-rank-steps/s offered, the worker analysing the earlier runs) the POST p99 was 118-154 ms
-with the worker as a thread, 27-30 ms with it in its own process, 24 ms without analysis
-(``python -m benchmarks.ingest`` prints all three). Its state already lives in the
-database and its runs are taken under locks (``loop.py``), so a separate process changes
-nothing of what it flags.
+rank-steps/s offered, each collector first given the same backlog to analyse) the POST
+p99 was 149-186 ms with the worker as a thread, 37-49 ms with it in its own process and
+24-30 ms without analysis in three runs (``python -m benchmarks.ingest`` prints all
+three). Its state already lives in the database and its runs are taken under locks
+(``loop.py``), so a separate process changes nothing of what it flags.
 
 Where: :func:`analysis_apart` decides. PostgreSQL: a process (any number of processes may
 write it). SQLite: a thread, since one process owns the file (``STEPWATCH_ANALYSIS_MODE``
 overrides either way).
 
 Lifecycle: :class:`AnalysisProcess` (in ``serve``) spawns it, restarts it if it dies and
-stops it with SIGTERM when ``serve`` stops. The child asks the kernel for a SIGTERM when
-its parent dies (``PR_SET_PDEATHSIG``), so a SIGKILLed ``serve`` leaves no analysis
-running. Its counters reach ``/metrics`` through prometheus_client's multiprocess mode
+stops it with SIGTERM when ``serve`` stops (SIGTERMed itself, ``serve`` stops its web
+workers, then this process, then dies of the signal). The child asks the kernel for a
+SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), so a SIGKILLed ``serve`` leaves no
+analysis running. Its counters reach ``/metrics`` through prometheus_client's multiprocess mode
 (``exporter/registry.py``), summed with the web workers'.
 
 :func:`build_analysis` is the one place the worker and its webhook are assembled from the
@@ -138,18 +139,20 @@ class AnalysisProcess:
         self._monitor.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``. The monitor alone reaps the child
+        (two threads waiting on one pid could each miss its exit)."""
         self._stopping.set()
         with self._lock:
             proc = self._proc
-        if proc is not None and proc.is_alive():
-            proc.terminate()
-            proc.join(timeout_s)
-            if proc.is_alive():
-                log.warning("the analysis process did not stop within %.0f s; killed", timeout_s)
-                proc.kill()
-                proc.join()
+        if proc is None:
+            return
+        proc.terminate()  # a no-op once reaped
         if self._monitor is not None:
             self._monitor.join(timeout_s)
+            if self._monitor.is_alive():
+                log.warning("the analysis process did not stop within %.0f s; killed", timeout_s)
+                proc.kill()
+                self._monitor.join()
 
     def _spawn(self) -> BaseProcess:
         proc = self._ctx.Process(
@@ -165,32 +168,37 @@ class AnalysisProcess:
         while True:
             with self._lock:
                 proc = self._proc
-            assert proc is not None
-            proc.join()
-            if self._stopping.is_set():
-                return
-            log.error(
-                "the analysis process %s exited with %s; starting another in %.0f s",
-                proc.pid,
-                proc.exitcode,
-                RESTART_DELAY_S,
-            )
+            if proc is not None:
+                proc.join()
+                if self._stopping.is_set():
+                    return
+                log.error(
+                    "the analysis process %s exited with %s; starting another in %.0f s",
+                    proc.pid,
+                    proc.exitcode,
+                    RESTART_DELAY_S,
+                )
             if self._stopping.wait(RESTART_DELAY_S):
                 return
             with self._lock:
                 if self._stopping.is_set():
                     return
-                self._proc = self._spawn()
+                try:
+                    self._proc = self._spawn()
+                except Exception:  # out of processes, memory or descriptors: try again later
+                    log.exception("could not start the analysis process")
+                    self._proc = None
 
 
 def run_analysis(settings: Settings, log_level: str, parent_pid: int) -> None:
     """The analysis process: passes until SIGTERM (from ``serve``, or from the kernel when
-    ``serve`` dies). SIGINT is ignored: a Ctrl-C reaches the whole process group, and
-    ``serve`` stops this process once its web workers have stopped."""
+    ``serve`` dies), taken with ``sigwait`` by the main thread (a handler that sets an
+    event could interrupt that event's own wait while it holds its lock). SIGINT is
+    ignored: a Ctrl-C reaches the whole process group, and ``serve`` stops this process
+    once its web workers have stopped."""
     _as_child_of(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # inherited by the threads below
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = make_engine(settings.database_url)
     worker, notifier = build_analysis(settings, open_storage(engine), CollectorMetrics())
@@ -198,7 +206,7 @@ def run_analysis(settings: Settings, log_level: str, parent_pid: int) -> None:
         notifier.start()
     worker.start()
     try:
-        stop.wait()
+        signal.sigwait({signal.SIGTERM})
     finally:
         worker.stop()
         if notifier is not None:
