@@ -130,8 +130,11 @@ class PostgresStorage:
         ``backend_xmin``, and no row version deleted after it can be pruned anywhere on
         the server. The analysis worker, computing between its reads and its writes (for
         long at thousands of ranks), so held back the pruning of ``job_steps``, which
-        every group commit updates in place (``python -m benchmarks.ingest``: 2.21x and
-        2.71x its freshly copied size before, 1.95x and 2.38x after). A simple query
+        every group commit updates in place: sampled during the ingest benchmark, its
+        session was most of the sessions that held a snapshot, idle in transaction (the
+        benchmark's ``job_steps`` size stays noisy, 1.95-3.79x its freshly copied size
+        in three runs after, 2.21-2.71x in two before: the web workers' own group
+        commits hold the horizon back too). A simple query
         replaces the unnamed portal and the session holds no snapshot. Sent by the driver
         itself with ``prepare=False``: psycopg prepares a statement it has run five times
         on a connection (the pool's ping is the same ``SELECT 1``), and a prepared one

@@ -4,8 +4,8 @@ Why a process: a pass is CPU-bound Python. As a thread of a web worker it shares
 interpreter's GIL with ingest, and every request the web worker is answering waits while
 the pass runs: in the ingest benchmark's paced phase (4,096 simulated ranks, 100,000
 rank-steps/s offered, each collector first given the same backlog to analyse) the POST
-p99 was 149-186 ms with the worker as a thread, 37-49 ms with it in its own process and
-24-30 ms without analysis in three runs (``python -m benchmarks.ingest`` prints all
+p99 was 137-186 ms with the worker as a thread, 37-49 ms with it in its own process and
+24-30 ms without analysis in four runs (``python -m benchmarks.ingest`` prints all
 three). Its state already lives in the database and its runs are taken under locks
 (``loop.py``), so a separate process changes nothing of what it flags.
 
