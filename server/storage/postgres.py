@@ -134,11 +134,11 @@ class PostgresStorage:
         session was most of the sessions that held a snapshot, idle in transaction (the
         benchmark's ``job_steps`` size stays noisy, 1.95-3.79x its freshly copied size
         in three runs after, 2.21-2.71x in two before: the web workers' own group
-        commits hold the horizon back too). A simple query
-        replaces the unnamed portal and the session holds no snapshot. Sent by the driver
-        itself with ``prepare=False``: psycopg prepares a statement it has run five times
-        on a connection (the pool's ping is the same ``SELECT 1``), and a prepared one
-        runs in the unnamed portal again."""
+        commits hold the horizon back too). A simple query replaces the unnamed portal
+        and the session holds no snapshot. Sent by the driver itself with
+        ``prepare=False``: psycopg prepares a statement it has run five times on a
+        connection (the pool's ping is the same ``SELECT 1``), and a prepared one runs in
+        the unnamed portal again."""
         driver: Any = conn.connection.driver_connection
         driver.execute("SELECT 1", prepare=False)
 

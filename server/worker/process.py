@@ -125,11 +125,6 @@ class AnalysisProcess:
         self._proc: BaseProcess | None = None
         self._monitor: threading.Thread | None = None
 
-    @property
-    def pid(self) -> int | None:
-        with self._lock:
-            return None if self._proc is None else self._proc.pid
-
     def start(self) -> None:
         with self._lock:
             self._proc = self._spawn()
@@ -144,12 +139,11 @@ class AnalysisProcess:
         self._stopping.set()
         with self._lock:
             proc = self._proc
-        if proc is None:
-            return
-        proc.terminate()  # a no-op once reaped
+        if proc is not None:
+            proc.terminate()  # a no-op once reaped
         if self._monitor is not None:
             self._monitor.join(timeout_s)
-            if self._monitor.is_alive():
+            if self._monitor.is_alive() and proc is not None:
                 log.warning("the analysis process did not stop within %.0f s; killed", timeout_s)
                 proc.kill()
                 self._monitor.join()
