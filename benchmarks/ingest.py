@@ -108,13 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with psycopg.connect(db_url.replace("+psycopg", "")) as conn:  # the rows the COPY database holds
             job_bytes = table_bytes_per_row(conn, "job_steps")
             job_hot = hot_share(conn, "job_steps")
-        for kind, (_, env) in paced_kinds.items():
-            paced_res[kind] = _paced(kind, env, args)
-        # Every acknowledged rank-step was stored, once.
-        with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
-            for kind, run, bodies in phases:
+            for kind, run, bodies in phases:  # every acknowledged rank-step stored, once
                 if kind.startswith("pg"):
                     _check_stored(conn, run, len(bodies) * (per_host if "host" in kind else 1), args)
+        for kind, (_, env) in paced_kinds.items():
+            paced_res[kind] = _paced(kind, env, args)
         copy_job_bytes = table_bytes_per_row(copy_conn, "job_steps")
         copy_conn.close()
 
