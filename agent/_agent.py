@@ -147,6 +147,7 @@ class Stepwatch:
                 heartbeat=self._heartbeat,
                 heartbeat_s=HEARTBEAT_INTERVALS * self._interval,
                 on_answer=self._on_answer,
+                host_batch=config.host_batch,
             )
             if self._enabled:  # here, not on the training thread at the first window close
                 sender.start()

@@ -75,6 +75,7 @@ def init(
     profile_every: int | None = None,
     profile_steps: int | None = None,
     profile_budget: float | None = None,
+    host_batch: bool | None = None,
     sample_batch: object = None,
     loss_fn: Callable[[Any], Any] | None = None,
     collectives: bool = False,
@@ -96,6 +97,8 @@ def init(
     model's FLOPs per token once, here, with ``torch.utils.flop_counter`` (one forward and
     backward of the real model). ``profile_every``/``profile_steps``/``profile_budget``
     set the profiler window (see ``stepwatch.profiler._window``; ``profile_every=0`` turns it off).
+    ``host_batch=True`` (``STEPWATCH_HOST_BATCH=1``) posts the windows of a host's ranks
+    together, one request per host and window (``stepwatch._relay``): for large jobs.
     A ``DistributedDataParallel`` ``model`` gets the always-on collective timing (``Stepwatch.watch``).
     ``collectives=True`` also counts plain ``torch.distributed`` collectives (tensor and
     pipeline parallel, FSDP2) for the hang diagnosis (``Stepwatch.watch_collectives``).
@@ -112,6 +115,7 @@ def init(
         profile_every=profile_every,
         profile_steps=profile_steps,
         profile_budget=profile_budget,
+        host_batch=host_batch,
     )
     info = _env.detect(
         rank=rank, local_rank=local_rank, world_size=world_size, host=host, tp=tp, pp=pp, cp=cp, ep=ep

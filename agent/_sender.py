@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from ._relay import NO_ANSWER, RelayClient, supported
 from ._window import Window
 from .retry import Verdict, full_jitter, retry_after_s, verdict
 
@@ -156,6 +157,7 @@ class Sender:
         heartbeat: Callable[[], Window | None] | None = None,
         heartbeat_s: float = 15.0,
         on_answer: Callable[[bytes], None] | None = None,
+        host_batch: bool = False,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -201,6 +203,9 @@ class Sender:
         #: best effort, one attempt each, after the windows waiting.
         self._uploads: deque[tuple[str, bytes]] = deque(maxlen=4)
         self._base = url.rstrip("/")
+        #: Per-host batching (``_relay``): this rank's windows go through the host's relay.
+        relayed = host_batch and supported()
+        self._relay = RelayClient(url, token, self._headers, timeout_s) if relayed else None
         #: clock() of the last submit or heartbeat (written by both threads: one store each).
         self._last_activity = clock()
         self._pid = os.getpid()
@@ -292,6 +297,8 @@ class Sender:
 
     def _reset_after_fork(self) -> None:
         self._pid = os.getpid()
+        if self._relay is not None:
+            self._relay.close()
         self._queue = deque()
         self._inflight = None
         self._attempts = 0
@@ -383,7 +390,9 @@ class Sender:
         timeout = self._timeout_s if left is None else max(0.01, min(self._timeout_s, left))
         self._posting_since = self._clock()
         try:
-            resp = client.post(self._endpoint, content=body, timeout=timeout)
+            resp = self._relayed(body, timeout)
+            if resp is None:
+                resp = client.post(self._endpoint, content=body, timeout=timeout)
         except (httpx.HTTPError, OSError) as exc:
             self._posting_since = None
             self.stats.failed_attempts += 1
@@ -415,6 +424,24 @@ class Sender:
                 return None
         self._waiting()
         return retry_after_s(resp.headers.get("retry-after")) or 0.0
+
+    def _relayed(self, body: bytes, timeout: float) -> httpx.Response | None:
+        """The answer to ``body`` posted by the host's relay, as a lone POST's response;
+        None without a relay (post alone)."""
+        if self._relay is None:
+            return None
+        import httpx
+
+        try:
+            answer = self._relay.post(body, timeout)
+        except OSError as exc:
+            raise OSError(f"the host's relay went away with this window ({_describe(exc, timeout)})") from exc
+        if answer is None:
+            return None
+        if answer.status == NO_ANSWER:  # the relay could not reach the collector
+            raise OSError(answer.content.decode(errors="replace"))
+        headers = {} if answer.retry_after_s is None else {"retry-after": f"{answer.retry_after_s:g}"}
+        return httpx.Response(answer.status, headers=headers, content=answer.content)
 
     def _put(self, client: httpx.Client, path: str, body: bytes) -> None:
         """One best-effort upload: a failure is counted and logged, never retried (the

@@ -46,6 +46,9 @@ class AgentConfig:
     profile_every: int = DEFAULT_PROFILE_EVERY
     profile_steps: int = 2
     profile_budget: float = 0.01
+    #: Per-host batching (``_relay``): the ranks of a host post their windows together,
+    #: one request per host and window instead of one per rank. For large jobs.
+    host_batch: bool = False
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -73,6 +76,7 @@ def load(
     profile_every: int | None = None,
     profile_steps: int | None = None,
     profile_budget: float | None = None,
+    host_batch: bool | None = None,
     env: Mapping[str, str] | None = None,
 ) -> AgentConfig:
     """Resolve the configuration; a bad value raises ValueError naming the setting."""
@@ -125,4 +129,5 @@ def load(
         profile_steps=k,
         profile_budget=budget,
         max_attempts=attempts,
+        host_batch=host_batch if host_batch is not None else _truthy(env.get("STEPWATCH_HOST_BATCH")),
     )

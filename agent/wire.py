@@ -9,7 +9,7 @@ and the collector imports it without the agent's dependencies.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
 #: The payload version the agent sends (the collector also accepts 1); 2 adds the
@@ -82,6 +82,12 @@ ENDPOINT_ID_BOUND = 2**63
 MAX_HOST_BATCHES = 256
 INGEST_PATH = "/api/v1/ingest"
 HOST_BATCH_PATH = "/api/v1/ingest/batches"
+
+
+def host_batch(bodies: Sequence[bytes]) -> bytes:
+    """The body of a ``HOST_BATCH_PATH`` POST carrying these encoded payloads, unparsed."""
+    return b'{"batches":[' + b",".join(bodies) + b"]}"
+
 
 # -- Steering: collector -> agents --------------------------------------------------------
 #: The answer to an ingest POST may carry ``directives`` for the posting rank (no new

@@ -98,15 +98,16 @@ class Fleet:
 
     def host_payloads(self, windows: int, ranks_per_host: int = 8) -> Iterator[bytes]:
         """The same windows as :meth:`payloads`, posted per host: one body per host and
-        window carrying its ``ranks_per_host`` ranks' payloads (``wire.HOST_BATCH_PATH``)."""
+        window carrying its ``ranks_per_host`` ranks' payloads (``wire.HOST_BATCH_PATH``),
+        as the agent's host relay (``STEPWATCH_HOST_BATCH``) posts them."""
         pending: list[bytes] = []
         for body in self.payloads(windows):
             pending.append(body)
             if len(pending) == ranks_per_host:
-                yield b'{"batches":[' + b",".join(pending) + b"]}"
+                yield wire.host_batch(pending)
                 pending = []
         if pending:
-            yield b'{"batches":[' + b",".join(pending) + b"]}"
+            yield wire.host_batch(pending)
 
 
 def encoding_cost(fleet: Fleet, samples: int = 2000) -> float:

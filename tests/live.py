@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from stepwatch.demo.launch import free_port, wait_ready
 from stepwatch_server.api.timeouts import uvicorn_options
@@ -23,10 +24,19 @@ from .wait import wait_until
 
 
 @contextmanager
-def serve_in_thread(database_url: str, port: int | None = None, **settings: object) -> Iterator[str]:
+def serve_in_thread(
+    database_url: str,
+    port: int | None = None,
+    wrap: Callable[[ASGIApp], ASGIApp] | None = None,
+    **settings: object,
+) -> Iterator[str]:
+    """The real collector app served by uvicorn in a thread (``wrap``: around the app, to
+    watch its requests)."""
     port = port or free_port()
     config = Settings(database_url=database_url, **settings)  # type: ignore[arg-type]
-    app = create_app(config)
+    app: ASGIApp = create_app(config)
+    if wrap is not None:
+        app = wrap(app)
     server = uvicorn.Server(
         uvicorn.Config(
             app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **uvicorn_options(config)

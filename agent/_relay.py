@@ -1,0 +1,342 @@
+"""Per-host batching: the windows of every rank of a host in one POST.
+
+At thousands of ranks, one POST per rank and window is most of the collector's cost (each
+request pays HTTP, the bearer check and a turn of the event loop) and one connection per
+rank. With host batching on (``STEPWATCH_HOST_BATCH=1``, ``init(host_batch=True)``), a
+rank's sender hands each window over a Unix socket to the host's relay: a thread in
+whichever of the host's processes bound the socket first. The relay posts the windows it
+holds to ``wire.HOST_BATCH_PATH`` together, as soon as each of the host's ranks has one
+waiting (torchrun's ``LOCAL_WORLD_SIZE``, or the ranks connected; synchronous training
+closes them within a step of each other) or :data:`LINGER_S` after the first, and hands
+each rank its own entry's answer.
+
+A rank's sender still owns its window: its buffer, retries, give-ups and the directives
+it is answered stay per rank, as without the relay; only the request is shared. So the
+guarantees are the same: an entry is acknowledged only by the collector's answer to it,
+and a retried entry is stored once (its ``batch_id``). When the collector refuses the
+host batch (a 4xx: one bad entry, a token over its quota), the relay posts each entry
+alone, so each rank gets the answer it would have got by itself and the good entries are
+stored. When the relay is gone (its process exited or was killed), the next rank to find
+it gone binds the socket and relays from then on; a rank that can neither reach a relay
+nor become one posts alone.
+
+The socket is in Linux's abstract namespace (no file to clean up after a SIGKILL), named
+by the user, collector URL and token, so only ranks that would post to the same collector
+with the same token share a request; a connection from another user is refused
+(``SO_PEERCRED``). Elsewhere than Linux, ranks post alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import selectors
+import socket
+import struct
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import wire
+from .retry import Verdict, retry_after_s, verdict
+
+if TYPE_CHECKING:
+    import httpx
+
+log = logging.getLogger("stepwatch")
+
+#: Seconds the relay holds a host batch open for the ranks that have not sent theirs.
+LINGER_S = 0.25
+#: A host batch's size bound: well under the collector's default body limit (16 MiB).
+MAX_BATCH_BYTES = 8 * 1024 * 1024
+_REQUEST = struct.Struct(">I")  # body length, then the body (one payload)
+_ANSWER = struct.Struct(">HdI")  # status (0: no answer), Retry-After (NaN: none), length
+#: Status of an answer the relay got no HTTP answer for (the content says why).
+NO_ANSWER = 0
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The collector's answer to one rank's entry, as a lone POST would have got it."""
+
+    status: int
+    retry_after_s: float | None
+    content: bytes
+
+
+def supported() -> bool:
+    return sys.platform.startswith("linux")
+
+
+def address(url: str, token: str | None) -> bytes:
+    """The host's relay socket for this user, collector and token (abstract namespace)."""
+    key = f"{os.getuid()}\n{url.rstrip('/')}\n{token or ''}".encode()
+    return b"\0stepwatch-relay-" + hashlib.sha256(key).hexdigest()[:32].encode()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(n)
+        if not chunk:
+            raise ConnectionError("the host's relay closed the connection")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+class RelayClient:
+    """A rank's way to its host's relay (sender thread only)."""
+
+    def __init__(self, url: str, token: str | None, headers: dict[str, str], timeout_s: float) -> None:
+        self._url, self._headers, self._timeout_s = url, headers, timeout_s
+        self._address = address(url, token)
+        self._sock: socket.socket | None = None
+        self._said: str | None = None
+
+    def post(self, body: bytes, timeout_s: float) -> Answer | None:
+        """The answer to ``body`` through the relay; None when no relay can be had (post
+        alone). Raises ``OSError`` when the relay went away with the entry (retry it)."""
+        sock = self._connect()
+        if sock is None:
+            return None
+        # The relay may first finish the host batch before this one (its own timeout).
+        sock.settimeout(2 * self._timeout_s + timeout_s + LINGER_S + 1.0)
+        try:
+            sock.sendall(_REQUEST.pack(len(body)) + body)
+            status, retry_after, n = _ANSWER.unpack(_recv_exact(sock, _ANSWER.size))
+            content = _recv_exact(sock, n)
+        except OSError:
+            self.close()
+            raise
+        return Answer(status, None if math.isnan(retry_after) else retry_after, content)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _connect(self) -> socket.socket | None:
+        if self._sock is not None:
+            return self._sock
+        for _ in range(2):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self._address)
+            except OSError:
+                sock.close()
+            else:
+                self._sock = sock
+                self._say("batching this host's windows through its relay")
+                return sock
+            try:  # nobody relays: this process does from now on
+                Relay.start(self._address, self._url, self._headers, self._timeout_s)
+            except OSError:  # another rank bound it first: connect to that one
+                continue
+        self._say("no relay for this host's windows; posting alone")
+        return None
+
+    def _say(self, what: str) -> None:
+        if self._said != what:
+            self._said = what
+            log.info("stepwatch: %s", what)
+
+
+class Relay:
+    """The host's relay: one daemon thread serving the socket (``selectors``) and posting
+    host batches. At most one per process and address."""
+
+    @classmethod
+    def start(cls, addr: bytes, url: str, headers: dict[str, str], timeout_s: float) -> Relay:
+        """Bind ``addr`` and serve it; ``OSError`` when another process holds it."""
+        with _lock:
+            relay = _running.get(addr)
+            if relay is not None and relay._thread.is_alive():
+                return relay
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                listener.bind(addr)
+                listener.listen(256)
+            except OSError:
+                listener.close()
+                raise
+            relay = cls(listener, url, headers, timeout_s)
+            _running[addr] = relay
+            ref = weakref.ref(relay)
+            os.register_at_fork(after_in_child=lambda: _after_fork(ref))
+            relay._thread.start()
+            return relay
+
+    def __init__(self, listener: socket.socket, url: str, headers: dict[str, str], timeout_s: float) -> None:
+        self._listener = listener
+        self._base = url.rstrip("/")
+        self._headers = {**headers, "content-type": "application/json"}
+        self._timeout_s = timeout_s
+        self._sel = selectors.DefaultSelector()
+        self._buffers: dict[socket.socket, bytearray] = {}
+        #: Entries waiting for the next host batch: (rank's connection, body).
+        self._pending: list[tuple[socket.socket, bytes]] = []
+        self._pending_bytes = 0
+        self._first_at = 0.0
+        #: Whether the collector has the host-batch route (an older one answers 404).
+        self._batches_route = True
+        #: The host's ranks (torchrun's ``LOCAL_WORLD_SIZE``): a batch waits for them all
+        #: (up to :data:`LINGER_S`) even before each has connected.
+        self._local_ranks = _local_world_size()
+        #: Host batches posted and entries relayed, for the curious (tests, a debugger).
+        self.posts = 0
+        self.entries = 0
+        self._thread = threading.Thread(target=self._run, name="stepwatch-relay", daemon=True)
+
+    # -- the relay's thread ------------------------------------------------------------
+    def _run(self) -> None:
+        import httpx
+
+        self._sel.register(self._listener, selectors.EVENT_READ)
+        with httpx.Client(timeout=self._timeout_s, headers=self._headers) as client:
+            while True:
+                wait = None if not self._pending else max(0.0, self._first_at + LINGER_S - time.monotonic())
+                for key, _ in self._sel.select(wait):
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    if sock is self._listener:
+                        self._accept()
+                    else:
+                        self._read(sock)
+                if self._pending and (
+                    len(self._pending) >= max(len(self._buffers), self._local_ranks)
+                    or time.monotonic() - self._first_at >= LINGER_S
+                    or self._pending_bytes >= MAX_BATCH_BYTES
+                    or len(self._pending) >= wire.MAX_HOST_BATCHES
+                ):
+                    batch, self._pending, self._pending_bytes = self._pending, [], 0
+                    try:
+                        self._post(client, batch)
+                    except Exception:  # never the thread: each rank retries its own entry
+                        log.exception("stepwatch: the host's relay failed on a batch")
+                        for sock, _ in batch:
+                            self._drop(sock)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            return
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != os.getuid():  # the abstract namespace has no file permissions
+            sock.close()
+            return
+        sock.setblocking(False)
+        self._buffers[sock] = bytearray()
+        self._sel.register(sock, selectors.EVENT_READ)
+
+    def _read(self, sock: socket.socket) -> None:
+        try:
+            chunk = sock.recv(1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # the rank is gone (its entry, if any, goes anyway: it is idempotent)
+            self._drop(sock)
+            return
+        buf = self._buffers[sock]
+        buf += chunk
+        while len(buf) >= _REQUEST.size:
+            (n,) = _REQUEST.unpack_from(buf)
+            if len(buf) < _REQUEST.size + n:
+                break
+            body = bytes(buf[_REQUEST.size : _REQUEST.size + n])
+            del buf[: _REQUEST.size + n]
+            if not self._pending:
+                self._first_at = time.monotonic()
+            self._pending.append((sock, body))
+            self._pending_bytes += n
+
+    def _drop(self, sock: socket.socket) -> None:
+        if self._buffers.pop(sock, None) is not None:
+            self._sel.unregister(sock)
+        sock.close()
+
+    def _post(self, client: httpx.Client, batch: list[tuple[socket.socket, bytes]]) -> None:
+        """Post ``batch`` as one host batch and answer each rank; alone, entry by entry,
+        when the collector refuses the whole (so each rank gets its own answer)."""
+        self.posts += 1
+        self.entries += len(batch)
+        if self._batches_route:
+            body = wire.host_batch([b for _, b in batch])
+            answer = self._http(client, wire.HOST_BATCH_PATH, body)
+            if verdict(answer.status) is Verdict.DONE:
+                try:
+                    results = json.loads(answer.content)["results"]
+                    if len(results) != len(batch):
+                        raise ValueError(f"{len(results)} results for {len(batch)} entries")
+                except (ValueError, KeyError, TypeError) as exc:
+                    why = f"unreadable answer to a host batch: {exc}".encode()
+                    answer = Answer(NO_ANSWER, None, why)
+                else:
+                    for (sock, _), result in zip(batch, results, strict=True):
+                        self._answer(sock, Answer(answer.status, None, json.dumps(result).encode()))
+                    return
+            if verdict(answer.status) is not Verdict.REFUSED:  # away, busy, failing: each retries
+                for sock, _ in batch:
+                    self._answer(sock, answer)
+                return
+            if answer.status in (404, 405):
+                self._batches_route = False
+                log.warning("stepwatch: the collector has no host-batch route; the relay posts alone")
+        for sock, body in batch:
+            self._answer(sock, self._http(client, wire.INGEST_PATH, body))
+
+    def _http(self, client: httpx.Client, path: str, body: bytes) -> Answer:
+        import httpx
+
+        try:
+            resp = client.post(self._base + path, content=body)
+        except (httpx.HTTPError, OSError) as exc:
+            return Answer(NO_ANSWER, None, f"{type(exc).__name__}: {exc}".encode())
+        return Answer(resp.status_code, retry_after_s(resp.headers.get("retry-after")), resp.content)
+
+    def _answer(self, sock: socket.socket, answer: Answer) -> None:
+        after = math.nan if answer.retry_after_s is None else answer.retry_after_s
+        frame = _ANSWER.pack(answer.status, after, len(answer.content)) + answer.content
+        try:
+            sock.setblocking(True)
+            sock.settimeout(1.0)
+            sock.sendall(frame)
+            sock.setblocking(False)
+        except OSError:  # the rank is gone; it retries its entry if it comes back
+            self._drop(sock)
+
+    def _forked(self) -> None:
+        """In a forked child (a DataLoader worker): no thread serves these sockets here."""
+        self._listener.close()
+        for sock in list(self._buffers):
+            sock.close()
+
+
+def _local_world_size() -> int:
+    try:
+        return max(0, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+    except ValueError:
+        return 0
+
+
+#: The relays this process runs, by address, and the lock of starting one.
+_running: dict[bytes, Relay] = {}
+_lock = threading.Lock()
+
+
+def _after_fork(ref: weakref.ref[Relay]) -> None:
+    global _lock
+    relay = ref()
+    if relay is not None:
+        relay._forked()
+    _running.clear()
+    _lock = threading.Lock()

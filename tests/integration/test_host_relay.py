@@ -1,0 +1,295 @@
+"""Per-host batching (``stepwatch._relay``): real rank processes on one host, each with the
+agent's real sender, through the host's relay (a Unix socket) to a real collector over
+loopback HTTP. The collector's requests are counted by an ASGI wrapper around the real app."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from multiprocessing.synchronize import Event
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from stepwatch import wire
+
+from ..live import serve_in_thread
+from ..wait import wait_until
+
+RUN = "relay"
+STEPS = 8  # steps per window
+TIMEOUT_S = 60.0
+
+
+def rank_main(
+    url: str,
+    rank: int,
+    world: int,
+    windows: int,
+    out: Any,
+    go: Event | None = None,
+    bad: bool = False,
+    first: int = 1,
+    fork: bool = False,
+) -> None:
+    """One rank: ``first`` windows, then (after ``go``) the rest; reports what it sent, what
+    it was answered (batch ids) and its sender's counters."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    import stepwatch
+    from stepwatch._env import detect
+    from stepwatch._sender import Sender
+    from stepwatch.config import AgentConfig
+
+    cfg = AgentConfig(run=RUN, url=url, max_window_steps=STEPS, send_interval_s=1e9, warmup_steps=0)
+    holder: dict[str, stepwatch.Stepwatch] = {}
+    sent: list[str] = []
+    answered: list[str] = []
+
+    def encode(w: Any, s: Any) -> bytes:
+        body = holder["sw"]._encode(w, s)
+        sent.append(json.loads(body)["batch_id"])
+        return body.replace(b'"host":"node-a"', b'"host":"node a"') if bad else body
+
+    sender = Sender(
+        url,
+        encode,
+        host_batch=True,
+        backoff_base_s=0.05,
+        backoff_max_s=0.2,
+        poll_s=0.05,
+        on_answer=lambda b: answered.append(json.loads(b)["batch_id"]),
+    )
+    info = detect({}, rank=rank, local_rank=rank, world_size=world, host="node-a")
+    sw = stepwatch.Stepwatch(cfg, info, convention=None, sender=sender)
+    holder["sw"] = sw
+    for k in range(windows):
+        if k == first and go is not None:
+            child = os.fork() if fork else None  # as a DataLoader worker is forked
+            if child == 0:
+                time.sleep(TIMEOUT_S)
+                os._exit(0)
+            out.put(("ready", rank, child))
+            go.wait(TIMEOUT_S)
+        for _ in range(STEPS):
+            sw.step(tokens=1)
+        sw.flush(TIMEOUT_S)
+    sw.close(TIMEOUT_S)  # its final batch too
+    out.put(("done", rank, sent, answered, dict(sw.stats)))
+
+
+class Requests:
+    """Counts the collector's requests by method and path (around the real app)."""
+
+    def __init__(self) -> None:
+        self.seen: Counter[tuple[str, str]] = Counter()
+
+    def wrap(self, app: ASGIApp) -> ASGIApp:
+        async def counted(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http":
+                self.seen[scope["method"], scope["path"]] += 1
+            await app(scope, receive, send)
+
+        return counted
+
+
+@contextmanager
+def collector(db_url: str) -> Iterator[tuple[str, Requests]]:
+    requests = Requests()
+    with serve_in_thread(db_url, wrap=requests.wrap) as url:
+        yield url, requests
+
+
+def run_ranks(
+    url: str, world: int, windows: int, **kwargs: Callable[[int], Any]
+) -> dict[int, tuple[list[str], list[str], dict[str, Any]]]:
+    """``world`` rank processes, started together once all are up (spawning one can take
+    seconds on a loaded machine), as a job's ranks start stepping together."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    go = ctx.Event()
+    procs = [
+        ctx.Process(
+            target=rank_main,
+            args=(url, r, world, windows, out),
+            kwargs={"go": go, "first": 0, **{k: f(r) for k, f in kwargs.items()}},
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    assert sorted(out.get(timeout=TIMEOUT_S)[1] for _ in procs) == list(range(world))
+    go.set()
+    got = {}
+    for _ in procs:
+        msg = out.get(timeout=TIMEOUT_S)
+        got[msg[1]] = (msg[2], msg[3], msg[4])
+    for p in procs:
+        p.join(TIMEOUT_S)
+        assert p.exitcode == 0
+    return got
+
+
+def once(ids: list[str]) -> list[str]:
+    return list(dict.fromkeys(ids))
+
+
+def steps_of(engine: Engine) -> dict[int, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT w.rank, sum(w.n_steps) FROM rank_windows w JOIN runs r ON r.id = w.run_id "
+                "WHERE r.name = :run GROUP BY w.rank"
+            ),
+            {"run": RUN},
+        )
+        return {int(r): int(n) for r, n in rows}
+
+
+def test_a_hosts_windows_go_in_one_request_and_each_rank_gets_its_own_answer(
+    db_url: str, engine: Engine
+) -> None:
+    world, windows = 4, 5
+    with collector(db_url) as (url, requests):
+        got = run_ranks(url, world, windows)
+    for sent, answered, stats in got.values():
+        # Each answer is the rank's own entry's, in order. (A window in flight when the
+        # relaying rank exited is encoded again for its retry, through the next relay.)
+        assert answered == once(sent)
+        assert (stats["sent_batches"], stats["rejected_batches"]) == (windows + 1, 0)
+    assert steps_of(engine) == dict.fromkeys(range(world), windows * STEPS)
+    entries = world * (windows + 1)  # and each rank's final batch
+    posts = requests.seen["POST", wire.HOST_BATCH_PATH]
+    assert requests.seen["POST", wire.INGEST_PATH] == 0
+    # One request per host and window when the ranks' windows meet within the linger;
+    # never one per entry.
+    assert world <= posts < entries / 2, requests.seen
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_refused_entry_gets_its_own_answer_and_its_neighbours_are_stored(
+    db_url: str, engine: Engine
+) -> None:
+    world, windows = 3, 2
+    with collector(db_url) as (url, requests):
+        got = run_ranks(url, world, windows, bad=lambda r: r == 2)
+    for r in (0, 1):
+        sent, answered, stats = got[r]
+        assert answered == once(sent) and stats["sent_batches"] == windows + 1
+    _, answered, stats = got[2]
+    assert answered == [] and stats["rejected_batches"] == windows + 1
+    assert "HTTP 422" in stats["last_error"] and "host" in stats["last_error"]
+    assert steps_of(engine) == {0: windows * STEPS, 1: windows * STEPS}
+    assert requests.seen["POST", wire.INGEST_PATH] >= 2 * windows  # the refused batches, entry by entry
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_when_the_relay_is_killed_another_rank_relays_and_no_window_is_lost(
+    db_url: str, engine: Engine
+) -> None:
+    """Rank 0 sends first (so it hosts the relay) and forks a child (a DataLoader worker,
+    which must not keep the relay's socket); the others send a window through it; rank 0
+    is SIGKILLed; the others' remaining windows still arrive, host-batched."""
+    world, windows = 4, 4
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    go = ctx.Event()
+    child = None
+    with collector(db_url) as (url, requests):
+        # Its own event, never set: a process killed inside a wait on a shared one would
+        # leave that one's lock held.
+        hold = ctx.Event()
+        host = ctx.Process(
+            target=rank_main, args=(url, 0, world, windows, out), kwargs={"go": hold, "fork": True}
+        )
+        host.start()
+        try:
+            _, rank, child = out.get(timeout=TIMEOUT_S)  # its first window sent: it relays
+            assert rank == 0 and child
+            others = [
+                ctx.Process(target=rank_main, args=(url, r, world, windows, out), kwargs={"go": go})
+                for r in range(1, world)
+            ]
+            for p in others:
+                p.start()
+            assert sorted(out.get(timeout=TIMEOUT_S)[1] for _ in others) == [1, 2, 3]
+            assert host.pid is not None
+            os.kill(host.pid, signal.SIGKILL)
+            # Not join(): it waits for the process's sentinel pipe, which its forked child
+            # still holds.
+            wait_until(lambda: host.exitcode is not None, "the killed rank reaped")
+            before = requests.seen.copy()
+            go.set()
+            got = {}
+            for _ in others:
+                msg = out.get(timeout=TIMEOUT_S)
+                got[msg[1]] = msg
+            for p in others:
+                p.join(TIMEOUT_S)
+                assert p.exitcode == 0
+        finally:
+            if child:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
+    for r in (1, 2, 3):
+        _, _, sent, answered, stats = got[r]
+        # The window in flight when the relay died was encoded again for its retry.
+        assert (
+            answered == once(sent) and stats["sent_batches"] == windows + 1 and stats["rejected_batches"] == 0
+        )
+    stored = steps_of(engine)
+    assert {r: stored[r] for r in (1, 2, 3)} == dict.fromkeys((1, 2, 3), windows * STEPS)
+    after = requests.seen - before
+    assert after["POST", wire.HOST_BATCH_PATH] >= 1 and after["POST", wire.INGEST_PATH] == 0, after
+
+
+def relay_main(url: str, out: Any, stop: Event) -> None:
+    from stepwatch import _relay
+
+    _relay.Relay.start(_relay.address(url, None), url, {}, 1.0)
+    out.put("relaying")
+    stop.wait(TIMEOUT_S)
+
+
+def test_the_relay_answers_only_its_own_user() -> None:
+    """The abstract socket has no file permissions: the relay checks the peer's uid."""
+    from stepwatch import _relay
+
+    url = "http://127.0.0.1:9"  # nothing listens: the relay answers "no answer"
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=relay_main, args=(url, out, stop))
+    proc.start()
+    try:
+        assert out.get(timeout=TIMEOUT_S) == "relaying"
+        answer = _relay.RelayClient(url, None, {}, 1.0).post(b"{}", 1.0)
+        assert answer is not None and answer.status == _relay.NO_ANSWER and b"Connect" in answer.content
+        if os.getuid() == 0:  # another user, at the same address: closed unanswered
+            addr = _relay.address(url, None)
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.setuid(65534)
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                        sock.settimeout(TIMEOUT_S)
+                        sock.connect(addr)
+                        sock.sendall(b"\0\0\0\2{}")
+                        code = 0 if sock.recv(64) == b"" else 2
+                except OSError:
+                    code = 0
+                finally:
+                    os._exit(code)
+            assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        stop.set()
+        proc.join(TIMEOUT_S)
