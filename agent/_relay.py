@@ -18,7 +18,8 @@ host batch (a 4xx: one bad entry, a token over its quota), the relay posts each 
 alone, so each rank gets the answer it would have got by itself and the good entries are
 stored. When the relay is gone (its process exited or was killed), the next rank to find
 it gone binds the socket and relays from then on; a rank that can neither reach a relay
-nor become one posts alone.
+nor become one posts alone, and so for a minute does one whose relay held its window
+without answering (a stopped or frozen process: the heartbeats of a hang must still go).
 
 The socket is in Linux's abstract namespace (no file to clean up after a SIGKILL), named
 by the user, collector URL and token, so only ranks that would post to the same collector
@@ -53,6 +54,8 @@ log = logging.getLogger("stepwatch")
 
 #: Seconds the relay holds a host batch open for the ranks that have not sent theirs.
 LINGER_S = 0.25
+#: Seconds a rank posts alone after its relay took too long to answer.
+ALONE_S = 60.0
 #: A host batch's size bound: well under the collector's default body limit (16 MiB).
 MAX_BATCH_BYTES = 8 * 1024 * 1024
 _REQUEST = struct.Struct(">I")  # body length, then the body (one payload)
@@ -99,10 +102,13 @@ class RelayClient:
         self._address = address(url, token)
         self._sock: socket.socket | None = None
         self._said: str | None = None
+        self._alone_until = 0.0
 
     def post(self, body: bytes, timeout_s: float) -> Answer | None:
         """The answer to ``body`` through the relay; None when no relay can be had (post
         alone). Raises ``OSError`` when the relay went away with the entry (retry it)."""
+        if time.monotonic() < self._alone_until:
+            return None
         sock = self._connect()
         if sock is None:
             return None
@@ -112,6 +118,13 @@ class RelayClient:
             sock.sendall(_REQUEST.pack(len(body)) + body)
             status, retry_after, n = _ANSWER.unpack(_recv_exact(sock, _ANSWER.size))
             content = _recv_exact(sock, n)
+        except TimeoutError:
+            # A relay that holds the connection but does not answer (its process stopped
+            # or frozen) would hold every rank of the host: post alone for a while.
+            self.close()
+            self._alone_until = time.monotonic() + ALONE_S
+            self._say(f"the host's relay did not answer; posting alone for {ALONE_S:g} s")
+            raise
         except OSError:
             self.close()
             raise

@@ -41,6 +41,7 @@ def rank_main(
     bad: bool = False,
     first: int = 1,
     fork: bool = False,
+    timeout_s: float = 5.0,
 ) -> None:
     """One rank: ``first`` windows, then (after ``go``) the rest; reports what it sent, what
     it was answered (batch ids) and its sender's counters."""
@@ -64,6 +65,7 @@ def rank_main(
         url,
         encode,
         host_batch=True,
+        timeout_s=timeout_s,
         backoff_base_s=0.05,
         backoff_max_s=0.2,
         poll_s=0.05,
@@ -250,6 +252,56 @@ def test_when_the_relay_is_killed_another_rank_relays_and_no_window_is_lost(
     assert {r: stored[r] for r in (1, 2, 3)} == dict.fromkeys((1, 2, 3), windows * STEPS)
     after = requests.seen - before
     assert after["POST", wire.HOST_BATCH_PATH] >= 1 and after["POST", wire.INGEST_PATH] == 0, after
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_a_stopped_relay_holds_the_hosts_windows_only_until_the_timeout(db_url: str, engine: Engine) -> None:
+    """The relaying process is SIGSTOPped (frozen, its socket still bound): each other rank
+    waits out one timeout, then posts alone; nothing is lost."""
+    world, windows = 3, 3
+    ctx = mp.get_context("spawn")
+    out, go, hold = ctx.Queue(), ctx.Event(), ctx.Event()
+    with collector(db_url) as (url, requests):
+        host = ctx.Process(target=rank_main, args=(url, 0, world, windows, out), kwargs={"go": hold})
+        host.start()
+        try:
+            assert out.get(timeout=TIMEOUT_S)[:2] == ("ready", 0)  # it relays
+            others = [
+                ctx.Process(
+                    target=rank_main,
+                    args=(url, r, world, windows, out),
+                    kwargs={"go": go, "timeout_s": 1.0},
+                )
+                for r in range(1, world)
+            ]
+            for p in others:
+                p.start()
+            assert sorted(out.get(timeout=TIMEOUT_S)[1] for _ in others) == [1, 2]
+            assert host.pid is not None
+            os.kill(host.pid, signal.SIGSTOP)
+            before = requests.seen.copy()
+            go.set()
+            got = {}
+            for _ in others:
+                msg = out.get(timeout=TIMEOUT_S)
+                got[msg[1]] = msg
+            for p in others:
+                p.join(TIMEOUT_S)
+                assert p.exitcode == 0
+        finally:
+            if host.pid is not None:
+                os.kill(host.pid, signal.SIGKILL)
+                os.kill(host.pid, signal.SIGCONT)
+            wait_until(lambda: host.exitcode is not None, "the stopped rank reaped")
+    for r in (1, 2):
+        _, _, sent, answered, stats = got[r]
+        assert (
+            answered == once(sent) and stats["sent_batches"] == windows + 1 and stats["rejected_batches"] == 0
+        )
+    stored = steps_of(engine)
+    assert {r: stored[r] for r in (1, 2)} == dict.fromkeys((1, 2), windows * STEPS)
+    after = requests.seen - before
+    assert after["POST", wire.INGEST_PATH] >= 2 * (windows - 1), after  # alone, past the timeout
 
 
 def relay_main(url: str, out: Any, stop: Event) -> None:
