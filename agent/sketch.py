@@ -302,12 +302,17 @@ class LogSketch:
             raise ValueError(
                 f"sketch field 'offset' puts buckets outside [{sk._key_lo}, {sk._key_hi}] for this alpha"
             )
-        bins: dict[int, int] = {}
-        for i, c in enumerate(counts):
-            if not _is_int(c) or not (0 <= c <= _MAX_COUNT):
-                raise ValueError(f"sketch field 'counts' item {i} must be an integer in [0, 2**63)")
-            if c:
-                bins[off + i] = int(c)
+        # The common case checked at C speed (a collector validates one sketch per
+        # collective op of every window); item by item only to name a bad one.
+        if not counts or (set(map(type, counts)) == {int} and min(counts) >= 0 and max(counts) <= _MAX_COUNT):
+            bins = {off + i: c for i, c in enumerate(counts) if c}
+        else:
+            bins = {}
+            for i, c in enumerate(counts):
+                if not _is_int(c) or not (0 <= c <= _MAX_COUNT):
+                    raise ValueError(f"sketch field 'counts' item {i} must be an integer in [0, 2**63)")
+                if c:
+                    bins[off + i] = int(c)
 
         def count_field(name: str) -> int:
             v = d[name]

@@ -24,7 +24,7 @@ from ..ingest.store import Ingestor, RunKey
 from ..reads import queries, steering
 from ..reads.runs import find_run
 from ..reads.status import MEANING, STATUSES, StatusRule
-from ..schemas.ingest import IngestBatches, IngestPayload
+from ..schemas.ingest import IngestBatches, IngestPayload, explained
 from ..schemas.responses import (
     EventOut,
     IngestBatchesResult,
@@ -115,7 +115,7 @@ async def ingest(request: Request) -> IngestResult:
     try:
         payload = IngestPayload.model_validate_json(body)
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
+        raise RequestValidationError(explained(exc.errors(include_url=False, include_input=False))) from None
     refuse_nul(body, payload)
     owner: str | None = request.state.token
     await _within_limits(request, payload, owner)
@@ -156,7 +156,7 @@ async def ingest_batches(request: Request) -> IngestBatchesResult:
     try:
         payloads = IngestBatches.model_validate_json(body).batches
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
+        raise RequestValidationError(explained(exc.errors(include_url=False, include_input=False))) from None
     owner: str | None = request.state.token
     maybe_nul = b"\\u0000" in body  # one scan of the body; the entries are walked only if so
     settings: Settings = request.app.state.settings

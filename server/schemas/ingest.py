@@ -15,6 +15,7 @@ import math
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from stepwatch import wire
 from stepwatch.sketch import LogSketch
@@ -453,30 +454,24 @@ class CommIn(_Strict):
             raise ValueError(f"version must be the integer 1 or 2, not {type(v).__name__}")
         return v
 
-    @model_validator(mode="before")
-    @classmethod
-    def _one_version(cls, data: Any) -> Any:
-        """The per-step lists of the version sent, each a list, and none of the other's
-        (read from the keys sent, before any field is filled in)."""
-        v = data.get("version") if isinstance(data, dict) else None
-        if type(v) is not int or v not in _COMM_STEP_LISTS:
-            return data  # the version field's own check names it
-        other = 1 if v == wire.COMM_VERSION else wire.COMM_VERSION
-        theirs = (*_COMM_STEP_LISTS[other], _COMM_BROADCAST[other])
-        extra = [n for n in theirs if n in data]
-        if extra:
-            raise ValueError(f"comm version {v} has no {extra[0]} (version {other} does)")
-        missing = [n for n in _COMM_STEP_LISTS[v] if data.get(n) is None]
-        if missing:
-            raise ValueError(f"comm version {v} needs {missing[0]}: a list, one value per step")
-        return data
-
     @model_validator(mode="after")
     def _in_seconds(self) -> CommIn:
-        """What ingest reads (sync, CPU, the broadcast's wait) in seconds, whatever the
-        version sent. The arrival (and version 1's end) are validated, not read: no
-        reader uses them, so they are not converted."""
-        if self.version == wire.COMM_VERSION:  # whole microseconds: nothing under the resolution
+        """The per-step lists of the version sent, each a list, and none of the other's
+        (the fields sent: read before this validator assigns any); then what ingest reads
+        (sync, CPU, the broadcast's wait) in seconds, whatever the version sent. The
+        arrival (and version 1's end) are validated, not read: no reader uses them, so they
+        are not converted. (An ``after`` validator: a ``before`` one made pydantic build
+        the whole section as Python objects first, a third of its validation.)"""
+        v = self.version
+        other = 1 if v == wire.COMM_VERSION else wire.COMM_VERSION
+        sent = self.model_fields_set
+        extra = [n for n in (*_COMM_STEP_LISTS[other], _COMM_BROADCAST[other]) if n in sent]
+        if extra:
+            raise ValueError(f"comm version {v} has no {extra[0]} (version {other} does)")
+        missing = [n for n in _COMM_STEP_LISTS[v] if n not in sent or getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"comm version {v} needs {missing[0]}: a list, one value per step")
+        if v == wire.COMM_VERSION:  # whole microseconds: nothing under the resolution
             self.sync_s = _seconds(self.sync_us)
             self.cpu_s = _seconds(self.cpu_us)
             if self.broadcast_us is not None:
@@ -548,14 +543,6 @@ class IngestPayload(_Strict):
             raise ValueError(f"schema_version must be the integer 1 or 2, not {type(v).__name__}")
         return v
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_summary(cls, data: Any) -> Any:
-        # The v1 means-only breakdown had a second ingest path that the agent never used.
-        if isinstance(data, dict) and "profile" in data:
-            raise ValueError("profile (the breakdown summary) was removed: send profiler windows as profiles")
-        return data
-
     @model_validator(mode="after")
     def _versioned(self) -> IngestPayload:
         if self.profiles is not None and self.schema_version < 2:
@@ -574,6 +561,27 @@ class IngestPayload(_Strict):
         elif not self.steps.time_s and not self.final:
             raise ValueError("steps.time_s is empty; only a final batch or a heartbeat may carry no step")
         return self
+
+
+#: Fields a payload no longer has, with what to send instead: a 422 names them so rather
+#: than as "extra inputs" (at the edge, ``explained``: a model ``before`` validator made
+#: pydantic build every payload as Python objects first, a tenth of its validation).
+REMOVED_FIELDS = {
+    # The v1 means-only breakdown had a second ingest path that the agent never used.
+    "profile": "profile (the breakdown summary) was removed: send profiler windows as profiles",
+}
+
+
+def explained(errors: list[ErrorDetails]) -> list[ErrorDetails]:
+    """``errors`` of an ingest body, a removed field named with what replaced it."""
+    out = []
+    for e in errors:
+        loc = e["loc"]
+        top = len(loc) == 1 or (len(loc) == 3 and loc[0] == "batches")  # a payload's own field
+        if e["type"] == "extra_forbidden" and top and loc[-1] in REMOVED_FIELDS:
+            e = {**e, "type": "value_error", "msg": str(REMOVED_FIELDS[str(loc[-1])])}
+        out.append(e)
+    return out
 
 
 class IngestBatches(_Strict):

@@ -87,6 +87,18 @@ def test_retried_batch_is_stored_once(client: TestClient, engine: Engine) -> Non
         (lambda p: p.__setitem__("comm", {**comm_section(4), "sync_us": [100]}), "comm.sync_us"),
         (lambda p: p.__setitem__("comm", {**comm_section(4), "sync_s": [0.1] * 4}), "has no sync_s"),
         (
+            lambda p: p.__setitem__(
+                "comm",
+                {
+                    "version": 1,
+                    **dict.fromkeys(("arrive_s", "end_s", "sync_s", "cpu_s"), [0.1] * 4),
+                    "arrive_us": [1] * 4,
+                },
+            ),
+            "comm version 1 has no arrive_us (version 2 does)",
+        ),
+        (lambda p: p.__setitem__("profile", {}), "profile: profile (the breakdown summary) was removed"),
+        (
             lambda p: p.__setitem__("comm", {k: v for k, v in comm_section(4).items() if k != "cpu_us"}),
             "needs cpu_us",
         ),
