@@ -8,7 +8,10 @@ building one payload.
     python -m benchmarks.ingest [--ranks 4096] [--steps-per-window 64] [--workers 2]
                                 [--ranks-per-host 8]
 
-Two ways of posting the same windows are measured: one POST per rank and window, as
+Each window is posted as the agent posts it without the collective timing, and (per
+host) with the ``comm`` section a DDP rank sends by default (``"-comm"`` phases, against
+COPY of their own rows, which include the staged ``step_timings``). Two ways of posting
+the same windows are measured: one POST per rank and window, as
 the agent sends today (``wire.INGEST_PATH``), and one POST per host and window carrying
 its ranks' windows (per-host batching, ``wire.HOST_BATCH_PATH``: the same payloads, the
 same rows stored, one request instead of ``--ranks-per-host``).
@@ -60,13 +63,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     n = args.steps_per_window
     per_host = args.ranks_per_host
-    kinds = ("null", "pg", "null-host", "pg-host")
+    # "-comm": the same per-host windows, each with the comm section a DDP rank sends
+    # (``sw.watch(ddp)``, the default with a DDP model): more to validate, and one staged
+    # ``step_timings`` row per rank-step, which the COPY of the same rows holds too.
+    kinds = ("null", "pg", "null-host", "pg-host", "null-host-comm", "pg-host-comm")
 
     enc_s = loadgen.encoding_cost(loadgen.Fleet("enc", args.ranks, n), samples=2000)
     phases = []
     for i in range(args.rounds):
         for kind in kinds:
-            fleet = loadgen.Fleet(f"bench-{kind}-{i}", args.ranks, n, seed=i)
+            fleet = loadgen.Fleet(f"bench-{kind}-{i}", args.ranks, n, seed=i, comm=kind.endswith("comm"))
             host = "host" in kind
             bodies = fleet.host_payloads(args.windows, per_host) if host else fleet.payloads(args.windows)
             phases.append((kind, fleet.run, list(bodies)))
@@ -82,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     paced_res: dict[str, loadgen.LoadResult] = {}
 
     results: dict[str, list[loadgen.LoadResult]] = {k: [] for k in kinds}
-    copy_rates: list[float] = []
+    copy_rates: dict[bool, list[float]] = {False: [], True: []}  # by comm section
     workers = ["--workers", str(args.workers)]
     with pg_database() as db_url, pg_database("stepwatch_bench_copy") as copy_url:
         copy_conn = psycopg.connect(copy_url.replace("+psycopg", ""))
@@ -103,8 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results[kind].append(res)
                 if kind.startswith("pg"):  # the database's own speed for the same rows, right after
                     load = CopyLoad(bodies)
-                    load.prepare(copy_conn, f"copy-{len(copy_rates)}")
-                    copy_rates.append(load.rank_steps / load.copy(copy_conn))
+                    comm = kind.endswith("comm")
+                    load.prepare(copy_conn, f"copy-{comm}-{len(copy_rates[comm])}")
+                    copy_rates[comm].append(load.rank_steps / load.copy(copy_conn))
         with psycopg.connect(db_url.replace("+psycopg", "")) as conn:  # the rows the COPY database holds
             job_bytes = table_bytes_per_row(conn, "job_steps")
             job_hot = hot_share(conn, "job_steps")
@@ -122,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def lat_ms(kind: str, q: float) -> float:
         return median([r.quantile(q) for r in results[kind]]) * 1e3
 
-    copy_rate = median(copy_rates)
+    copy_rate, comm_copy_rate = median(copy_rates[False]), median(copy_rates[True])
     bloat = job_bytes / copy_job_bytes
     p99 = paced_res["process"].quantile(0.99)
     print(
@@ -136,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("pg", "PostgreSQL, per rank"),
         ("null-host", "no-op endpoint, per host"),
         ("pg-host", "PostgreSQL, per host"),
+        ("null-host-comm", "no-op, per host, with comm"),
+        ("pg-host-comm", "PostgreSQL, per host, with comm"),
     ):
         print(
             f"  {label + ' (peak)':<34} {rate(kind):11,.0f} rank-steps/s"
@@ -160,6 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  ratio no-op / COPY                 {rate('null') / copy_rate:9.3f} per rank, "
         f"{rate('null-host') / copy_rate:.3f} per host (the ceiling without any storage)"
     )
+    comm_rate = rate("pg-host-comm")
+    print(
+        f"  with the comm section a DDP rank sends, per host: COPY of the same rows (step_timings too) "
+        f"{comm_copy_rate:,.0f} rank-steps/s; PostgreSQL / COPY {comm_rate / comm_copy_rate:.3f}, "
+        f"no-op / COPY {rate('null-host-comm') / comm_copy_rate:.3f}, PostgreSQL / no-op "
+        f"{comm_rate / rate('null-host-comm'):.2f}"
+    )
     print(
         f"  job_steps after the run            {job_bytes:9.0f} B/row, "
         f"freshly copied {copy_job_bytes:.0f} B/row ({bloat:.2f}x; {job_hot:.0%} of its updates HOT)"
@@ -167,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = {
         f"COPY ratio >= {COPY_BUDGET} per host": host_copy_ratio >= COPY_BUDGET,
         f"COPY ratio >= {COPY_BUDGET} per rank": copy_ratio >= COPY_BUDGET,
+        f"COPY ratio >= {COPY_BUDGET} per host with comm": comm_rate / comm_copy_rate >= COPY_BUDGET,
         f"rate >= {RATE_BUDGET:,}/s per rank": pg_rate >= RATE_BUDGET,
         f"ratio >= {RATIO_BUDGET} per rank": ratio >= RATIO_BUDGET,
         "p99 <= 100 ms": p99 <= P99_BUDGET_S,

@@ -48,7 +48,12 @@ class Fleet:
     step_time_s: float = 0.0
     tokens_per_step: int = 4096 * 8
     seed: int = 0
+    #: Each window also carries the ``comm`` section a DDP rank sends (``sw.watch(ddp)``,
+    #: the default with a DDP model): per-step arrival, sync and CPU, a duration sketch,
+    #: the group counters, the run-queue wait and two connections' link timing.
+    comm: bool = False
     _rank_dicts: list[dict[str, object]] = field(default_factory=list, init=False)
+    _comm_template: dict[str, Any] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if not self.step_time_s:
@@ -65,6 +70,8 @@ class Fleet:
             ).to_dict()
             for r in range(self.ranks)
         ]
+        if self.comm:
+            self._comm_template = comm_template(self.steps_per_window, self.step_time_s)
 
     def payloads(self, windows: int, first_window: int = 0) -> Iterator[bytes]:
         """Encoded payloads, window-major: every rank's window k, then window k + 1, as a
@@ -93,8 +100,23 @@ class Fleet:
                     convention=CONVENTION,
                     agent={**agent, "hot_path_mean_s": 4e-7},
                     sent_at=wall_end,
+                    comm=self._comm(rng, times) if self.comm else None,
                 )
                 yield encode(payload)
+
+    def _comm(self, rng: random.Random, times: Sequence[float]) -> dict[str, Any]:
+        """The template's section with this rank-window's own per-step values."""
+        return {
+            **self._comm_template,
+            "arrive_us": [round(t * 0.8e6 * (1 + 0.01 * rng.random())) for t in times],
+            "sync_us": [round(2000 * rng.random()) for _ in times],
+            "cpu_us": [round(t * 0.9e6 * (1 + 0.01 * rng.random())) for t in times],
+            "runq_s": 0.002 * rng.random(),
+            "links": [
+                {"local": 1000 + k, "peer": 2000 + k, "bytes": 1 << 28, "received": 1 << 28, "busy_s": 0.4}
+                for k in range(2)
+            ],
+        }
 
     def host_payloads(self, windows: int, ranks_per_host: int = 8) -> Iterator[bytes]:
         """The same windows as :meth:`payloads`, posted per host: one body per host and
@@ -108,6 +130,22 @@ class Fleet:
                 pending = []
         if pending:
             yield wire.host_batch(pending)
+
+
+def comm_template(steps: int, step_time_s: float, buckets: int = 8) -> dict[str, Any]:
+    """A window's ``comm`` section as the agent's collective timing builds it (its own
+    code: ``steps`` steps of ``buckets`` all-reduces each)."""
+    from stepwatch._comm_timing import CommTiming
+
+    pos = [1, 0]
+    timing = CommTiming(steps, lambda: (pos[0], pos[1]))
+    for i in range(steps):
+        pos[1] = i
+        for b in range(buckets):
+            timing.done(timing.arrive("world", b, 4 << 20), "world")
+    slices = timing.take(steps)
+    assert slices is not None
+    return timing.summarise(slices, 1, [step_time_s] * steps, perf_end=time.perf_counter())
 
 
 def encoding_cost(fleet: Fleet, samples: int = 2000) -> float:
