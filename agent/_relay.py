@@ -56,8 +56,12 @@ log = logging.getLogger("stepwatch")
 LINGER_S = 0.25
 #: Seconds a rank posts alone after its relay took too long to answer.
 ALONE_S = 60.0
-#: A host batch's size bound: well under the collector's default body limit (16 MiB).
-MAX_BATCH_BYTES = 8 * 1024 * 1024
+#: A host batch is posted once it holds this much: under the collector's default body
+#: limit (2 MiB; a batch over the collector's limit is refused whole, then posted entry by
+#: entry).
+MAX_BATCH_BYTES = 1024 * 1024
+#: No window is this large: a frame that says so is from a confused peer.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
 _REQUEST = struct.Struct(">I")  # body length, then the body (one payload)
 _ANSWER = struct.Struct(">HdI")  # status (0: no answer), Retry-After (NaN: none), length
 #: Status of an answer the relay got no HTTP answer for (the content says why).
@@ -123,7 +127,7 @@ class RelayClient:
             # or frozen) would hold every rank of the host: post alone for a while.
             self.close()
             self._alone_until = time.monotonic() + ALONE_S
-            self._say(f"the host's relay did not answer; posting alone for {ALONE_S:g} s")
+            log.warning("stepwatch: the host's relay did not answer; posting alone for %g s", ALONE_S)
             raise
         except OSError:
             self.close()
@@ -263,6 +267,9 @@ class Relay:
         buf += chunk
         while len(buf) >= _REQUEST.size:
             (n,) = _REQUEST.unpack_from(buf)
+            if n > MAX_FRAME_BYTES:  # not a window: a confused peer, not a reason to grow
+                self._drop(sock)
+                return
             if len(buf) < _REQUEST.size + n:
                 break
             body = bytes(buf[_REQUEST.size : _REQUEST.size + n])
