@@ -519,6 +519,7 @@ class Stepwatch:
         return {
             "steps": self._first_step - 1 + self._n,
             "sent_batches": s.sent_batches,
+            "relayed_batches": s.relayed_batches,
             "sent_steps": s.sent_steps,
             "dropped_windows": s.dropped_windows,
             "dropped_steps": s.dropped_steps,

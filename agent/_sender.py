@@ -61,6 +61,8 @@ class SenderStats:
 
     sent_batches: int = 0
     sent_steps: int = 0
+    #: Of ``sent_batches``, those the host's relay posted (``host_batch``).
+    relayed_batches: int = 0
     failed_attempts: int = 0
     rejected_batches: int = 0
     rejected_steps: int = 0
@@ -391,6 +393,7 @@ class Sender:
         self._posting_since = self._clock()
         try:
             resp = self._relayed(body, timeout)
+            relayed = resp is not None
             if resp is None:
                 resp = client.post(self._endpoint, content=body, timeout=timeout)
         except (httpx.HTTPError, OSError) as exc:
@@ -403,6 +406,7 @@ class Sender:
         outcome = verdict(resp.status_code)
         if outcome is Verdict.DONE:
             self.stats.sent_batches += 1
+            self.stats.relayed_batches += relayed
             self.stats.sent_steps += window.n_steps
             self._delivered()
             if self._on_answer is not None:

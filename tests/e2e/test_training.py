@@ -25,7 +25,10 @@ def _own_measurements(tmp_path: Path) -> list[dict[str, Any]]:
 #: the storage tests hold both backends to the same rows.
 @pytest.mark.solo
 @pytest.mark.parametrize("backend", ["postgresql"])
-def test_four_gloo_ranks_end_to_end(empty_db_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("host_batch", [False, True], ids=["per-rank", "host-batch"])
+def test_four_gloo_ranks_end_to_end(empty_db_url: str, tmp_path: Path, host_batch: bool) -> None:
+    """And the same with per-host batching (``STEPWATCH_HOST_BATCH=1``): every window of
+    every rank through the host's relay, the same rows stored."""
     run = "e2e-gloo"
     args = [
         "--run",
@@ -42,7 +45,8 @@ def test_four_gloo_ranks_end_to_end(empty_db_url: str, tmp_path: Path) -> None:
         str(tmp_path / "rank{rank}.json"),
     ]
     with launch.collector(empty_db_url, log_path=str(tmp_path / "collector.log")) as col:
-        with launch.ranks(RANKS, args, env={"STEPWATCH_URL": col.url}, log_dir=str(tmp_path)) as procs:
+        env = {"STEPWATCH_URL": col.url, "STEPWATCH_HOST_BATCH": "1" if host_batch else ""}
+        with launch.ranks(RANKS, args, env=env, log_dir=str(tmp_path)) as procs:
             launch.wait_all(procs, timeout_s=180, log_dir=str(tmp_path))
         with httpx.Client(base_url=col.url, timeout=10) as c:
             runs = c.get("/api/v1/runs").raise_for_status().json()
@@ -54,6 +58,9 @@ def test_four_gloo_ranks_end_to_end(empty_db_url: str, tmp_path: Path) -> None:
 
     own = _own_measurements(tmp_path)
     assert all(o["flushed"] for o in own), "every rank flushed its last window before exiting"
+    for o in own:
+        sent, relayed = o["stats"]["sent_batches"], o["stats"]["relayed_batches"]
+        assert sent > 1 and relayed == (sent if host_batch else 0), o["stats"]
     assert [(r["name"], r["world_size"], r["ranks_reporting"]) for r in runs] == [(run, RANKS, RANKS)]
     assert [r["rank"] for r in ranks] == list(range(RANKS))
     assert all(r["last_step"] == STEPS and r["dropped_windows"] == 0 for r in ranks)

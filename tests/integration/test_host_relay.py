@@ -167,7 +167,9 @@ def test_a_hosts_windows_go_in_one_request_and_each_rank_gets_its_own_answer(
         # Each answer is the rank's own entry's, in order. (A window in flight when the
         # relaying rank exited is encoded again for its retry, through the next relay.)
         assert answered == once(sent)
-        assert (stats["sent_batches"], stats["rejected_batches"]) == (windows + 1, 0)
+        assert (stats["sent_batches"], stats["relayed_batches"], stats["rejected_batches"]) == (
+            windows + 1,
+        ) * 2 + (0,)
     assert steps_of(engine) == dict.fromkeys(range(world), windows * STEPS)
     entries = world * (windows + 1)  # and each rank's final batch
     posts = requests.seen["POST", wire.HOST_BATCH_PATH]
