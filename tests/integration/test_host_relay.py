@@ -141,6 +141,29 @@ def run_ranks(
     return got
 
 
+def release(go: Event, ranks: list[Any], out: Any) -> dict[int, tuple[Any, ...]]:
+    """Let the waiting ``ranks`` go on; each one's report once all have exited."""
+    go.set()
+    got = {}
+    for _ in ranks:
+        msg = out.get(timeout=TIMEOUT_S)
+        got[msg[1]] = msg
+    for p in ranks:
+        p.join(TIMEOUT_S)
+        assert p.exitcode == 0
+    return got
+
+
+def delivered(got: dict[int, tuple[Any, ...]], windows: int, engine: Engine) -> None:
+    """Every window of each rank in ``got`` answered (its own answers) and stored once."""
+    for _, _, sent, answered, stats in got.values():
+        # The window in flight when the relay died was encoded again for its retry.
+        assert answered == once(sent), stats
+        assert (stats["sent_batches"], stats["rejected_batches"]) == (windows + 1, 0), stats
+    stored = steps_of(engine)
+    assert {r: stored[r] for r in got} == dict.fromkeys(got, windows * STEPS)
+
+
 def once(ids: list[str]) -> list[str]:
     return list(dict.fromkeys(ids))
 
@@ -232,26 +255,12 @@ def test_when_the_relay_is_killed_another_rank_relays_and_no_window_is_lost(
             # still holds.
             wait_until(lambda: host.exitcode is not None, "the killed rank reaped")
             before = requests.seen.copy()
-            go.set()
-            got = {}
-            for _ in others:
-                msg = out.get(timeout=TIMEOUT_S)
-                got[msg[1]] = msg
-            for p in others:
-                p.join(TIMEOUT_S)
-                assert p.exitcode == 0
+            got = release(go, others, out)
         finally:
             if child:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(child, signal.SIGKILL)
-    for r in (1, 2, 3):
-        _, _, sent, answered, stats = got[r]
-        # The window in flight when the relay died was encoded again for its retry.
-        assert (
-            answered == once(sent) and stats["sent_batches"] == windows + 1 and stats["rejected_batches"] == 0
-        )
-    stored = steps_of(engine)
-    assert {r: stored[r] for r in (1, 2, 3)} == dict.fromkeys((1, 2, 3), windows * STEPS)
+    delivered(got, windows, engine)
     after = requests.seen - before
     assert after["POST", wire.HOST_BATCH_PATH] >= 1 and after["POST", wire.INGEST_PATH] == 0, after
 
@@ -282,26 +291,13 @@ def test_a_stopped_relay_holds_the_hosts_windows_only_until_the_timeout(db_url: 
             assert host.pid is not None
             os.kill(host.pid, signal.SIGSTOP)
             before = requests.seen.copy()
-            go.set()
-            got = {}
-            for _ in others:
-                msg = out.get(timeout=TIMEOUT_S)
-                got[msg[1]] = msg
-            for p in others:
-                p.join(TIMEOUT_S)
-                assert p.exitcode == 0
+            got = release(go, others, out)
         finally:
             if host.pid is not None:
                 os.kill(host.pid, signal.SIGKILL)
                 os.kill(host.pid, signal.SIGCONT)
             wait_until(lambda: host.exitcode is not None, "the stopped rank reaped")
-    for r in (1, 2):
-        _, _, sent, answered, stats = got[r]
-        assert (
-            answered == once(sent) and stats["sent_batches"] == windows + 1 and stats["rejected_batches"] == 0
-        )
-    stored = steps_of(engine)
-    assert {r: stored[r] for r in (1, 2)} == dict.fromkeys((1, 2), windows * STEPS)
+    delivered(got, windows, engine)
     after = requests.seen - before
     assert after["POST", wire.INGEST_PATH] >= 2 * (windows - 1), after  # alone, past the timeout
 
