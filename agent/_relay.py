@@ -13,18 +13,22 @@ each rank its own entry's answer.
 A rank's sender still owns its window: its buffer, retries, give-ups and the directives
 it is answered stay per rank, as without the relay; only the request is shared. So the
 guarantees are the same: an entry is acknowledged only by the collector's answer to it,
-and a retried entry is stored once (its ``batch_id``). When the collector refuses the
-host batch (a 4xx: one bad entry, a token over its quota), the relay posts each entry
-alone, so each rank gets the answer it would have got by itself and the good entries are
-stored. When the relay is gone (its process exited or was killed), the next rank to find
-it gone binds the socket and relays from then on; a rank that can neither reach a relay
-nor become one posts alone, and so for a minute does one whose relay held its window
-without answering (a stopped or frozen process: the heartbeats of a hang must still go).
+and a retried entry is stored once (its ``batch_id``). When the collector is away or
+busy, every rank is told so and retries as it would have. When it refuses the host batch
+or fails on it (a 4xx: one bad entry, a token over its quota; a 5xx), or has no host-batch
+route (an older collector), each rank posts its own entry alone, at once and in parallel,
+and gets the answer it would have got by itself, so the good entries are stored. When the
+relay is gone (its process exited or was killed), the next rank to find it gone binds the
+socket and relays from then on; a rank that can neither reach a relay nor become one posts
+alone, and so for a minute does one whose relay held its window without answering (a
+stopped or frozen process: the heartbeats of a hang must still go).
 
 The socket is in Linux's abstract namespace (no file to clean up after a SIGKILL), named
 by the user, collector URL and token, so only ranks that would post to the same collector
-with the same token share a request; a connection from another user is refused
-(``SO_PEERCRED``). Elsewhere than Linux, ranks post alone.
+with the same token share a request. The abstract namespace has no file permissions, so
+both ends check the other's user (``SO_PEERCRED``): the relay refuses another user's
+connection, and a rank never hands its window (its token's data) to a socket another user
+holds, it posts alone. Elsewhere than Linux, ranks post alone.
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ _REQUEST = struct.Struct(">I")  # body length, then the body (one payload)
 _ANSWER = struct.Struct(">HdI")  # status (0: no answer), Retry-After (NaN: none), length
 #: Status of an answer the relay got no HTTP answer for (the content says why).
 NO_ANSWER = 0
+#: Status of an answer that tells the rank to post its entry itself: the collector refused
+#: or failed on the host batch, or has no host-batch route.
+ALONE = 1
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,11 @@ def address(url: str, token: str | None) -> bytes:
     """The host's relay socket for this user, collector and token (abstract namespace)."""
     key = f"{os.getuid()}\n{url.rstrip('/')}\n{token or ''}".encode()
     return b"\0stepwatch-relay-" + hashlib.sha256(key).hexdigest()[:32].encode()
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return int(uid)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -109,30 +121,43 @@ class RelayClient:
         self._alone_until = 0.0
 
     def post(self, body: bytes, timeout_s: float) -> Answer | None:
-        """The answer to ``body`` through the relay; None when no relay can be had (post
-        alone). Raises ``OSError`` when the relay went away with the entry (retry it)."""
-        if time.monotonic() < self._alone_until:
-            return None
-        sock = self._connect()
-        if sock is None:
-            return None
-        # The relay may first finish the host batch before this one (its own timeout).
-        sock.settimeout(2 * self._timeout_s + timeout_s + LINGER_S + 1.0)
-        try:
-            sock.sendall(_REQUEST.pack(len(body)) + body)
-            status, retry_after, n = _ANSWER.unpack(_recv_exact(sock, _ANSWER.size))
-            content = _recv_exact(sock, n)
-        except TimeoutError:
-            # A relay that holds the connection but does not answer (its process stopped
-            # or frozen) would hold every rank of the host: post alone for a while.
-            self.close()
-            self._alone_until = time.monotonic() + ALONE_S
-            log.warning("stepwatch: the host's relay did not answer; posting alone for %g s", ALONE_S)
-            raise
-        except OSError:
-            self.close()
-            raise
-        return Answer(status, None if math.isnan(retry_after) else retry_after, content)
+        """The answer to ``body`` through the relay; None when the rank should post it
+        alone (no relay can be had, or the relay says so). Raises ``OSError`` when the
+        relay went away with the entry twice in a row (retry it)."""
+        for attempt in range(2):
+            if time.monotonic() < self._alone_until:
+                return None
+            sock = self._connect()
+            if sock is None:
+                return None
+            # The relay may first finish the host batch before this one: two of its
+            # requests (each within its timeout), the linger, and a second to spare.
+            sock.settimeout(2 * self._timeout_s + timeout_s + LINGER_S + 1.0)
+            try:
+                sock.sendall(_REQUEST.pack(len(body)) + body)
+                status, retry_after, n = _ANSWER.unpack(_recv_exact(sock, _ANSWER.size))
+                content = _recv_exact(sock, n)
+            except TimeoutError:
+                # A relay that holds the connection but does not answer (its process
+                # stopped or frozen) would hold every rank of the host: post alone a while.
+                self.close()
+                self._alone_until = time.monotonic() + ALONE_S
+                log.warning("stepwatch: the host's relay did not answer; posting alone for %g s", ALONE_S)
+                raise
+            except ConnectionError:
+                # The relay's process exited (its rank finished first) or its thread
+                # stopped: the next relay takes the entry (stored once: its batch_id).
+                self.close()
+                if attempt:
+                    raise
+                continue
+            except OSError:
+                self.close()
+                raise
+            if status == ALONE:
+                return None
+            return Answer(status, None if math.isnan(retry_after) else retry_after, content)
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         if self._sock is not None:
@@ -142,20 +167,27 @@ class RelayClient:
     def _connect(self) -> socket.socket | None:
         if self._sock is not None:
             return self._sock
-        for _ in range(2):
+        for attempt in range(4):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(1.0)  # a relay whose backlog is full is no relay
             try:
                 sock.connect(self._address)
+                owner = _peer_uid(sock)
             except OSError:
                 sock.close()
             else:
+                if owner != os.getuid():  # never hand this rank's window to another user
+                    sock.close()
+                    self._alone_until = time.monotonic() + ALONE_S
+                    log.warning("stepwatch: another user holds the host's relay socket; posting alone")
+                    return None
                 self._sock = sock
                 self._say("batching this host's windows through its relay")
                 return sock
             try:  # nobody relays: this process does from now on
                 Relay.start(self._address, self._url, self._headers, self._timeout_s)
-            except OSError:  # another rank bound it first: connect to that one
-                continue
+            except OSError:  # another rank bound it first: connect to that one once it listens
+                time.sleep(0.01 * attempt)
         self._say("no relay for this host's windows; posting alone")
         return None
 
@@ -183,14 +215,17 @@ class Relay:
             except OSError:
                 listener.close()
                 raise
-            relay = cls(listener, url, headers, timeout_s)
+            relay = cls(addr, listener, url, headers, timeout_s)
             _running[addr] = relay
             ref = weakref.ref(relay)
             os.register_at_fork(after_in_child=lambda: _after_fork(ref))
             relay._thread.start()
             return relay
 
-    def __init__(self, listener: socket.socket, url: str, headers: dict[str, str], timeout_s: float) -> None:
+    def __init__(
+        self, addr: bytes, listener: socket.socket, url: str, headers: dict[str, str], timeout_s: float
+    ) -> None:
+        self._address = addr
         self._listener = listener
         self._base = url.rstrip("/")
         self._headers = {**headers, "content-type": "application/json"}
@@ -213,6 +248,14 @@ class Relay:
 
     # -- the relay's thread ------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:  # a bug here must not leave a bound socket nobody serves
+            log.exception("stepwatch: the host's relay stopped; its ranks relay anew or post alone")
+        finally:
+            self._shut()
+
+    def _serve(self) -> None:
         import httpx
 
         self._sel.register(self._listener, selectors.EVENT_READ)
@@ -227,7 +270,8 @@ class Relay:
                     else:
                         self._read(sock)
                 if self._pending and (
-                    len(self._pending) >= max(len(self._buffers), self._local_ranks)
+                    not self._batches_route
+                    or len(self._pending) >= max(len(self._buffers), self._local_ranks)
                     or time.monotonic() - self._first_at >= LINGER_S
                     or self._pending_bytes >= MAX_BATCH_BYTES
                     or len(self._pending) >= wire.MAX_HOST_BATCHES
@@ -245,7 +289,10 @@ class Relay:
             sock, _ = self._listener.accept()
         except OSError:
             return
-        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        try:
+            uid = _peer_uid(sock)
+        except OSError:
+            uid = -1
         if uid != os.getuid():  # the abstract namespace has no file permissions
             sock.close()
             return
@@ -285,34 +332,41 @@ class Relay:
         sock.close()
 
     def _post(self, client: httpx.Client, batch: list[tuple[socket.socket, bytes]]) -> None:
-        """Post ``batch`` as one host batch and answer each rank; alone, entry by entry,
-        when the collector refuses the whole (so each rank gets its own answer)."""
+        """Post ``batch`` as one host batch and answer each rank its entry's result. When
+        the collector is away or busy, each rank is told so (and waits, as alone); when it
+        refuses or fails on the whole, each rank posts its own entry itself, at once, and
+        gets the answer that entry gets (never N requests in a row from this thread)."""
         self.posts += 1
         self.entries += len(batch)
-        if self._batches_route:
-            body = wire.host_batch([b for _, b in batch])
-            answer = self._http(client, wire.HOST_BATCH_PATH, body)
-            if verdict(answer.status) is Verdict.DONE:
-                try:
-                    results = json.loads(answer.content)["results"]
-                    if len(results) != len(batch):
-                        raise ValueError(f"{len(results)} results for {len(batch)} entries")
-                except (ValueError, KeyError, TypeError) as exc:
-                    why = f"unreadable answer to a host batch: {exc}".encode()
-                    answer = Answer(NO_ANSWER, None, why)
-                else:
-                    for (sock, _), result in zip(batch, results, strict=True):
-                        self._answer(sock, Answer(answer.status, None, json.dumps(result).encode()))
-                    return
-            if verdict(answer.status) is not Verdict.REFUSED:  # away, busy, failing: each retries
-                for sock, _ in batch:
-                    self._answer(sock, answer)
+        alone = Answer(ALONE, None, b"")
+        if not self._batches_route:
+            for sock, _ in batch:
+                self._answer(sock, alone)
+            return
+        answer = self._http(client, wire.HOST_BATCH_PATH, wire.host_batch([b for _, b in batch]))
+        outcome = Verdict.WAIT if answer.status == NO_ANSWER else verdict(answer.status)
+        if outcome is Verdict.DONE:
+            try:
+                results = json.loads(answer.content)["results"]
+                if len(results) != len(batch):
+                    raise ValueError(f"{len(results)} results for {len(batch)} entries")
+            except (ValueError, KeyError, TypeError) as exc:
+                # Perhaps stored, perhaps not: a lone post of each entry says (stored once).
+                log.warning("stepwatch: unreadable answer to a host batch (%s); its ranks post alone", exc)
+                outcome = Verdict.REFUSED
+            else:
+                for (sock, _), result in zip(batch, results, strict=True):
+                    self._answer(sock, Answer(answer.status, None, json.dumps(result).encode()))
                 return
-            if answer.status in (404, 405):
-                self._batches_route = False
-                log.warning("stepwatch: the collector has no host-batch route; the relay posts alone")
-        for sock, body in batch:
-            self._answer(sock, self._http(client, wire.INGEST_PATH, body))
+        if outcome is Verdict.WAIT:  # away or busy: the same for each entry alone
+            for sock, _ in batch:
+                self._answer(sock, answer)
+            return
+        if answer.status in (404, 405):
+            self._batches_route = False
+            log.warning("stepwatch: the collector has no host-batch route; this host's ranks post alone")
+        for sock, _ in batch:
+            self._answer(sock, alone)
 
     def _http(self, client: httpx.Client, path: str, body: bytes) -> Answer:
         import httpx
@@ -334,11 +388,21 @@ class Relay:
         except OSError:  # the rank is gone; it retries its entry if it comes back
             self._drop(sock)
 
+    def _shut(self) -> None:
+        """Close the socket and every connection (their ranks relay anew or post alone)."""
+        with _lock:
+            if _running.get(self._address) is self:
+                del _running[self._address]
+        self._forked()
+
     def _forked(self) -> None:
         """In a forked child (a DataLoader worker): no thread serves these sockets here."""
         self._listener.close()
         for sock in list(self._buffers):
             sock.close()
+        self._buffers.clear()
+        self._pending.clear()
+        self._sel.close()
 
 
 def _local_world_size() -> int:

@@ -431,7 +431,7 @@ class Sender:
 
     def _relayed(self, body: bytes, timeout: float) -> httpx.Response | None:
         """The answer to ``body`` posted by the host's relay, as a lone POST's response;
-        None without a relay (post alone)."""
+        None when this rank is to post it alone (no relay, or the relay says so)."""
         if self._relay is None:
             return None
         import httpx

@@ -37,6 +37,8 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     for table in STAGING:
+        # Rows of a run removed by hand since the upgrade would fail the key.
+        op.execute(f"DELETE FROM {table} WHERE run_id NOT IN (SELECT id FROM runs)")
         with op.batch_alter_table(table, schema=None) as batch_op:
             batch_op.create_foreign_key(
                 op.f(f"fk_{table}_run_id_runs"), "runs", ["run_id"], ["id"], ondelete="CASCADE"

@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -90,23 +91,36 @@ def rank_main(
 
 
 class Requests:
-    """Counts the collector's requests by method and path (around the real app)."""
+    """Counts the collector's requests by method and path (around the real app); with
+    ``host_status``, answers the host-batch route with that status instead (a collector
+    failing on it, or an older one without it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_status: int | None = None) -> None:
         self.seen: Counter[tuple[str, str]] = Counter()
+        self.host_status = host_status
 
     def wrap(self, app: ASGIApp) -> ASGIApp:
         async def counted(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] == "http":
                 self.seen[scope["method"], scope["path"]] += 1
+                if self.host_status is not None and scope["path"] == wire.HOST_BATCH_PATH:
+                    while (await receive()).get("more_body"):
+                        pass
+                    body = json.dumps({"detail": "not today"}).encode()
+                    headers = [(b"content-type", b"application/json")]
+                    await send(
+                        {"type": "http.response.start", "status": self.host_status, "headers": headers}
+                    )
+                    await send({"type": "http.response.body", "body": body})
+                    return
             await app(scope, receive, send)
 
         return counted
 
 
 @contextmanager
-def collector(db_url: str) -> Iterator[tuple[str, Requests]]:
-    requests = Requests()
+def collector(db_url: str, host_status: int | None = None) -> Iterator[tuple[str, Requests]]:
+    requests = Requests(host_status)
     with serve_in_thread(db_url, wrap=requests.wrap) as url:
         yield url, requests
 
@@ -219,6 +233,30 @@ def test_a_refused_entry_gets_its_own_answer_and_its_neighbours_are_stored(
     assert requests.seen["POST", wire.INGEST_PATH] >= 2 * windows  # the refused batches, entry by entry
 
 
+@pytest.mark.parametrize("status", [500, 404])
+def test_a_collector_failing_on_host_batches_or_without_the_route_gets_each_entry_alone(
+    db_url: str, engine: Engine, status: int
+) -> None:
+    """A 5xx on the host batch (the collector failed on it) and a 404 (an older collector)
+    cost no rank an attempt: each posts its own entry alone, at once, and all is stored."""
+    world, windows = 3, 2
+    with collector(db_url, host_status=status) as (url, requests):
+        got = run_ranks(url, world, windows)
+    for sent, answered, stats in got.values():
+        assert answered == once(sent)
+        assert (stats["sent_batches"], stats["rejected_batches"], stats["failed_attempts"]) == (
+            windows + 1,
+            0,
+            0,
+        ), stats
+        assert stats["relayed_batches"] == 0, stats
+    assert steps_of(engine) == dict.fromkeys(range(world), windows * STEPS)
+    entries = world * (windows + 1)
+    assert requests.seen["POST", wire.INGEST_PATH] == entries, requests.seen
+    if status == 404:  # once per relay (the relaying rank may exit before the others)
+        assert 1 <= requests.seen["POST", wire.HOST_BATCH_PATH] <= world, requests.seen
+
+
 @pytest.mark.parametrize("backend", ["postgresql"])
 def test_when_the_relay_is_killed_another_rank_relays_and_no_window_is_lost(
     db_url: str, engine: Engine
@@ -308,6 +346,74 @@ def relay_main(url: str, out: Any, stop: Event) -> None:
     _relay.Relay.start(_relay.address(url, None), url, {}, 1.0)
     out.put("relaying")
     stop.wait(TIMEOUT_S)
+
+
+def test_a_collector_that_gives_no_answer_costs_one_request_per_host_batch() -> None:
+    """No HTTP answer (down, reset) is the same for every entry: the rank is told so and
+    retries, as alone; the relay does not try each entry alone in turn."""
+    from stepwatch import _relay
+
+    accepted: list[int] = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def hang_up() -> None:  # reads each request, then closes without an answer
+            with contextlib.suppress(OSError):
+                while True:
+                    conn, _ = server.accept()
+                    with conn:
+                        accepted.append(len(conn.recv(1 << 16)))
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+        ctx = mp.get_context("spawn")
+        out, stop = ctx.Queue(), ctx.Event()
+        proc = ctx.Process(target=relay_main, args=(url, out, stop))
+        proc.start()
+        try:
+            assert out.get(timeout=TIMEOUT_S) == "relaying"
+            answer = _relay.RelayClient(url, None, {}, 1.0).post(b"{}", 1.0)
+            assert answer is not None and answer.status == _relay.NO_ANSWER, answer
+            assert b"RemoteProtocolError" in answer.content, answer
+            assert len(accepted) == 1, accepted
+        finally:
+            stop.set()
+            proc.join(TIMEOUT_S)
+
+
+def squat(addr: bytes, ready: Any, got: Any) -> None:
+    """Another user (nobody) holding the relay's address: reports what it was sent."""
+    os.setuid(65534)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(addr)
+        sock.listen(1)
+        ready.put("bound")
+        conn, _ = sock.accept()
+        with conn:
+            conn.settimeout(TIMEOUT_S)
+            got.put(conn.recv(1 << 16))
+
+
+def test_a_rank_never_hands_its_window_to_another_users_socket() -> None:
+    """Another user binding the address first gets a connection, never the window: the
+    rank posts alone. (Root only: it takes a second user.)"""
+    from stepwatch import _relay
+
+    assert os.getuid() == 0, "this suite runs as root (network namespaces, another user)"
+    url = "http://127.0.0.1:9"
+    ctx = mp.get_context("spawn")
+    ready, got = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=squat, args=(_relay.address(url, None), ready, got))
+    proc.start()
+    try:
+        assert ready.get(timeout=TIMEOUT_S) == "bound"
+        client = _relay.RelayClient(url, None, {}, 1.0)
+        assert client.post(b'{"secret": 1}', 1.0) is None  # post alone
+        assert got.get(timeout=TIMEOUT_S) == b""  # connected, then closed unsent
+        assert client.post(b'{"secret": 2}', 1.0) is None  # and alone for a while, unasked
+    finally:
+        proc.join(TIMEOUT_S)
+        if proc.exitcode is None:
+            proc.kill()
 
 
 def test_the_relay_answers_only_its_own_user() -> None:
