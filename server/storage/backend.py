@@ -10,6 +10,7 @@ backend-specific is a method of :class:`Storage`: ``sqlite.py`` and ``postgres.p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from sqlalchemy import Connection, Engine, Table
@@ -46,9 +47,10 @@ class Storage(Protocol):
         holds it."""
         ...
 
-    def release_snapshot(self, conn: Connection) -> None:
-        """Let the database forget the snapshot of the last read in this open transaction,
-        so that the long computation that follows holds back no one's cleanup."""
+    def reads_hold_no_snapshot(self, conn: Connection) -> AbstractContextManager[None]:
+        """Within it, each read of ``conn``'s open transaction lets the database forget its
+        snapshot as soon as its rows are in the client, so that the computation between
+        reads (seconds at thousands of ranks) holds back no one's cleanup."""
         ...
 
 

@@ -30,7 +30,8 @@ job-step bucket take turns (the bucket locks below, taken in key order before
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from sqlalchemy import (
     SmallInteger,
     String,
     Table,
+    event,
     func,
     select,
 )
@@ -123,24 +125,34 @@ class PostgresStorage:
         key = _LOCK_NAMESPACE | run_id
         return bool(conn.execute(select(func.pg_try_advisory_xact_lock(key))).scalar())
 
-    def release_snapshot(self, conn: Connection) -> None:
-        """A statement sent as a simple query. A query with parameters runs in the unnamed
-        portal of the extended protocol, which keeps its snapshot after the last row until
-        the next statement: a session idle in its transaction then shows a
-        ``backend_xmin``, and no row version deleted after it can be pruned anywhere on
-        the server. The analysis worker, computing between its reads and its writes (for
-        long at thousands of ranks), so held back the pruning of ``job_steps``, which
-        every group commit updates in place: sampled during the ingest benchmark, its
-        session was most of the sessions that held a snapshot, idle in transaction (the
-        benchmark's ``job_steps`` size stays noisy, 1.95-3.79x its freshly copied size
-        in three runs after, 2.21-2.71x in two before: the web workers' own group
-        commits hold the horizon back too). A simple query replaces the unnamed portal
-        and the session holds no snapshot. Sent by the driver itself with
-        ``prepare=False``: psycopg prepares a statement it has run five times on a
-        connection (the pool's ping is the same ``SELECT 1``), and a prepared one runs in
-        the unnamed portal again."""
+    @contextmanager
+    def reads_hold_no_snapshot(self, conn: Connection) -> Iterator[None]:
+        """After each read of ``conn`` (its rows are all in the client: psycopg's cursors
+        are client-side), a statement sent as a simple query. A query with parameters
+        runs in the unnamed portal of the extended protocol, which keeps its snapshot
+        after the last row until the next statement: a session idle in its transaction
+        then shows a ``backend_xmin``, and no row version deleted after it can be pruned
+        anywhere on the server. The analysis worker, turning each chunk of rows it read
+        into its detectors' types before the next read (for seconds at thousands of
+        ranks), so held back the pruning of ``job_steps``, which every group commit
+        updates in place: sampled during the benchmark's PostgreSQL phases, its session
+        held a snapshot, idle in transaction, in about a quarter of the samples, and the
+        table ended at 761-1678 B per row, against 526-548 with the worker off (299
+        freshly copied). A simple query replaces the unnamed portal and the session
+        holds no snapshot. Sent by the driver itself with ``prepare=False``: psycopg
+        prepares a statement it has run five times on a connection (the pool's ping is
+        the same ``SELECT 1``), and a prepared one runs in the unnamed portal again."""
         driver: Any = conn.connection.driver_connection
-        driver.execute("SELECT 1", prepare=False)
+
+        def release(_c: Any, cursor: Any, _s: Any, _p: Any, ctx: Any, _many: bool) -> None:
+            if cursor.description is not None and not (ctx.isinsert or ctx.isupdate or ctx.isdelete):
+                driver.execute("SELECT 1", prepare=False)
+
+        event.listen(conn, "after_cursor_execute", release)
+        try:
+            yield
+        finally:
+            event.remove(conn, "after_cursor_execute", release)
 
     def _upsert(self, table: Summed, names: tuple[str, ...]) -> str:
         key = (table.name, names)

@@ -8,6 +8,7 @@ models read them back. One process writes, so the analysis lock is always grante
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime, timezone
 from typing import Any, cast
 
@@ -75,5 +76,5 @@ class SqliteStorage:
     def lock_run(self, conn: Connection, run_id: int) -> bool:
         return True  # one collector process; its one worker thread analyses
 
-    def release_snapshot(self, conn: Connection) -> None:
-        return None  # no row versions to keep: SQLite writers take the file in turn
+    def reads_hold_no_snapshot(self, conn: Connection) -> AbstractContextManager[None]:
+        return nullcontext()  # no row versions to keep: SQLite writers take the file in turn

@@ -185,7 +185,7 @@ class AnalysisWorker:
 
     def _analyse(self, run: RunInfo, now: float) -> _RunResult:
         cfg = self.config
-        with self.engine.connect() as conn, conn.begin():
+        with self.engine.connect() as conn, conn.begin(), self.storage.reads_hold_no_snapshot(conn):
             if not self.storage.lock_run(conn, run.id):
                 return _RunResult(0, True, [])
             stored = load_state(conn, run.id)
@@ -208,16 +208,13 @@ class AnalysisWorker:
             changes: list[Change] = []
             if ready.windows:
                 first, last = ready.windows[0], ready.windows[-1]
-                # No snapshot held after each bulk read (``release_snapshot``), so none
-                # through the computation below; the writes come last, so until then
-                # the transaction has no id either.
+                # No snapshot held after each read (``reads_hold_no_snapshot``), so
+                # none through the computation; the writes come last, so until then the
+                # transaction has no id either.
                 windows = inputs.rank_windows(conn, run, ranks, first, last)
-                self.storage.release_snapshot(conn)
                 steps = inputs.job_steps(conn, run, first, last)
                 timing = inputs.step_timings(conn, run, ranks, first, last)
-                self.storage.release_snapshot(conn)
                 links = inputs.link_samples(conn, run, ranks, first, last)
-                self.storage.release_snapshot(conn)
                 peer_of = inputs.peer_groups(ranks)
                 ws = run.window_steps
                 for w in ready.windows:

@@ -16,12 +16,13 @@ from sqlalchemy import Engine, select
 
 from stepwatch_server.analysis.pipeline import Change, RunAnalysis
 from stepwatch_server.analysis.progress import SECONDS_PER_DAY
+from stepwatch_server.analysis.types import RankWindow as RankWindowIn
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.engine import make_engine
 from stepwatch_server.storage.models import Rank, RankWindow
-from stepwatch_server.worker import AnalysisWorker, WorkerConfig
+from stepwatch_server.worker import AnalysisWorker, WorkerConfig, inputs
 
 from .. import pg
 from ..payloads import payload, profile_entry
@@ -282,23 +283,32 @@ def test_a_provisional_window_size_holds_the_windows_back_but_not_the_hangs(
 def test_a_pass_holds_no_snapshot_while_it_computes(
     pg_admin: str, pg_at_head: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """PostgreSQL (SQLite keeps no row versions): while the worker turns windows into
-    findings (Python; seconds at thousands of ranks) no session of the database holds a
-    snapshot or a transaction id (``release_snapshot``), so the versions that ingest's
-    in-place updates of ``job_steps`` leave behind can be pruned meanwhile. Seen from
-    another session, as the server sees it."""
+    """PostgreSQL (SQLite keeps no row versions): while the worker turns the rows it read
+    into its detectors' types, between one read and the next, and while it turns windows
+    into findings (Python; seconds at thousands of ranks), no session of the database
+    holds a snapshot or a transaction id (``reads_hold_no_snapshot``), so the versions
+    that ingest's in-place updates of ``job_steps`` leave behind can be pruned meanwhile.
+    Seen from another session, as the server sees it."""
     held: list[list[tuple[Any, ...]]] = []
+    converted: list[list[tuple[Any, ...]]] = []
     feed = RunAnalysis.feed
 
-    def observed(self: RunAnalysis, *args: Any, **kwargs: Any) -> list[Change]:
+    def sessions_holding() -> list[tuple[Any, ...]]:
         with eng.connect() as probe:
             rows = probe.exec_driver_sql(
                 "SELECT pid, state, query FROM pg_stat_activity WHERE datname = current_database() "
                 "AND backend_type = 'client backend' AND pid <> pg_backend_pid() "
                 "AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)"
             )
-            held.append([tuple(r) for r in rows])
+            return [tuple(r) for r in rows]
+
+    def observed(self: RunAnalysis, *args: Any, **kwargs: Any) -> list[Change]:
+        held.append(sessions_holding())
         return feed(self, *args, **kwargs)
+
+    def rank_window(**fields: Any) -> RankWindowIn:  # as a chunk of rows is converted
+        converted.append(sessions_holding())
+        return RankWindowIn(**fields)
 
     with pg.fresh_database(pg_admin, template=pg_at_head) as url:
         eng = make_engine(url)
@@ -307,8 +317,10 @@ def test_a_pass_holds_no_snapshot_while_it_computes(
             with TestClient(create_app(settings, engine=eng)) as c:
                 send_windows(c, range(0, 5), slow_rank=3)
             monkeypatch.setattr(RunAnalysis, "feed", observed)
+            monkeypatch.setattr(inputs, "RankWindow", rank_window)
+            monkeypatch.setattr(inputs, "RANK_CHUNK", 2)  # several reads per window
             # One window per transaction, four on the worker's one connection: past the
-            # five runs after which psycopg prepares a statement (``release_snapshot``).
+            # five runs after which psycopg prepares a statement (``reads_hold_no_snapshot``).
             one = make_engine(url, pool_size=1, max_overflow=0)
             try:
                 assert worker(one, max_windows=1).run_once().windows == 4
@@ -317,3 +329,4 @@ def test_a_pass_holds_no_snapshot_while_it_computes(
         finally:
             eng.dispose()
     assert len(held) == 4 and held == [[]] * 4, held
+    assert len(converted) >= 4 * 2 and all(c == [] for c in converted), converted
