@@ -16,12 +16,14 @@ guarantees are the same: an entry is acknowledged only by the collector's answer
 and a retried entry is stored once (its ``batch_id``). When the collector is away or
 busy, every rank is told so and retries as it would have. When it refuses the host batch
 or fails on it (a 4xx: one bad entry, a token over its quota; a 5xx), or has no host-batch
-route (an older collector), each rank posts its own entry alone, at once and in parallel,
-and gets the answer it would have got by itself, so the good entries are stored. When the
-relay is gone (its process exited or was killed), the next rank to find it gone binds the
-socket and relays from then on; a rank that can neither reach a relay nor become one posts
-alone, and so for a minute does one whose relay held its window without answering (a
-stopped or frozen process: the heartbeats of a hang must still go).
+route (an older collector; then for a minute), each rank posts its own entry alone, at
+once and in parallel, and gets the answer it would have got by itself, so the good entries
+are stored. When the relay is gone (its process exited or was killed), the next rank to
+find it gone binds the socket and relays from then on (a relay that hangs up on the same
+entry twice in a row gets it no third time: the rank posts it alone); a rank that can
+neither reach a relay nor become one posts alone, and so for a minute does one whose
+relay held its window without answering (a stopped or frozen process: the heartbeats of
+a hang must still go).
 
 The socket is in Linux's abstract namespace (no file to clean up after a SIGKILL), named
 by the user, collector URL and token, so only ranks that would post to the same collector
@@ -71,8 +73,10 @@ _ANSWER = struct.Struct(">HdI")  # status (0: no answer), Retry-After (NaN: none
 #: Status of an answer the relay got no HTTP answer for (the content says why).
 NO_ANSWER = 0
 #: Status of an answer that tells the rank to post its entry itself: the collector refused
-#: or failed on the host batch, or has no host-batch route.
+#: or failed on the host batch, or has no host-batch route (then the content is
+#: :data:`NO_ROUTE`, and the rank posts alone for :data:`ALONE_S`).
 ALONE = 1
+NO_ROUTE = b"no host-batch route"
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ def address(url: str, token: str | None) -> bytes:
 
 
 def _peer_uid(sock: socket.socket) -> int:
-    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    # struct ucred: pid_t pid, uid_t uid, gid_t gid (uid and gid unsigned)
+    _, uid, _ = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     return int(uid)
 
 
@@ -122,9 +127,9 @@ class RelayClient:
 
     def post(self, body: bytes, timeout_s: float) -> Answer | None:
         """The answer to ``body`` through the relay; None when the rank should post it
-        alone (no relay can be had, or the relay says so). Raises ``OSError`` when the
-        relay went away with the entry twice in a row (retry it)."""
-        for attempt in range(2):
+        alone (no relay can be had, the relay says so, or it went away with the entry
+        twice in a row). Raises ``OSError`` when the relay did not answer in time."""
+        for _ in range(2):
             if time.monotonic() < self._alone_until:
                 return None
             sock = self._connect()
@@ -147,17 +152,19 @@ class RelayClient:
             except ConnectionError:
                 # The relay's process exited (its rank finished first) or its thread
                 # stopped: the next relay takes the entry (stored once: its batch_id).
+                # Twice in a row (a relay failing on every batch): this one goes alone.
                 self.close()
-                if attempt:
-                    raise
                 continue
             except OSError:
                 self.close()
                 raise
             if status == ALONE:
+                if content == NO_ROUTE:  # an older collector: no use asking for a while
+                    self._alone_until = time.monotonic() + ALONE_S
+                    self._say("the collector has no host-batch route; posting alone")
                 return None
             return Answer(status, None if math.isnan(retry_after) else retry_after, content)
-        raise AssertionError("unreachable")
+        return None
 
     def close(self) -> None:
         if self._sock is not None:
@@ -216,10 +223,14 @@ class Relay:
                 listener.close()
                 raise
             relay = cls(addr, listener, url, headers, timeout_s)
+            try:
+                relay._thread.start()
+            except RuntimeError as exc:  # no thread to be had (interpreter exiting, limits)
+                relay._forked()
+                raise OSError(f"cannot start the host's relay: {exc}") from exc
             _running[addr] = relay
             ref = weakref.ref(relay)
             os.register_at_fork(after_in_child=lambda: _after_fork(ref))
-            relay._thread.start()
             return relay
 
     def __init__(
@@ -341,7 +352,7 @@ class Relay:
         alone = Answer(ALONE, None, b"")
         if not self._batches_route:
             for sock, _ in batch:
-                self._answer(sock, alone)
+                self._answer(sock, Answer(ALONE, None, NO_ROUTE))
             return
         answer = self._http(client, wire.HOST_BATCH_PATH, wire.host_batch([b for _, b in batch]))
         outcome = Verdict.WAIT if answer.status == NO_ANSWER else verdict(answer.status)
@@ -365,6 +376,7 @@ class Relay:
         if answer.status in (404, 405):
             self._batches_route = False
             log.warning("stepwatch: the collector has no host-batch route; this host's ranks post alone")
+            alone = Answer(ALONE, None, NO_ROUTE)
         for sock, _ in batch:
             self._answer(sock, alone)
 
@@ -389,8 +401,11 @@ class Relay:
             self._drop(sock)
 
     def _shut(self) -> None:
-        """Close the socket and every connection (their ranks relay anew or post alone)."""
+        """Close the socket and every connection (their ranks relay anew or post alone):
+        the socket first, under the lock, so no rank connects to it meanwhile and the
+        next ``start`` can bind the address."""
         with _lock:
+            self._listener.close()
             if _running.get(self._address) is self:
                 del _running[self._address]
         self._forked()

@@ -388,13 +388,14 @@ class Sender:
             return None
         import httpx
 
-        left = self._time_left()
-        timeout = self._timeout_s if left is None else max(0.01, min(self._timeout_s, left))
+        timeout = self._request_timeout()
         self._posting_since = self._clock()
         try:
             resp = self._relayed(body, timeout)
             relayed = resp is not None
             if resp is None:
+                if self._relay is not None:  # the relay's answer "alone" took time
+                    timeout = self._request_timeout()
                 resp = client.post(self._endpoint, content=body, timeout=timeout)
         except (httpx.HTTPError, OSError) as exc:
             self._posting_since = None
@@ -428,6 +429,11 @@ class Sender:
                 return None
         self._waiting()
         return retry_after_s(resp.headers.get("retry-after")) or 0.0
+
+    def _request_timeout(self) -> float:
+        """The HTTP timeout, cut to what is left of the close deadline while closing."""
+        left = self._time_left()
+        return self._timeout_s if left is None else max(0.01, min(self._timeout_s, left))
 
     def _relayed(self, body: bytes, timeout: float) -> httpx.Response | None:
         """The answer to ``body`` posted by the host's relay, as a lone POST's response;

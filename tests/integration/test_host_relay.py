@@ -378,13 +378,48 @@ def test_a_collector_that_gives_no_answer_costs_one_request_per_host_batch() -> 
                     with conn:
                         accepted.append(len(conn.recv(1 << 16)))
 
-        threading.Thread(target=hang_up, daemon=True).start()
+        thread = threading.Thread(target=hang_up, daemon=True)
+        thread.start()
         url = f"http://127.0.0.1:{server.getsockname()[1]}"
-        with relay_process(url):
-            answer = _relay.RelayClient(url, None, {}, 1.0).post(b"{}", 1.0)
+        try:
+            with relay_process(url):
+                answer = _relay.RelayClient(url, None, {}, 1.0).post(b"{}", 1.0)
+        finally:
+            server.shutdown(socket.SHUT_RDWR)  # wakes the accept
+            thread.join(TIMEOUT_S)
         assert answer is not None and answer.status == _relay.NO_ANSWER, answer
         assert b"RemoteProtocolError" in answer.content, answer
         assert len(accepted) == 1, accepted
+
+
+def test_a_relay_that_fails_on_every_batch_sends_its_ranks_alone() -> None:
+    """A relay that takes the entry and hangs up (as one whose thread fails on each batch
+    does): the rank tries once more at once, then posts alone, instead of retrying it
+    through the same relay for ever."""
+    from stepwatch import _relay
+
+    url = "http://127.0.0.1:9/failing-relay"  # an address of its own
+    taken: list[bytes] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(_relay.address(url, None))
+        listener.listen(8)
+
+        def hang_up() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    conn, _ = listener.accept()
+                    with conn:
+                        taken.append(conn.recv(1 << 16))
+
+        thread = threading.Thread(target=hang_up, daemon=True)
+        thread.start()
+        try:
+            client = _relay.RelayClient(url, None, {}, 1.0)
+            assert client.post(b'{"n": 1}', 1.0) is None
+        finally:
+            listener.shutdown(socket.SHUT_RDWR)  # wakes the accept: the address is free
+            thread.join(TIMEOUT_S)
+    assert taken == [b'\0\0\0\x08{"n": 1}'] * 2, taken
 
 
 def squat(addr: bytes, ready: Any, got: Any) -> None:
