@@ -441,7 +441,7 @@ def test_a_rank_never_hands_its_window_to_another_users_socket() -> None:
     from stepwatch import _relay
 
     assert os.getuid() == 0, "this suite runs as root (network namespaces, another user)"
-    url = "http://127.0.0.1:9"
+    url = "http://127.0.0.1:9/squatted"  # an address of its own (tests run in parallel)
     ctx = mp.get_context("spawn")
     ready, got = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=squat, args=(_relay.address(url, None), ready, got))
@@ -464,7 +464,7 @@ def test_the_relay_answers_only_its_own_user() -> None:
     from stepwatch import _relay
 
     assert os.getuid() == 0, "this suite runs as root (network namespaces, another user)"
-    url = "http://127.0.0.1:9"  # nothing listens: the relay answers "no answer"
+    url = "http://127.0.0.1:9/own-user"  # nothing listens: the relay answers "no answer"
     with relay_process(url):
         answer = _relay.RelayClient(url, None, {}, 1.0).post(b"{}", 1.0)
         assert answer is not None and answer.status == _relay.NO_ANSWER and b"Connect" in answer.content
