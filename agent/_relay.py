@@ -88,6 +88,11 @@ class Answer:
     content: bytes
 
 
+#: The relay's two answers "post it yourself": this entry, and (no route) for a while.
+_ALONE = Answer(ALONE, None, b"")
+_ALONE_NO_ROUTE = Answer(ALONE, None, NO_ROUTE)
+
+
 def supported() -> bool:
     return sys.platform.startswith("linux")
 
@@ -349,10 +354,9 @@ class Relay:
         gets the answer that entry gets (never N requests in a row from this thread)."""
         self.posts += 1
         self.entries += len(batch)
-        alone = Answer(ALONE, None, b"")
         if not self._batches_route:
             for sock, _ in batch:
-                self._answer(sock, Answer(ALONE, None, NO_ROUTE))
+                self._answer(sock, _ALONE_NO_ROUTE)
             return
         answer = self._http(client, wire.HOST_BATCH_PATH, wire.host_batch([b for _, b in batch]))
         outcome = Verdict.WAIT if answer.status == NO_ANSWER else verdict(answer.status)
@@ -373,10 +377,11 @@ class Relay:
             for sock, _ in batch:
                 self._answer(sock, answer)
             return
+        alone = _ALONE
         if answer.status in (404, 405):
             self._batches_route = False
             log.warning("stepwatch: the collector has no host-batch route; this host's ranks post alone")
-            alone = Answer(ALONE, None, NO_ROUTE)
+            alone = _ALONE_NO_ROUTE
         for sock, _ in batch:
             self._answer(sock, alone)
 
