@@ -44,6 +44,27 @@ import httpx
 from stepwatch.demo import launch
 
 RANKS = 4
+#: glibc's allocator in the ranks and the collector keeps what it got from the kernel
+#: instead of handing it back every step (no heap trim; blocks up to 32 MiB, all of this
+#: model's tensors, from the heap, not their own mmap), so that the training loop makes no
+#: ``brk``/``munmap`` calls. Why: the virtual machines this runs on have a DAMON scheme
+#: (``/sys/kernel/mm/damon/admin/kdamonds``: ``pageout`` of physical memory it sees
+#: idle for 60 s) whose thread walks the reverse maps of the ranks' pages, and a ``brk``
+#: that shrinks the heap then waits for it for tens of seconds, holding the GIL: the rank
+#: stands still and its peers wait in the next collective. Measured on 2026-12-04 with
+#: the steady scenario and a sampler of the kernel stacks of every thread in D state:
+#: 10 of 16 runs had a rank that stood still 14-57 s (the collector rightly reported a
+#: hang), a rank's training thread sat in ``__do_sys_brk`` -> ``do_vmi_align_munmap``
+#: -> ``anon_vma_clone`` while ``kdamond`` walked ``__rmap_walk_file``; locking the
+#: ranks' memory (``mlockall``) did not help (2 of 2); with these settings no rank stood
+#: still in 11 runs (the longest step 0.8 s).
+#: Such a freeze is a real hang of that rank (a real job on such a host would have it
+#: too), but a run with one is no evidence about the detector under test.
+MALLOC_ENV = {
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TOP_PAD_": str(64 << 20),
+}
 #: Collector settings: windows of about 8 s of steps (8-16 steps here: the late-arrival
 #: sign test needs more than the 4 steps a 4 s window gets when the first batch's steps
 #: were slow), a fast analysis loop, and a hang floor of 15 s (production: 60 s) so that
@@ -414,6 +435,7 @@ def _start_ranks(
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
             "STEPWATCH_URL": url,
+            **MALLOC_ENV,
         }
         if netns:
             env["GLOO_SOCKET_IFNAME"] = "eth0"
@@ -556,7 +578,7 @@ def _run_here(
     run = "real-" + _slug(s.name)
     diagnosed = [0.0]
     first_diagnosed: list[bool | None] = [None]
-    with tempfile.TemporaryDirectory(prefix="stepwatch-real-") as work:
+    with tempfile.TemporaryDirectory(prefix="stepwatch-real-", dir=_scratch()) as work:
         env = {**COLLECTOR_ENV, **dict(s.env)}
         if netns:
             env["STEPWATCH_HOST"] = "0.0.0.0"
@@ -565,7 +587,8 @@ def _run_here(
         )
         db = f"sqlite:///{os.path.join(work, 'real.db')}"
         log = os.path.join(work, "collector.log")
-        with _session_niceness(s.nice), launch.collector(db, log_path=log, env=env) as col, burner:
+        collector = launch.collector(db, log_path=log, env={**env, **MALLOC_ENV})
+        with _session_niceness(s.nice), collector as col, burner:
             if s.nice:
                 _renice(col.process.pid, s.nice)
             url = col.url.replace("127.0.0.1", BRIDGE_IP) if netns else col.url
@@ -637,6 +660,21 @@ def _run_here(
         captures=captures,
         step_ends=step_ends,
     )
+
+
+def _scratch() -> str | None:
+    """Where a run keeps its files (the collector's database, the logs, the ranks' step
+    ends): memory (``/dev/shm``) where there is one, else the default temporary folder.
+    The collector commits every batch with an fsync before it answers, and this machine's
+    disk sometimes takes seconds to tens of seconds for one: on 2026-12-04 the kernel
+    stacks of the collector's threads in D state were mostly its SQLite fsyncs
+    (``folio_wait_writeback``, ``blkdev_issue_flush``). In one run of 8 (with the
+    database on disk and the collector not yet given :data:`MALLOC_ENV`) the last
+    window never reached the analysis: the ranks had finished, the harness waited its
+    whole timeout; the run's folder, and the collector's log with it, was gone, so
+    which of the two stalls it was is not known. None in the 4 runs since both. The
+    harness tests the detectors, not the disk (durability has tests of its own)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
 def _step_ends(work: str) -> list[float]:

@@ -9,10 +9,12 @@ onset (16-step windows, the baseline formed over the 8 windows after the tagged 
 attributed to compute; the same run without the fault must open no regression. The
 scenarios' processes run at a raised niceness of their session, so that the load they see
 is their own burner, not whatever else the machine runs (which would change the whole
-job's speed mid-run: a real change of its step time); a run in which the whole machine
+job's speed mid-run: a real change of its step time). A run in which the whole machine
 stood still for seconds, or one of whose ranks did (a hang event in a run without a hang),
-is run once more (``STILL_S``, ``_froze``); a job-wide run also only counts when the job was
-steady before the onset and the fault slowed it by its full size (``_no_evidence``).
+is no evidence and is run again (``STILL_S``, ``_froze``); so is a job-wide run unless the
+job was steady before the onset and the fault slowed it by its full size
+(``_no_evidence``), and a steady run unless the job's speed stayed where its baseline put
+it (``_not_steady``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import statistics
 
 import pytest
 
+from stepwatch_server.analysis.regressions import RegressionConfig
 from stepwatch_server.evaluation import real
 
 
@@ -41,17 +44,9 @@ def _froze(o: real.RealOutcome) -> list[str]:
     of the harness had one, with the timing code of before that day's change (2 of 3) as
     after it (3 of 4); in the recorded one, rank 0's sender sent no heartbeat for 17 s
     while its training thread stood still 22 s (the whole process, not a collective),
-    and that run's regression went unflagged. Such a run is no evidence either way."""
+    and that run's regression went unflagged. Such a run is no evidence either way. The
+    cause, found on 2026-12-04, and the harness' remedy: :data:`real.MALLOC_ENV`."""
     return [e["message"] for e in o.events if e["kind"] == "hang"]
-
-
-def _run(s: real.RealScenario) -> real.RealOutcome:
-    o = real.run_scenario(s)
-    if o.paused_s >= STILL_S or _froze(o):
-        o = real.run_scenario(s)
-    assert o.paused_s < STILL_S, f"the machine stood still for {o.paused_s:.0f} s in both runs"
-    assert not _froze(o), f"a rank stood still for the hang threshold in both runs: {_froze(o)}"
-    return o
 
 
 #: A job-wide run is evidence for "a 10% slowdown is flagged" only if the machine was
@@ -67,19 +62,24 @@ MAX_BASELINE_SPREAD = 0.25
 JOB_WIDE_TRIES = 3
 
 
+def _window_medians(o: real.RealOutcome) -> list[float]:
+    """The median step time of each whole window, off the harness' own step ends."""
+    ends, ws = o.step_ends, o.window_steps or 16
+    # Step k's duration (k >= 2: step 1 has no start here).
+    dur = [ends[k - 1] - ends[k - 2] for k in range(2, len(ends) + 1)]
+    return [statistics.median(dur[max(0, w * ws - 1) : (w + 1) * ws - 1]) for w in range(len(ends) // ws)]
+
+
 def _no_evidence(o: real.RealOutcome, s: real.RealScenario) -> str | None:
     """Why a job-wide run says nothing about the detector (None: it is evidence)."""
     if o.paused_s >= STILL_S:
         return f"the machine stood still for {o.paused_s:.0f} s"
     if _froze(o):
         return f"a rank stood still for the hang threshold: {_froze(o)[0][:120]}"
-    ends, ws = o.step_ends, o.window_steps or 16
-    # Step k's duration (k >= 2: step 1 has no start here), and each whole window's median.
-    dur = [ends[k - 1] - ends[k - 2] for k in range(2, len(ends) + 1)]
-    med = [statistics.median(dur[max(0, w * ws - 1) : (w + 1) * ws - 1]) for w in range(len(ends) // ws)]
-    onset = ((s.fault_from or 1) - 1) // ws
+    med = _window_medians(o)
+    onset = ((s.fault_from or 1) - 1) // (o.window_steps or 16)
     if len(med) < onset + 4:
-        return f"only {len(ends)} step ends kept"
+        return f"only {len(o.step_ends)} step ends kept"
     base = med[2:onset]
     level = statistics.median(base)
     spread = (max(base) - min(base)) / level
@@ -100,6 +100,60 @@ def _job_wide_run(s: real.RealScenario) -> real.RealOutcome:
             return o
         why.append(reason)
     raise AssertionError(f"no run of {JOB_WIDE_TRIES} was evidence: {why}")
+
+
+#: A steady run is evidence that the detector raises nothing on a job whose speed did not
+#: change only if its speed really did not change after the baseline, read off the
+#: harness' own step ends like the job-wide run's: the windows from the scenario's onset
+#: window on (the same 16-step windows) no slower at their median than the baseline's
+#: level by half the job-wide scenario's size, and no ``min_duration`` consecutive windows
+#: (a stretch the CUSUM may open on) slower by its whole size. The detector opens on a
+#: sustained 10% within 5 windows (the job-wide test); with its slack and threshold
+#: (``k`` 0.5 robust sigmas, at least half of ``min_change`` 3%; ``h`` 10) it needs
+#: about 2.2 window sigmas, 6-7% at this harness' window noise of about 3%, to open
+#: within the 6 windows after the baseline. On 2026-12-04 the CI run of ``0644c34``
+#: failed this test in both of its runs, flagged with ``regression:step_time`` +14.3%
+#: from step 161 on a run without a fault: the whole job got slower while the machine
+#: ran other work. In 21 runs on a quieter machine that afternoon the level after the
+#: baseline was -12% to +7% of it (2 over 5%), and 3-window stretches reached +13% (2
+#: over 10%); a run outside the bounds is run again, up to ``STEADY_TRIES`` runs; if none
+#: is steady the test fails saying why.
+STEADY_DRIFT = 0.05
+STEADY_STRETCH = 0.10
+STEADY_TRIES = 3
+
+
+def _not_steady(o: real.RealOutcome, s: real.RealScenario) -> str | None:
+    """Why a run without a fault says nothing about false regressions (None: it is evidence)."""
+    if o.paused_s >= STILL_S:
+        return f"the machine stood still for {o.paused_s:.0f} s"
+    if _froze(o):
+        return f"a rank stood still for the hang threshold: {_froze(o)[0][:120]}"
+    med = _window_medians(o)
+    onset = ((s.fault_from or 1) - 1) // (o.window_steps or 16)
+    n = RegressionConfig().min_duration
+    if len(med) < onset + n:
+        return f"only {len(o.step_ends)} step ends kept"
+    level = statistics.median(med[2:onset])
+    after = med[onset:]
+    drift = statistics.median(after) / level - 1
+    if drift > STEADY_DRIFT:
+        return f"the job got {drift:.1%} slower after its baseline"
+    stretch = max(statistics.median(after[i : i + n]) for i in range(len(after) - n + 1)) / level - 1
+    if stretch > STEADY_STRETCH:
+        return f"{n} windows after the baseline were {stretch:.0%} slower than it"
+    return None
+
+
+def _steady_run(s: real.RealScenario) -> real.RealOutcome:
+    why = []
+    for _ in range(STEADY_TRIES):
+        o = real.run_scenario(s)
+        reason = _not_steady(o, s)
+        if reason is None:
+            return o
+        why.append(reason)
+    raise AssertionError(f"no run of {STEADY_TRIES} was steady: {why}")
 
 
 def _keys(o: real.RealOutcome, kind: str) -> list[str]:
@@ -123,6 +177,6 @@ def test_a_job_wide_ten_percent_slowdown_is_a_regression_within_five_windows() -
 @pytest.mark.solo
 def test_a_steady_run_raises_no_regression() -> None:
     s = _scenario("clean, steady load")
-    o = _run(s)
+    o = _steady_run(s)
     assert s.steps is not None and o.analysed_through_step >= s.steps, "the analysis did not reach the end"
     assert _keys(o, "regression") == [], [e["message"] for e in o.events]
