@@ -53,11 +53,12 @@ RANKS = 4
 #: that shrinks the heap then waits for it for tens of seconds, holding the GIL: the rank
 #: stands still and its peers wait in the next collective. Measured on 2026-12-04 with
 #: the steady scenario and a sampler of the kernel stacks of every thread in D state:
-#: 10 of 16 runs had a rank that stood still 14-57 s (the collector rightly reported a
-#: hang), a rank's training thread sat in ``__do_sys_brk`` -> ``do_vmi_align_munmap``
-#: -> ``anon_vma_clone`` while ``kdamond`` walked ``__rmap_walk_file``; locking the
-#: ranks' memory (``mlockall``) did not help (2 of 2); with these settings no rank stood
-#: still in 11 runs (the longest step 0.8 s).
+#: in 7 of 13 runs a rank stood still 14-57 s (the collector rightly reported a hang),
+#: in 2 more 11-14 s; a rank's training thread sat in ``__do_sys_brk`` ->
+#: ``do_vmi_align_munmap`` -> ``anon_vma_clone`` while ``kdamond`` walked
+#: ``__rmap_walk_file``. Locking the ranks' memory (``mlockall``) did not help (2 of 2
+#: runs); with these settings the longest step of 12 runs was 0.8 s, under heavier load
+#: (two stray busy loops beside them).
 #: Such a freeze is a real hang of that rank (a real job on such a host would have it
 #: too), but a run with one is no evidence about the detector under test.
 MALLOC_ENV = {
