@@ -20,6 +20,7 @@ it (``_not_steady``).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 import pytest
 
@@ -57,9 +58,9 @@ def _froze(o: real.RealOutcome) -> list[str]:
 #: windows' medians spread over 18-54% of their median, where the detector's claim (10% in
 #: 5 windows) holds at a window noise of about 3.4% (``analysis/regressions.py``); every
 #: run that met both conditions was flagged in time. A run that does not meet them is run
-#: again, up to ``JOB_WIDE_TRIES`` runs; if none does, the test fails saying why.
+#: again, up to ``TRIES`` runs; if none does, the test fails saying why.
 MAX_BASELINE_SPREAD = 0.25
-JOB_WIDE_TRIES = 3
+TRIES = 3
 
 
 def _window_medians(o: real.RealOutcome) -> list[float]:
@@ -70,36 +71,38 @@ def _window_medians(o: real.RealOutcome) -> list[float]:
     return [statistics.median(dur[max(0, w * ws - 1) : (w + 1) * ws - 1]) for w in range(len(ends) // ws)]
 
 
-def _no_evidence(o: real.RealOutcome, s: real.RealScenario) -> str | None:
-    """Why a job-wide run says nothing about the detector (None: it is evidence)."""
+def _stood_still(o: real.RealOutcome) -> str | None:
+    """Why a run is no evidence either way because something stood still (None: nothing did)."""
     if o.paused_s >= STILL_S:
         return f"the machine stood still for {o.paused_s:.0f} s"
     if _froze(o):
         return f"a rank stood still for the hang threshold: {_froze(o)[0][:120]}"
+    return None
+
+
+def _before_and_after(o: real.RealOutcome, s: real.RealScenario, need: int) -> tuple[list[float], ...]:
+    """Window medians of the baseline (windows 2 to the onset's) and from the onset's window
+    on; both empty when fewer than ``need`` windows after the onset were kept."""
     med = _window_medians(o)
     onset = ((s.fault_from or 1) - 1) // (o.window_steps or 16)
-    if len(med) < onset + 4:
+    return (med[2:onset], med[onset:]) if len(med) >= onset + need else ([], [])
+
+
+def _no_evidence(o: real.RealOutcome, s: real.RealScenario) -> str | None:
+    """Why a job-wide run says nothing about the detector (None: it is evidence)."""
+    if reason := _stood_still(o):
+        return reason
+    base, after = _before_and_after(o, s, 4)
+    if not after:
         return f"only {len(o.step_ends)} step ends kept"
-    base = med[2:onset]
     level = statistics.median(base)
     spread = (max(base) - min(base)) / level
     if spread > MAX_BASELINE_SPREAD:
         return f"unsteady before the onset: window medians spread over {spread:.0%} of their median"
-    ratio = statistics.median(med[onset:]) / level
+    ratio = statistics.median(after) / level
     if ratio < 1 + s.size:
         return f"the fault slowed the job by {ratio - 1:.0%}, not {s.size:.0%}"
     return None
-
-
-def _job_wide_run(s: real.RealScenario) -> real.RealOutcome:
-    why = []
-    for _ in range(JOB_WIDE_TRIES):
-        o = real.run_scenario(s)
-        reason = _no_evidence(o, s)
-        if reason is None:
-            return o
-        why.append(reason)
-    raise AssertionError(f"no run of {JOB_WIDE_TRIES} was evidence: {why}")
 
 
 #: A steady run is evidence that the detector raises nothing on a job whose speed did not
@@ -116,26 +119,21 @@ def _job_wide_run(s: real.RealScenario) -> real.RealOutcome:
 #: from step 161 on a run without a fault: the whole job got slower while the machine
 #: ran other work. In 27 runs that afternoon the level after the baseline was -12% to +7%
 #: of it (3 over 5%), and 3-window stretches reached +13% (2 over 10%): 4 runs of 27 not
-#: steady. A run outside the bounds is run again, up to ``STEADY_TRIES`` runs; if none is
+#: steady. A run outside the bounds is run again, up to ``TRIES`` runs; if none is
 #: steady the test fails saying why.
 STEADY_DRIFT = 0.05
 STEADY_STRETCH = 0.10
-STEADY_TRIES = 3
 
 
 def _not_steady(o: real.RealOutcome, s: real.RealScenario) -> str | None:
     """Why a run without a fault says nothing about false regressions (None: it is evidence)."""
-    if o.paused_s >= STILL_S:
-        return f"the machine stood still for {o.paused_s:.0f} s"
-    if _froze(o):
-        return f"a rank stood still for the hang threshold: {_froze(o)[0][:120]}"
-    med = _window_medians(o)
-    onset = ((s.fault_from or 1) - 1) // (o.window_steps or 16)
+    if reason := _stood_still(o):
+        return reason
     n = RegressionConfig().min_duration
-    if len(med) < onset + n:
+    base, after = _before_and_after(o, s, n)
+    if not after:
         return f"only {len(o.step_ends)} step ends kept"
-    level = statistics.median(med[2:onset])
-    after = med[onset:]
+    level = statistics.median(base)
     drift = statistics.median(after) / level - 1
     if drift > STEADY_DRIFT:
         return f"the job got {drift:.1%} slower after its baseline"
@@ -145,15 +143,18 @@ def _not_steady(o: real.RealOutcome, s: real.RealScenario) -> str | None:
     return None
 
 
-def _steady_run(s: real.RealScenario) -> real.RealOutcome:
+def _evidence_run(
+    s: real.RealScenario, why_not: Callable[[real.RealOutcome, real.RealScenario], str | None]
+) -> real.RealOutcome:
+    """The first of up to ``TRIES`` runs of ``s`` that is evidence by ``why_not``."""
     why = []
-    for _ in range(STEADY_TRIES):
+    for _ in range(TRIES):
         o = real.run_scenario(s)
-        reason = _not_steady(o, s)
+        reason = why_not(o, s)
         if reason is None:
             return o
         why.append(reason)
-    raise AssertionError(f"no run of {STEADY_TRIES} was steady: {why}")
+    raise AssertionError(f"no run of {TRIES} was evidence: {why}")
 
 
 def _keys(o: real.RealOutcome, kind: str) -> list[str]:
@@ -163,7 +164,7 @@ def _keys(o: real.RealOutcome, kind: str) -> list[str]:
 @pytest.mark.solo
 def test_a_job_wide_ten_percent_slowdown_is_a_regression_within_five_windows() -> None:
     s = _scenario("job-wide +10%")
-    o = _job_wide_run(s)
+    o = _evidence_run(s, _no_evidence)
     assert s.steps is not None and o.analysed_through_step >= s.steps, "the analysis did not reach the end"
     assert "regression:step_time" in _keys(o, "regression"), _keys(o, "straggler")
     assert o.right, [e["message"] for e in o.events if e["kind"] == "regression"]  # attributed to compute
@@ -177,6 +178,6 @@ def test_a_job_wide_ten_percent_slowdown_is_a_regression_within_five_windows() -
 @pytest.mark.solo
 def test_a_steady_run_raises_no_regression() -> None:
     s = _scenario("clean, steady load")
-    o = _steady_run(s)
+    o = _evidence_run(s, _not_steady)
     assert s.steps is not None and o.analysed_through_step >= s.steps, "the analysis did not reach the end"
     assert _keys(o, "regression") == [], [e["message"] for e in o.events]
