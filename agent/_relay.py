@@ -62,6 +62,13 @@ log = logging.getLogger("stepwatch")
 LINGER_S = 0.25
 #: Seconds a rank posts alone after its relay took too long to answer.
 ALONE_S = 60.0
+#: Seconds a rank waits for a relay that another rank has bound but not yet made to
+#: listen. It was four tries 0-30 ms apart: on 2026-12-04 a CI run's parallel phase (4
+#: test processes on 2 cores) had a rank post one window alone in both backends' run of
+#: ``test_a_hosts_windows_go_in_one_request_and_each_rank_gets_its_own_answer``. That is
+#: one of the two ways a rank with a relay posts a single window alone, silently; the
+#: other, a relay hanging up on the same entry twice, is by design.
+START_RACE_S = 1.0
 #: A host batch is posted once it holds this much: under the collector's default body
 #: limit (2 MiB; a batch over the collector's limit is refused whole, then posted entry by
 #: entry).
@@ -179,7 +186,13 @@ class RelayClient:
     def _connect(self) -> socket.socket | None:
         if self._sock is not None:
             return self._sock
-        for attempt in range(4):
+        # A rank that finds the address bound but not yet listening (another rank between
+        # its bind and its listen) waits for it, up to START_RACE_S: a binder descheduled
+        # for tens of milliseconds on a loaded host is no reason to post alone.
+        deadline = time.monotonic() + START_RACE_S
+        attempt = 0
+        while attempt == 0 or time.monotonic() < deadline:
+            attempt += 1
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(1.0)  # a relay whose backlog is full is no relay
             try:
@@ -199,7 +212,7 @@ class RelayClient:
             try:  # nobody relays: this process does from now on
                 Relay.start(self._address, self._url, self._headers, self._timeout_s)
             except OSError:  # another rank bound it first: connect to that one once it listens
-                time.sleep(0.01 * attempt)
+                time.sleep(min(0.01 * attempt, 0.05))
         self._say("no relay for this host's windows; posting alone")
         return None
 

@@ -422,6 +422,29 @@ def test_a_relay_that_fails_on_every_batch_sends_its_ranks_alone() -> None:
     assert taken == [b'\0\0\0\x08{"n": 1}'] * 2, taken
 
 
+def test_a_rank_waits_for_a_relay_that_is_bound_but_not_yet_listening() -> None:
+    """Another rank has bound the relay's address and is descheduled before its listen
+    (a loaded host): this rank connects once it listens, instead of posting alone (it gave
+    up after four tries within 60 ms; a CI run lost a window's relaying to it)."""
+    from stepwatch import _relay
+
+    url = "http://127.0.0.1:9/slow-binder"  # an address of its own
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(_relay.address(url, None))
+        # The binder listens 0.3 s later: the scenario itself (the client's attempts in
+        # between are refused), not a wait for anything.
+        late = threading.Timer(0.3, listener.listen, args=(8,))
+        late.start()
+        try:
+            sock = _relay.RelayClient(url, None, {}, 1.0)._connect()
+            assert sock is not None, "the rank gave up on a relay that listened 0.3 s late"
+            conn, _ = listener.accept()
+            conn.close()
+            sock.close()
+        finally:
+            late.join(TIMEOUT_S)
+
+
 def squat(addr: bytes, ready: Any, got: Any) -> None:
     """Another user (nobody) holding the relay's address: reports what it was sent."""
     os.setuid(65534)
