@@ -19,8 +19,8 @@ or fails on it (a 4xx: one bad entry, a token over its quota; a 5xx), or has no 
 route (an older collector; then for a minute), each rank posts its own entry alone, at
 once and in parallel, and gets the answer it would have got by itself, so the good entries
 are stored. When the relay is gone (its process exited or was killed), the next rank to
-find it gone binds the socket and relays from then on (a relay that hangs up on the same
-entry twice in a row gets it no third time: the rank posts it alone); a rank that can
+find it gone binds the socket and relays from then on (a relay that hangs up on a rank's
+entries in three posts in a row is given no more: the rank posts alone); a rank that can
 neither reach a relay nor become one posts alone, and so for a minute does one whose
 relay held its window without answering (a stopped or frozen process: the heartbeats of
 a hang must still go).
@@ -63,12 +63,13 @@ LINGER_S = 0.25
 #: Seconds a rank posts alone after its relay took too long to answer.
 ALONE_S = 60.0
 #: Seconds a rank waits for a relay that another rank has bound but not yet made to
-#: listen. It was four tries 0-30 ms apart: on 2026-12-04 a CI run's parallel phase (4
-#: test processes on 2 cores) had a rank post one window alone in both backends' run of
-#: ``test_a_hosts_windows_go_in_one_request_and_each_rank_gets_its_own_answer``. That is
-#: one of the two ways a rank with a relay posts a single window alone, silently; the
-#: other, a relay hanging up on the same entry twice, is by design.
+#: listen (it was four tries 0-30 ms apart; a binder descheduled longer made the rank
+#: post alone).
 START_RACE_S = 1.0
+#: Posts in a row that a relay hangs up on (twice each) before the rank posts alone: a
+#: relay that fails on every batch. One such post is usually a relaying rank that exited
+#: while another's final window was on its way: retried, it goes through the next relay.
+HUNG_UP_POSTS = 3
 #: A host batch is posted once it holds this much: under the collector's default body
 #: limit (2 MiB; a batch over the collector's limit is refused whole, then posted entry by
 #: entry).
@@ -136,11 +137,14 @@ class RelayClient:
         self._sock: socket.socket | None = None
         self._said: str | None = None
         self._alone_until = 0.0
+        #: Posts in a row whose entry the relay took and hung up on, twice each.
+        self._hung_up = 0
 
     def post(self, body: bytes, timeout_s: float) -> Answer | None:
         """The answer to ``body`` through the relay; None when the rank should post it
-        alone (no relay can be had, the relay says so, or it went away with the entry
-        twice in a row). Raises ``OSError`` when the relay did not answer in time."""
+        alone (no relay can be had, the relay says so, or it hung up on the entry twice
+        in each of HUNG_UP_POSTS posts in a row). Raises ``OSError`` when the relay did
+        not answer in time or hung up twice (retry it)."""
         for _ in range(2):
             if time.monotonic() < self._alone_until:
                 return None
@@ -164,7 +168,6 @@ class RelayClient:
             except ConnectionError:
                 # The relay's process exited (its rank finished first) or its thread
                 # stopped: the next relay takes the entry (stored once: its batch_id).
-                # Twice in a row (a relay failing on every batch): this one goes alone.
                 self.close()
                 continue
             except OSError:
@@ -175,8 +178,17 @@ class RelayClient:
                     self._alone_until = time.monotonic() + ALONE_S
                     self._say("the collector has no host-batch route; posting alone")
                 return None
+            self._hung_up = 0
             return Answer(status, None if math.isnan(retry_after) else retry_after, content)
-        return None
+        # Hung up on twice: a relay whose process is exiting (its listener still open a
+        # moment) or one that fails on every batch. The entry is retried (through the next
+        # relay, once this one is gone); after HUNG_UP_POSTS such posts in a row the rank
+        # posts alone instead of retrying through a failing relay for ever.
+        self._hung_up += 1
+        if self._hung_up >= HUNG_UP_POSTS:
+            self._hung_up = 0
+            return None
+        raise ConnectionResetError("the host's relay hung up on this window twice")
 
     def close(self) -> None:
         if self._sock is not None:
