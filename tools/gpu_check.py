@@ -9,12 +9,15 @@ one verdict line per check, ``PASS``/``FAIL``/``SKIP`` + name + the numbers:
                  ``resolve``) against a reference the script measures itself: steps
                  bracketed by ``torch.cuda.synchronize()`` and ``perf_counter``; then the
                  same work without syncs, where the host runs ahead and only the events
-                 can still see the device's steps.
+                 can still see the device's steps (checked against the script's own
+                 events at the same boundaries).
 ``ddp``          always-on timing of DDP over NCCL (``sw.watch(ddp_model)``: DDP's built-in
                  all-reduce timed per step from autograd's final callbacks): 2 GPUs with
                  rank 1 arriving late at every step (rank 0 must wait longer), or 1 GPU
-                 with a lagging stream (the timing must not synchronise); gradients equal
-                 to plain DDP's. "not available in this build" where it is absent.
+                 with a lagging stream (the timing must not synchronise: the device is
+                 still behind its host at every step after DDP's own first 10, which
+                 synchronise); gradients equal to plain DDP's. "not available in this
+                 build" where it is absent.
 ``ddp_device``   the same runs' ``comm`` sections: on the device clock (CUDA events
                  recorded at the step's arrival and end in the callbacks, read back by
                  the sender with ``query()``), and sane on every timed step:
@@ -22,19 +25,24 @@ one verdict line per check, ``PASS``/``FAIL``/``SKIP`` + name + the numbers:
                  sends the end as arrival plus a sync clamped at 0, so an end recorded
                  before its arrival (a wrong stream) reads as a sync of 0: the verdict
                  counts those steps in its detail.
-``first_step``   the first profiled step of a live trace, GPU lagging its host by about a
-                 step, against the steady steps and the script's own CUDA events.
+``first_step``   every step of a live trace (the agent's always-recording schedule), the
+                 first included, against the script's own CUDA events at the same
+                 boundaries, the host kept about a step ahead of the device.
 ``nvml``         NVML fields of this GPU: UUID matching torch's, clocks, power,
                  temperature, throttle reasons.
 ``tokens``       the callbacks' token counter on CUDA masks: ``add`` returns while the
                  device is busy (no sync), and the deferred count is exact.
 
 Without CUDA it says so and exits 0 having run nothing. Exit 1 when any check fails.
-Run: ``make gpu-check`` (``GPU_PY=python make gpu-check`` to use your own environment).
+Run: ``make gpu-check`` (``GPU_PY=python make gpu-check`` to use your own environment);
+``--keep DIR`` saves the first-step trace, its events and the DDP ranks' batches, as in
+tests/fixtures/h200 (from an H200, where all seven checks passed on 2026-12-04).
 """
 
 from __future__ import annotations
 
+import gzip
+import itertools
 import json
 import math
 import os
@@ -50,6 +58,29 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stepwatch._sender import MemorySink
+
+KEEP_DIR: Path | None = None
+"""Where ``--keep DIR`` saves what the checks measured (the first-step trace, the DDP
+ranks' payloads), for tests pinned on real GPU data; None: nothing is saved."""
+
+
+def _keep(name: str, data: str | bytes) -> None:
+    if KEEP_DIR is None:
+        return
+    KEEP_DIR.mkdir(parents=True, exist_ok=True)
+    path = KEEP_DIR / name
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+
+
+DDP_STEPS = 32
+DDP_ASK_FROM = 13
+"""The 1-GPU DDP check asks whether the device is behind from this step on: DDP's own
+runtime statistics synchronise its first 10 iterations (the reducer's CUDA timer reads
+its events with ``synchronize()`` while ``num_iterations_ <= 10``, and again every
+100th), which an H200 showed as the host held to the device's pace until step 11."""
 
 DDP_DELAY_S = 0.05
 """Host delay of the late rank before every backward (2-GPU DDP check)."""
@@ -92,35 +123,48 @@ def compare_step_times(
     )
 
 
-def compare_unsynced(event_s: Sequence[float], host_s: Sequence[float], device_ref_s: float) -> Verdict:
-    """Without syncs: the events still give the device's step (median within 5% of the
-    synchronised reference) while the host ran ahead (its median well below)."""
-    ev, host = statistics.median(event_s), statistics.median(host_s)
-    if abs(ev - device_ref_s) > 0.05 * device_ref_s:
+def compare_unsynced(
+    event_s: Sequence[float], own_s: Sequence[float], host_s: Sequence[float], synced_s: float
+) -> Verdict:
+    """Without syncs: the agent's events still give the device's step, each within 2% (+
+    20 µs) of the script's own CUDA events recorded at the same boundaries, while the
+    host ran ahead (its median well below).
+
+    The synchronised reference is shown, not compared: it holds, per step, the device's
+    wait for the host's first launch after each sync (on an H200, 4 matmuls of 2048²
+    took 1.46 ms synchronised and 1.37 ms back to back)."""
+    if len(event_s) != len(own_s) or not event_s:
         return Verdict(
-            "step_times_async", "FAIL", f"events {ev * 1e3:.2f} ms vs device {device_ref_s * 1e3:.2f} ms"
+            "step_times_async", "FAIL", f"{len(event_s)} steps from the agent, {len(own_s)} from the script"
         )
-    note = "host ran ahead" if host < 0.5 * ev else "host did not run ahead (launch-bound?)"
-    return Verdict(
-        "step_times_async",
-        "PASS",
-        f"events {ev * 1e3:.2f} ms = device {device_ref_s * 1e3:.2f} ms; host {host * 1e3:.2f} ms ({note})",
+    ev, own, host = statistics.median(event_s), statistics.median(own_s), statistics.median(host_s)
+    bad = sum(abs(e - o) > 0.02 * o + 2e-5 for e, o in zip(event_s, own_s, strict=True))
+    detail = (
+        f"agent events {ev * 1e3:.3f} ms vs the script's {own * 1e3:.3f} ms "
+        f"(synchronised {synced_s * 1e3:.2f} ms); host {host * 1e3:.2f} ms"
     )
+    if bad:
+        return Verdict("step_times_async", "FAIL", f"{bad} of {len(event_s)} steps off; {detail}")
+    note = "host ran ahead" if host < 0.5 * ev else "host did not run ahead (launch-bound?)"
+    return Verdict("step_times_async", "PASS", f"{detail} ({note})")
 
 
 def first_step_verdict(step_s: Sequence[float], events_s: Sequence[float], before_window_s: float) -> Verdict:
-    """The trace's first step equals its steady steps, and the steps match the CUDA events."""
+    """Every step of the trace, the first included, within 10% of the CUDA events recorded
+    at its boundaries (DESIGN §3: a device-side boundary is what such an event measures).
+    The first step against the steady ones is shown for both, not compared: on a device
+    that was idle when the profiler started, the events see the profiler's first launches
+    too (on an H200, 2.38 ms against 2.05 steady)."""
     if len(step_s) < 3 or len(events_s) != len(step_s):
         return Verdict("first_step", "FAIL", f"{len(step_s)} steps parsed, {len(events_s)} timed")
-    steady = statistics.median(step_s[1:])
-    off = abs(step_s[0] - steady) / steady
+    steady, ev_steady = statistics.median(step_s[1:]), statistics.median(events_s[1:])
     worst = max(abs(a - b) / b for a, b in zip(step_s, events_s, strict=True))
     detail = (
-        f"first {step_s[0] * 1e3:.2f} ms, steady {steady * 1e3:.2f} ms ({off:.1%}); trace vs events worst "
-        f"{worst:.1%}; {before_window_s * 1e3:.2f} ms of pre-window work set apart"
+        f"first {step_s[0] * 1e3:.2f} ms (events {events_s[0] * 1e3:.2f}), steady {steady * 1e3:.2f} ms "
+        f"(events {ev_steady * 1e3:.2f}); trace vs events worst {worst:.1%}; "
+        f"{before_window_s * 1e3:.2f} ms of pre-window work set apart"
     )
-    ok = off <= 0.10 and worst <= 0.10
-    return Verdict("first_step", "PASS" if ok else "FAIL", detail)
+    return Verdict("first_step", "PASS" if worst <= 0.10 else "FAIL", detail)
 
 
 def nvml_verdict(sample: Mapping[str, Any] | None, torch_uuid: str | None) -> Verdict:
@@ -199,15 +243,24 @@ def ddp_lag_verdict(
 
 
 def ddp_single_verdict(
-    host_s: Sequence[float], device_s: Sequence[float], timed: int, grads_equal: bool
+    host_s: Sequence[float], device_s: Sequence[float], behind: int, asked: int, timed: int, grads_equal: bool
 ) -> Verdict:
-    """1 GPU, lagging stream: the host ran ahead of the device (the timing did not sync)
-    and the steps were timed."""
+    """1 GPU, lagging stream: the timing did not sync (the device was still behind its
+    host at every step asked: ``behind`` of ``asked``), the steps were timed, and the
+    gradients are DDP's own.
+
+    Why not host time against device time: once the host is about a thousand launches
+    ahead, CUDA's launch queue is full and every launch waits for the device, so the
+    host's pace equals the device's with no sync anywhere (seen on an H200: host 25.06
+    ms/step, device 26.29). What a sync changes is whether the device has caught up: at
+    each step's start the check asks (``query()``) whether an event recorded two steps
+    earlier has completed; after a sync in the step between, it always has."""
     host, dev = statistics.median(host_s), statistics.median(device_s)
-    ok = host < 0.5 * dev and timed > 0 and grads_equal
+    ok = asked > 0 and behind == asked and timed > 0 and grads_equal
+    verdict = "no sync" if behind == asked else "SYNCED"
     detail = (
-        f"host {host * 1e3:.2f} ms/step vs device {dev * 1e3:.2f} ms/step "
-        f"({'no sync' if host < 0.5 * dev else 'SYNCED'}); "
+        f"device behind its host at {behind} of {asked} steps ({verdict}); "
+        f"host {host * 1e3:.2f} ms/step, device {dev * 1e3:.2f} ms/step; "
         f"{timed} timing values in the payload; gradients {'equal' if grads_equal else 'DIFFERENT'}"
     )
     return Verdict("ddp", "PASS" if ok else "FAIL", detail + " (1 GPU: world of 1, lagging stream)")
@@ -336,16 +389,23 @@ def check_step_times() -> list[Verdict]:
     by_size = {k: statistics.median(r for r, s in zip(ref, sizes, strict=True) if s == k) for k in set(sizes)}
     sw, rec = _agent(len(sizes))
     host: list[float] = []
+    own: list[Any] = []  # the script's events, recorded right after the agent's
     t = time.perf_counter()
     sw.step(tokens=1)
+    own.append(torch.cuda.Event(enable_timing=True))
+    own[-1].record()
     for k in [4] * len(sizes):
         work(k)
         now = time.perf_counter()
         host.append(now - t)
         t = now
         sw.step(tokens=1)
+        own.append(torch.cuda.Event(enable_timing=True))
+        own[-1].record()
+    torch.cuda.synchronize()
+    own_s = [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(own)]
     ev = _event_times(sw, rec)[2:]
-    out.append(compare_unsynced(ev, host[1:], by_size[4]))
+    out.append(compare_unsynced(ev, own_s[1:], host[1:], by_size[4]))
     return out
 
 
@@ -367,11 +427,15 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, delay_s: fl
     plain, watched = DDP(_ddp_model(dev), device_ids=[rank]), DDP(_ddp_model(dev), device_ids=[rank])
     x = torch.randn(64, 1024, device=dev, generator=torch.Generator(dev).manual_seed(rank))
     plain(x).square().mean().backward()
-    sw, rec = _agent(30, rank=rank, world=world)
+    sw, rec = _agent(DDP_STEPS, rank=rank, world=world)
     sw.watch(watched)
     host: list[float] = []
+    marks: list[Any] = []  # an event at each step's end
+    lagging: list[bool] = []  # from step 2: did it begin with the device two steps behind?
     t = time.perf_counter()
-    for _step in range(20):
+    for step in range(DDP_STEPS):
+        if step >= 2:
+            lagging.append(not marks[step - 2].query())
         watched.zero_grad()  # no optimizer: the last step's gradients are comparable with plain's
         loss = watched(x).square().mean()
         if delay_s and rank == 1:
@@ -383,6 +447,8 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, delay_s: fl
         host.append(now - t)
         t = now
         sw.step(tokens=64)
+        marks.append(torch.cuda.Event())
+        marks[-1].record()
     torch.cuda.synchronize()
     equal = all(
         torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), watched.parameters(), strict=True)
@@ -390,7 +456,16 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, delay_s: fl
     device = _event_times(sw, rec)  # closes the agent: its last window holds the steps
     windows = list(rec.windows)
     docs = [json.loads(sw._encode(w, rec.stats)) for w in windows]
-    result = {"rank": rank, "equal": equal, "host": host[1:], "device": device[2:], "payloads": docs}
+    result = {
+        "rank": rank,
+        "equal": equal,
+        "host": host[DDP_ASK_FROM:],
+        "device": device[DDP_ASK_FROM:],
+        "behind": sum(lagging[DDP_ASK_FROM - 2 :]),
+        "asked": DDP_STEPS - DDP_ASK_FROM,
+        "lagging": lagging,
+        "payloads": docs,
+    }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -413,6 +488,7 @@ def check_ddp() -> list[Verdict]:
         delay, cycles = (DDP_DELAY_S, 0) if world == 2 else (0.0, 50_000_000)
         mp.spawn(_ddp_worker, args=(world, init, tmp, delay, cycles), nprocs=world, join=True)
         results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    _keep("ddp.json", json.dumps(results))
     equal = all(r["equal"] for r in results)
     device = ddp_device_verdict([doc for r in results for doc in r["payloads"]])
     if world == 2:
@@ -420,7 +496,7 @@ def check_ddp() -> list[Verdict]:
         return [ddp_lag_verdict(sync, DDP_DELAY_S, equal), device]
     (r,) = results
     timed = len(numbers_under(r["payloads"], "comm"))
-    return [ddp_single_verdict(r["host"], r["device"], timed, equal), device]
+    return [ddp_single_verdict(r["host"], r["device"], r["behind"], r["asked"], timed, equal), device]
 
 
 def check_first_step() -> list[Verdict]:
@@ -431,7 +507,10 @@ def check_first_step() -> list[Verdict]:
     from stepwatch.profiler.chrome import trace_from_profiler
     from stepwatch.profiler.trace import parse_chrome_trace, window_breakdown
 
-    a = torch.randn(2048, 2048, device="cuda")
+    # 6 products of 4096² in fp32 (about 16 ms on an H200): a step longer than the
+    # profiler's start (about 3 ms of CUPTI buffer requests), so the device still works
+    # on the step before the window when the window's first launch comes.
+    a = torch.randn(4096, 4096, device="cuda")
     n = 6
     done: list[Any] = []
     starts: list[Any] = []
@@ -462,7 +541,10 @@ def check_first_step() -> list[Verdict]:
     torch.cuda.synchronize()
     marks = [*starts[first + 1 : first + n], end]
     events_s = [starts[first + i].elapsed_time(marks[i]) / 1e3 for i in range(n)]
-    w = parse_chrome_trace(trace_from_profiler(prof))
+    trace = trace_from_profiler(prof)
+    _keep("first_step_trace.json.gz", gzip.compress(json.dumps(trace).encode()))
+    _keep("first_step_events.json", json.dumps({"events_s": events_s}))
+    w = parse_chrome_trace(trace)
     steps = [b.step_s for b in window_breakdown(w)]
     k = min(len(steps), n)
     return [first_step_verdict(steps[:k], events_s[:k], w.before_window_us * 1e-6)]
@@ -526,7 +608,13 @@ def run(checks: Iterable[tuple[str, Callable[[], list[Verdict]]]] = CHECKS) -> l
     return out
 
 
-def main() -> int:
+def main(argv: Sequence[str] = sys.argv[1:]) -> int:
+    global KEEP_DIR
+    if len(argv) == 2 and argv[0] == "--keep":
+        KEEP_DIR = Path(argv[1])
+    elif argv:
+        print("usage: gpu_check.py [--keep DIR]", file=sys.stderr)
+        return 2
     try:
         import torch
     except ImportError:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -18,6 +20,8 @@ from stepwatch_server.settings import Settings
 from stepwatch_server.storage.models import Event, IngestedBatch, JobStep, Rank, RankWindow, Run, unix
 
 from ..payloads import CONVENTION, comm_section, payload
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 @pytest.fixture
@@ -144,6 +148,20 @@ def test_collective_timing_section_is_accepted(client: TestClient, engine: Engin
     r = client.post("/api/v1/ingest", json=p)
     assert r.status_code == 200, r.text
     assert _count(engine, JobStep) == 4
+
+
+def test_an_h200_ranks_batches_with_device_timing_are_stored(client: TestClient, engine: Engine) -> None:
+    """Batches a DDP rank on an H200 encoded (``tools/gpu_check.py --keep``, its ``ddp``
+    check; tests/fixtures/h200): steps on the CUDA events' clock, the ``comm`` section on
+    the device clock, then the closing window's empty batch. What a GPU rank sends is
+    what the collector accepts, whole."""
+    batches = json.loads((FIXTURES / "h200" / "ddp_rank0_batches.json").read_text())
+    assert (batches[0]["agent"]["clock"], batches[0]["comm"]["clock"]) == ("cuda_events", "device")
+    for b in batches:
+        r = client.post("/api/v1/ingest", json=b)
+        assert r.status_code == 200, r.text
+    assert _count(engine, IngestedBatch) == 2
+    assert _count(engine, JobStep) == sum(len(b["steps"]["time_s"]) for b in batches) == 32
 
 
 def test_body_too_large_is_413(client: TestClient) -> None:

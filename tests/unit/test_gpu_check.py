@@ -47,9 +47,12 @@ def test_step_times_against_the_reference(gc: ModuleType) -> None:
 
 
 def test_unsynced_events_must_still_see_the_device(gc: ModuleType) -> None:
-    ok = gc.compare_unsynced([0.0202, 0.0199], host_s=[0.001, 0.001], device_ref_s=0.020)
+    # The H200's figures: back-to-back steps are shorter than synchronised ones.
+    ok = gc.compare_unsynced([0.00137, 0.00136], [0.00137, 0.00137], [0.0001, 0.0001], 0.00146)
     assert ok.status == "PASS" and "host ran ahead" in ok.detail
-    assert gc.compare_unsynced([0.001, 0.001], host_s=[0.001], device_ref_s=0.020).status == "FAIL"
+    launch_times = gc.compare_unsynced([0.0001, 0.0001], [0.00137, 0.00137], [0.0001, 0.0001], 0.00146)
+    assert launch_times.status == "FAIL" and "2 of 2 steps off" in launch_times.detail
+    assert gc.compare_unsynced([0.00137], [0.00137, 0.00137], [0.0001], 0.00146).status == "FAIL"
 
 
 def test_first_step_verdict(gc: ModuleType) -> None:
@@ -60,6 +63,12 @@ def test_first_step_verdict(gc: ModuleType) -> None:
     assert gc.first_step_verdict([0.2163, *steady], [0.30, *steady], 0.155).status == "FAIL", (
         "trace vs events"
     )
+    # An H200 whose device was idle when the profiler started: the events' first step is
+    # longer than the steady ones too; the trace agrees with them.
+    h200 = [0.00205, 0.00205, 0.00205, 0.00205]
+    assert gc.first_step_verdict([0.00245, *h200], [0.00238, *h200], 0.0).status == "PASS"
+    assert gc.first_step_verdict([0.00541, *h200], [0.00238, *h200], 0.0).status == "FAIL"
+    assert gc.first_step_verdict([0.00205] * 2, [0.00205] * 2, 0.0).status == "FAIL", "too few steps"
 
 
 def test_nvml_verdict(gc: ModuleType) -> None:
@@ -91,9 +100,15 @@ def test_ddp_verdicts(gc: ModuleType) -> None:
     )
     assert gc.ddp_lag_verdict(sync, 0.05, False).status == "FAIL", "gradients changed"
     assert gc.ddp_lag_verdict({0: [0.05]}, 0.05, True).status == "FAIL"
-    assert gc.ddp_single_verdict([0.002] * 5, [0.03] * 5, 40, True).status == "PASS"
-    synced = gc.ddp_single_verdict([0.03] * 5, [0.03] * 5, 40, True)
+    assert gc.ddp_single_verdict([0.002] * 5, [0.03] * 5, 18, 18, 40, True).status == "PASS"
+    # The H200's figures: the host held to the device's pace by a full launch queue, and
+    # the device still behind at every step: no sync.
+    assert gc.ddp_single_verdict([0.02506] * 5, [0.02629] * 5, 18, 18, 61, True).status == "PASS"
+    synced = gc.ddp_single_verdict([0.002] * 5, [0.03] * 5, 17, 18, 40, True)
     assert synced.status == "FAIL" and "SYNCED" in synced.detail
+    assert gc.ddp_single_verdict([0.002] * 5, [0.03] * 5, 0, 0, 40, True).status == "FAIL", "nothing asked"
+    assert gc.ddp_single_verdict([0.002] * 5, [0.03] * 5, 18, 18, 0, True).status == "FAIL", "not timed"
+    assert gc.ddp_single_verdict([0.002] * 5, [0.03] * 5, 18, 18, 40, False).status == "FAIL"
 
 
 def _doc(

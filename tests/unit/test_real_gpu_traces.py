@@ -1,5 +1,6 @@
 """The trace parser and ``stepwatch trace`` on real GPU traces (HolisticTraceAnalysis' test
-data, MIT, in tests/fixtures/hta): what a user with traces from a real job gets.
+data, MIT, in tests/fixtures/hta; stepwatch's GPU check on an H200, in tests/fixtures/h200):
+what a user with traces from a real job gets.
 
 The figures pinned here were read off these files by hand-checked runs of the parser; a
 change of the classification or of the step attribution moves them and fails the test.
@@ -7,6 +8,7 @@ change of the classification or of the step attribution moves them and fails the
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -19,6 +21,23 @@ from stepwatch.profiler.report import analyse, render
 from stepwatch.profiler.trace import parse_chrome_trace, window_breakdown
 
 HTA = Path(__file__).resolve().parents[1] / "fixtures" / "hta"
+H200 = Path(__file__).resolve().parents[1] / "fixtures" / "h200"
+
+
+@pytest.mark.parametrize(("name", "rel"), [("first_step_2048", 0.04), ("first_step_4096", 0.01)])
+def test_an_h200_windows_steps_match_its_cuda_events(name: str, rel: float) -> None:
+    """Every step of the window, the first included, as the CUDA events recorded at its
+    boundaries measured it. The profiler's start (2.6-2.8 ms of CUPTI buffer requests
+    holding the training thread) is no step's: counted in, the first step read 5.41 ms
+    against the events' 2.38 (2048²) and 19.1 against 16.26 (4096²)."""
+    w = parse_chrome_trace(load_chrome_trace(H200 / f"{name}.json.gz"))
+    events = json.loads((H200 / f"{name}.events.json").read_text())["events_s"]
+    steps = [b.step_s for b in window_breakdown(w)]
+    assert w.device == "cuda" and len(steps) == 7  # the 7th: after the last step, before stop
+    for i, (got, want) in enumerate(zip(steps, events, strict=False)):
+        assert got == pytest.approx(want, rel=rel), f"step {i}"
+    # The device had drained the step before the window by its first launch.
+    assert w.before_window_us == 0.0
 
 
 def test_work_launched_before_the_window_stays_out_of_the_first_step() -> None:
