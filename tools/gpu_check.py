@@ -28,6 +28,9 @@ one verdict line per check, ``PASS``/``FAIL``/``SKIP`` + name + the numbers:
 ``first_step``   every step of a live trace (the agent's always-recording schedule), the
                  first included, against the script's own CUDA events at the same
                  boundaries, the host kept about a step ahead of the device.
+``profiler_window`` the agent's own profiler window (its thread, export, parse, and the
+                 entry a batch carries): parsed as CUDA, every step within 10% of the
+                 agent's CUDA events, a matmul-only step mostly compute.
 ``nvml``         NVML fields of this GPU: UUID matching torch's, clocks, power,
                  temperature, throttle reasons.
 ``tokens``       the callbacks' token counter on CUDA masks: ``add`` returns while the
@@ -36,7 +39,7 @@ one verdict line per check, ``PASS``/``FAIL``/``SKIP`` + name + the numbers:
 Without CUDA it says so and exits 0 having run nothing. Exit 1 when any check fails.
 Run: ``make gpu-check`` (``GPU_PY=python make gpu-check`` to use your own environment);
 ``--keep DIR`` saves the first-step trace, its events and the DDP ranks' batches, as in
-tests/fixtures/h200 (from an H200, where all seven checks passed on 2026-12-04).
+tests/fixtures/h200 (from an H200, where all eight checks passed on 2026-12-04).
 """
 
 from __future__ import annotations
@@ -165,6 +168,67 @@ def first_step_verdict(step_s: Sequence[float], events_s: Sequence[float], befor
         f"{before_window_s * 1e3:.2f} ms of pre-window work set apart"
     )
     return Verdict("first_step", "PASS" if worst <= 0.10 else "FAIL", detail)
+
+
+PROFILE_EVERY = 16
+PROFILE_STEPS = 312
+PROFILE_WINDOWS = 2
+"""The profiler-window check: windows of 2 steps from step 17, over 312 steps of about
+16 ms (not a multiple of the period: no window cut short by the agent's close). The
+first ``start()`` in a process pays CUPTI's set-up on the training thread (3.2-3.7 s on
+an H200), so the budget stretches the period after the first window (to 64 or 128 steps
+there): the steps leave room for a second window, the second torch.profiler session of
+the process, the kind an H200 returned empty with TEARDOWN_CUPTI=1."""
+
+
+def profiler_window_verdict(
+    entries: Sequence[Mapping[str, Any]], event_s: Mapping[int, float], want: int
+) -> Verdict:
+    """At least ``want`` windows and none skipped, each parsed on the device (``"device":
+    "cuda"``: an H200 once gave a window without one kernel, parsed as CPU), every step's
+    time within 10% of the agent's CUDA events for that step, and a matmul-only step mostly
+    compute (at least 80%). The window's first step may be shorter than its events by what
+    the profiler's start held the training thread (the trace sets that apart; the events
+    saw the device idle meanwhile): ``cost.on_thread_s`` at most."""
+    windows = [e for e in entries if not e.get("skipped")]
+    skipped = [str(e["skipped"]) for e in entries if e.get("skipped")]
+    if not windows:
+        return Verdict("profiler_window", "FAIL", f"no window parsed; skipped: {skipped or 'none'}")
+    problems: list[str] = []
+    if len(windows) < want:
+        problems.append(f"{len(windows)} of {want} windows parsed")
+    if skipped:  # none is expected here: each lost window is a breakdown missing
+        problems.append(f"{len(skipped)} skipped: {sorted(set(skipped))}")
+    worst, shares = 0.0, []
+    for e in windows:
+        first = int(e["first_step"])
+        if e.get("device") != "cuda":
+            problems.append(f"window at {first} parsed as {e.get('device')!r}")
+        start_s = float((e.get("cost") or {}).get("on_thread_s") or 0.0)
+        for k, t in enumerate(e["time_s"]):
+            ref = event_s.get(first + k)
+            if ref is None or ref <= 0:
+                problems.append(f"step {first + k} has no event time")
+                continue
+            slack = start_s if k == 0 else 0.0
+            off = max(0.0, abs(t - ref) - slack) / ref
+            worst = max(worst, off)
+            if off > 0.10:
+                problems.append(f"step {first + k}: trace {t * 1e3:.2f} ms, events {ref * 1e3:.2f} ms")
+            if k > 0:
+                shares.append(e["compute_s"][k] / t if t > 0 else 0.0)
+    low = [x for x in shares if x < 0.8]
+    if low:
+        problems.append(f"{len(low)} steps under 80% compute (lowest {min(low):.0%})")
+    ratio = (windows[0].get("cost") or {}).get("overhead_ratio")
+    detail = (
+        f"{len(windows)} windows ({len(skipped)} skipped), steps within {worst:.1%} of the events, "
+        f"compute {min(shares, default=0.0):.0%}+ of the steady steps; first window's cost "
+        f"{'?' if ratio is None else f'{ratio:.1%}'} of its period"
+    )
+    if problems:
+        return Verdict("profiler_window", "FAIL", "; ".join(problems[:3]) + f"; {detail}")
+    return Verdict("profiler_window", "PASS", detail)
 
 
 def nvml_verdict(sample: Mapping[str, Any] | None, torch_uuid: str | None) -> Verdict:
@@ -321,25 +385,39 @@ def ddp_device_verdict(payloads: Sequence[Mapping[str, Any]]) -> Verdict:
 # -- measurements: need CUDA ------------------------------------------------------------
 
 
-def _agent(steps: int, *, rank: int = 0, world: int = 1) -> tuple[Any, MemorySink]:
+def _agent(steps: int, *, rank: int = 0, world: int = 1, profile_every: int = 0) -> tuple[Any, MemorySink]:
+    """The agent as ``init`` builds it on a CUDA rank, its windows kept in memory; with
+    ``profile_every``, its profiler window too (2 steps per window, a budget that never
+    stretches the period)."""
     import stepwatch
+    from stepwatch._api import _profiler
     from stepwatch._device_clock import cuda_clock
     from stepwatch._env import detect
     from stepwatch._sender import MemorySink
     from stepwatch.config import AgentConfig
 
     rec = MemorySink()
-    cfg = AgentConfig(run="gpu-check", send_interval_s=1e9, warmup_steps=0, max_window_steps=max(steps, 16))
+    cfg = AgentConfig(
+        run="gpu-check",
+        send_interval_s=1e9,
+        warmup_steps=0,
+        max_window_steps=max(steps, 16),
+        profile_every=profile_every,
+        profile_steps=2,
+        profile_budget=1.0,
+    )
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+    info = detect(env, host="gpu-check")
     clock = cuda_clock(cfg.max_window_steps)
     if clock is None:
         raise RuntimeError("the agent found no initialised CUDA context")
     sw = stepwatch.Stepwatch(
         cfg,
-        detect(env, host="gpu-check"),
+        info,
         convention=None,
         sender=rec,
         device_clock=clock,  # type: ignore[arg-type]
+        profiler=_profiler(cfg, info, start_step=0, cuda=True) if profile_every else None,
     )
     return sw, rec
 
@@ -550,6 +628,52 @@ def check_first_step() -> list[Verdict]:
     return [first_step_verdict(steps[:k], events_s[:k], w.before_window_us * 1e-6)]
 
 
+def _profiler_worker(_rank: int, out_dir: str) -> None:
+    """The agent with its profiler window on, in a process of its own (as in training:
+    no other torch.profiler session before it)."""
+    import torch
+
+    a = torch.randn(4096, 4096, device="cuda")
+    marks: list[Any] = []
+
+    def step() -> None:
+        for _ in range(6):
+            a.matmul(a)
+        marks.append(torch.cuda.Event())
+        marks[-1].record()
+        if len(marks) >= 2:
+            marks[-2].synchronize()  # the host stays about one step ahead
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    sw, rec = _agent(PROFILE_STEPS + 8, profile_every=PROFILE_EVERY)
+    entries: list[dict[str, Any]] = []
+    sw.step(tokens=1)  # the boundary before the first timed step
+    for i in range(PROFILE_STEPS):
+        step()
+        sw.step(tokens=1)
+        if i % 8 == 7:  # as the sender does at each send: the agent keeps 8 entries at most
+            entries.extend(sw._pw.take())
+    event_s = _event_times(sw, rec)  # closes the agent, which lets the parsing finish
+    entries += [e for w in rec.windows for e in json.loads(sw._encode(w, rec.stats)).get("profiles") or []]
+    Path(out_dir, "profiler.json").write_text(json.dumps({"entries": entries, "event_s": event_s}))
+
+
+def check_profiler_window() -> list[Verdict]:
+    """The agent's own profiler window on CUDA: torch.profiler started and stopped at its
+    step edges, the trace exported and parsed on its thread, the entry the batch carries."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_profiler_worker, args=(tmp,), nprocs=1, join=True)
+        got = json.loads(Path(tmp, "profiler.json").read_text())
+    _keep("profiler_window.json", json.dumps(got))
+    # event_s[i] is step i + 1's (the agent numbers steps from 1)
+    steps = {i + 1: t for i, t in enumerate(got["event_s"])}
+    return [profiler_window_verdict(got["entries"], steps, PROFILE_WINDOWS)]
+
+
 def check_nvml() -> list[Verdict]:
     import torch
 
@@ -588,6 +712,7 @@ CHECKS: tuple[tuple[str, Callable[[], list[Verdict]]], ...] = (
     ("step_times", check_step_times),
     ("ddp", check_ddp),
     ("first_step", check_first_step),
+    ("profiler_window", check_profiler_window),
     ("nvml", check_nvml),
     ("tokens", check_tokens),
 )
@@ -609,12 +734,16 @@ def run(checks: Iterable[tuple[str, Callable[[], list[Verdict]]]] = CHECKS) -> l
 
 
 def main(argv: Sequence[str] = sys.argv[1:]) -> int:
+    import argparse
+
     global KEEP_DIR
-    if len(argv) == 2 and argv[0] == "--keep":
-        KEEP_DIR = Path(argv[1])
-    elif argv:
-        print("usage: gpu_check.py [--keep DIR]", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(description="Check stepwatch's CUDA path on this machine's GPU.")
+    parser.add_argument("--keep", metavar="DIR", type=Path, help="save what the checks measured here")
+    parser.add_argument(
+        "--only", metavar="NAME", action="append", choices=[n for n, _ in CHECKS], help="run this check only"
+    )
+    args = parser.parse_args(argv)
+    KEEP_DIR = args.keep
     try:
         import torch
     except ImportError:
@@ -628,7 +757,7 @@ def main(argv: Sequence[str] = sys.argv[1:]) -> int:
         f"gpu-check on {torch.cuda.device_count()} x {name}, "
         f"torch {torch.__version__}, CUDA {torch.version.cuda}"
     )
-    verdicts = run()
+    verdicts = run([c for c in CHECKS if not args.only or c[0] in args.only])
     failed = [v for v in verdicts if v.status == "FAIL"]
     print(f"gpu-check: {len(verdicts) - len(failed)} passed or skipped, {len(failed)} failed")
     return 1 if failed else 0

@@ -64,9 +64,15 @@ CUDA (any ``kernel`` / ``gpu_memcpy`` / ``gpu_memset`` event)
     (correlation ids grow with every launch): it belongs to no profiled step, so the
     first step starts when that tail of the previous step has drained, not at the
     host boundary (which would hand the first step a whole step of foreign work).
-    Its device time is kept as ``before_window_us``. The profiler's own start is no
-    step's either: the first step's host span opens when CUPTI's first buffer requests
-    (``overhead`` events) that held the training thread have ended.
+    Its device time is kept as ``before_window_us``. Where the trace holds none of
+    that tail (CUPTI records no kernel launched before it started: seen on an H200 with
+    torch 2.11, the agent's second window there), the window's first launched work
+    tells it: if that work started more than ``QUEUED_US`` after its launch call
+    returned, the device was still busy with the tail until then, so no step boundary
+    maps before that start, and the time from the window's start to it counts as
+    pre-window work. The profiler's own start is no step's either: the first step's
+    host span opens when CUPTI's first buffer requests (``overhead`` events) that held
+    the training thread have ended.
     *data wait* = loader spans on the main thread minus device-busy time: a host
     that is in the loader while the GPU still works through queued kernels is not
     stalling training, only device idle time spent waiting for the loader is.
@@ -382,24 +388,43 @@ def _after_profiler_start(
     return [(min(opened, e0), e0), *host_steps[1:]]
 
 
+QUEUED_US = 50.0
+"""A kernel that starts this long after its launch call returned waited in its stream's
+queue (on an idle device it starts before the call returns or microseconds after: on an
+H200 under CUPTI, 5 µs before)."""
+
+
 def _device_steps(
-    host_steps: Sequence[Interval], gpu: Sequence[TraceEvent], launch_at: Mapping[int, float]
+    host_steps: Sequence[Interval], gpu: Sequence[TraceEvent], launch_span: Mapping[int, Interval]
 ) -> tuple[list[Interval], float]:
     """Map host step spans to device-side spans (see the module docstring), and the
     device time of the work launched before the window."""
     work: list[tuple[float, float]] = []  # (launch time, end on device)
-    first_launch = min(launch_at, default=None)
+    first_launch = min(launch_span, default=None)
     before = 0.0
+    tail_held = False  # whether the trace holds work launched before the window
+    # (launch call's start, its end, the work's start) of the window's first launch
+    first: tuple[float, float, float] | None = None
     for ev in gpu:
         corr = _int(ev.args.get("correlation"))
-        if corr is not None and corr in launch_at:
-            launched = min(launch_at[corr], ev.start_us)
+        if corr is not None and corr in launch_span:
+            call_start, call_end = launch_span[corr]
+            launched = min(call_start, ev.start_us)
+            if first is None or call_start < first[0]:
+                first = (call_start, call_end, ev.start_us)
         elif corr is not None and first_launch is not None and corr < first_launch:
             launched = -math.inf  # launched before the profiler started recording
             before += ev.dur_us
+            tail_held = True
         else:
             launched = ev.start_us
         work.append((launched, ev.end_us))
+    # A tail the trace does not hold: the window's first launched work queued behind it.
+    drained = -math.inf
+    if not tail_held and first is not None and first[2] - first[1] > QUEUED_US:
+        drained = first[2]
+        if host_steps:
+            before += max(0.0, drained - host_steps[0][0])
     work.sort()
     launches = [w[0] for w in work]
     prefix_end: list[float] = []
@@ -410,7 +435,7 @@ def _device_steps(
 
     def device_time(b: float) -> float:
         i = bisect_right(launches, b) - 1  # work launched at or before b
-        return b if i < 0 else max(b, prefix_end[i])
+        return max(b, drained) if i < 0 else max(b, drained, prefix_end[i])
 
     out: list[Interval] = []
     for s, e in host_steps:
@@ -494,7 +519,7 @@ def classify_events(events: Sequence[TraceEvent], distributed_info: object = Non
     compute, copies, comm = union(compute_ev), union(copy_ev), union(comm_ev)
     world = _int(distributed_info.get("world_size")) if isinstance(distributed_info, Mapping) else None
     records = sorted(_comm_records(work, param_comms, world) + gloo, key=lambda r: r.start_us)
-    steps, before = _device_steps(host_steps, gpu, {c: ev.start_us for c, ev in launch_of.items()})
+    steps, before = _device_steps(host_steps, gpu, {c: ev.span for c, ev in launch_of.items()})
     return WindowTrace(
         steps=steps,
         compute=compute,

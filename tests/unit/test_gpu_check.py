@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -69,6 +70,42 @@ def test_first_step_verdict(gc: ModuleType) -> None:
     assert gc.first_step_verdict([0.00245, *h200], [0.00238, *h200], 0.0).status == "PASS"
     assert gc.first_step_verdict([0.00541, *h200], [0.00238, *h200], 0.0).status == "FAIL"
     assert gc.first_step_verdict([0.00205] * 2, [0.00205] * 2, 0.0).status == "FAIL", "too few steps"
+
+
+def test_profiler_window_verdict(gc: ModuleType) -> None:
+    def entry(first: int, times: list[float], compute: list[float], **kw: Any) -> dict[str, Any]:
+        cost = {"on_thread_s": 0.003, "overhead_ratio": 0.02}
+        return {
+            "first_step": first,
+            "device": "cuda",
+            "time_s": times,
+            "compute_s": compute,
+            "cost": cost,
+            **kw,
+        }
+
+    events = {17: 0.0190, 18: 0.0160, 33: 0.0160, 34: 0.0160}
+    two = [entry(17, [0.0161, 0.0160], [0.0158, 0.0158]), entry(33, [0.0160, 0.0161], [0.0158, 0.0158])]
+    ok = gc.profiler_window_verdict(two, events, 2)
+    assert ok.status == "PASS", ok.detail  # the first step: shorter than its events by the start (3 ms)
+    skipped = gc.profiler_window_verdict(
+        [{"first_step": 17, "skipped": "another profiler active"}], events, 1
+    )
+    assert skipped.status == "FAIL" and "another profiler active" in skipped.detail
+    one_short = gc.profiler_window_verdict(two[:1], events, 2)
+    assert one_short.status == "FAIL" and "1 of 2 windows" in one_short.detail
+    lost = gc.profiler_window_verdict([*two, {"first_step": 49, "skipped": "no device activity"}], events, 2)
+    assert lost.status == "FAIL" and "1 skipped" in lost.detail
+    off = gc.profiler_window_verdict([entry(17, [0.0161, 0.0200], [0.0158, 0.0190])], events, 1)
+    assert off.status == "FAIL" and "step 18" in off.detail
+    host = gc.profiler_window_verdict(
+        [entry(17, [0.0161, 0.0160], [0.0158, 0.0158], device="cpu")], events, 1
+    )
+    assert host.status == "FAIL" and "'cpu'" in host.detail
+    idle = gc.profiler_window_verdict([entry(17, [0.0161, 0.0160], [0.0158, 0.0080])], events, 1)
+    assert idle.status == "FAIL" and "under 80% compute" in idle.detail
+    unknown = gc.profiler_window_verdict([entry(40, [0.0161, 0.0160], [0.0158, 0.0158])], events, 1)
+    assert unknown.status == "FAIL" and "no event time" in unknown.detail
 
 
 def test_nvml_verdict(gc: ModuleType) -> None:

@@ -273,6 +273,46 @@ def test_a_trace_over_the_cap_is_skipped_and_says_why() -> None:
     assert entry["cost"]["window_s"] > 0, "its export still counts"
 
 
+def test_a_cuda_window_whose_trace_holds_no_device_work_is_skipped_not_read_as_cpu() -> None:
+    """An H200 (torch 2.11, CUDA 13.0, TEARDOWN_CUPTI=1) gave every second window a trace
+    without one kernel; parsed as is, the window read as a CPU rank's (2% compute)."""
+    from stepwatch.profiler._window import NO_DEVICE_ACTIVITY
+
+    from ..kineto import KinetoTrace
+
+    t = KinetoTrace()
+    for i, n in enumerate((11, 12)):
+        t.step(n, i * 1000.0, 1000.0)
+        t.host("aten::mm", i * 1000.0 + 10.0, 50.0)
+    trace = t.to_dict()
+    pw = ProfilerWindow(
+        every=10,
+        steps=2,
+        warmup_end=0,
+        cuda=True,
+        budget=1e9,
+        make_profiler=lambda: _ExportingProfiler(trace),
+        other_profiler_active=lambda: False,
+    )
+    entry = _window_at(pw, 10, 0.1)
+    assert entry["n_steps"] == 0 and entry["skipped"] == NO_DEVICE_ACTIVITY
+    assert entry["cost"]["window_s"] > 0 and pw.stats()["skipped"] == 1
+    cpu = _window_at(_fake_cpu_window(trace), 10, 0.1)
+    assert cpu["device"] == "cpu" and cpu["n_steps"] == 2, "a CPU rank's window is its host ops"
+
+
+def _fake_cpu_window(trace: dict[str, Any]) -> ProfilerWindow:
+    return ProfilerWindow(
+        every=10,
+        steps=2,
+        warmup_end=0,
+        cuda=False,
+        budget=1e9,
+        make_profiler=lambda: _ExportingProfiler(trace),
+        other_profiler_active=lambda: False,
+    )
+
+
 @pytest.mark.parametrize(
     ("env", "cuda", "on", "after"),
     [

@@ -36,6 +36,24 @@ def test_the_first_step_of_a_lagging_gpu_equals_the_steady_steps() -> None:
     assert [r.seq for r in in_steps] == [100, 101, 102, 103, 104]
 
 
+def test_a_tail_the_trace_does_not_hold_is_read_off_the_first_launchs_wait() -> None:
+    """The agent's second window on an H200: CUPTI recorded nothing launched before the
+    window, while the device was still 0.9 steps behind. The window's first kernel,
+    launched at once, started 0.9 steps later: the first step starts there (as an event
+    recorded at the boundary completes there), not at the host boundary (which made
+    that step 1.9 steps long, 14 ms of it idle)."""
+    s = 10_000.0
+    t = KinetoTrace()
+    for i in range(3):
+        t.step(1 + i, i * s, s)
+        t.gpu(GEMM, i * s + 0.9 * s, s, launch_at=i * s + 100.0)
+    w = parse_chrome_trace(t.to_dict())
+    assert [b.step_s * 1e6 for b in window_breakdown(w)] == pytest.approx([s, s, s])
+    assert w.steps[0][0] == pytest.approx(0.9 * s)
+    assert w.before_window_us == pytest.approx(0.9 * s)
+    assert total(w.compute) == pytest.approx(3 * s)
+
+
 def test_work_without_a_launch_but_inside_the_correlation_range_stays_where_it_ran() -> None:
     """A lost launch record (correlation above the first launch) is not pre-window work."""
     t = KinetoTrace()

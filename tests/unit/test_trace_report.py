@@ -89,8 +89,8 @@ def test_the_table_names_ranks_parts_and_the_lineup(two_ranks: Path) -> None:
 
 def test_one_rank_without_profiler_steps_is_one_step(tmp_path: Path) -> None:
     t = KinetoTrace(rank=0, world=1)
-    t.host("aten::mm", 0.0, 50.0)
-    t.gpu(GEMM, 100.0, 400.0, launch_at=10.0)
+    t.host("aten::mm", 0.0, 100.0)
+    t.gpu(GEMM, 100.0, 400.0, launch_at=92.0)  # on an idle device: starts as launched
     rep = analyse([t.write(tmp_path / "t.json")])
     (r,) = rep.ranks
     (s,) = r.steps
