@@ -15,6 +15,29 @@ from dataclasses import dataclass
 
 import httpx
 
+#: glibc settings for every rank and collector started here: the allocator keeps what it
+#: got from the kernel instead of handing it back every step (no heap trim; blocks up to
+#: 32 MiB, all of the demo models' tensors, from the heap, not their own mmap), so that a
+#: training loop makes no ``brk``/``munmap`` calls. Why: the virtual machines this project
+#: runs on have a DAMON scheme (``/sys/kernel/mm/damon/admin/kdamonds``: ``pageout`` of
+#: physical memory idle for 60 s) whose thread walks the reverse maps of the processes'
+#: pages, and a ``brk`` that shrinks the heap then waits for it for tens of seconds,
+#: holding the GIL: the rank stands still and its peers wait in the next collective.
+#: Measured on 2026-12-04 with ``stepwatch_server.evaluation.real``'s steady scenario and
+#: a sampler of the kernel stacks of every thread in D state: in 7 of 13 runs a rank stood
+#: still 14-57 s (the collector rightly reported a hang), in 2 more 11-14 s; the rank's
+#: training thread sat in ``__do_sys_brk`` -> ``do_vmi_align_munmap`` ->
+#: ``anon_vma_clone`` while ``kdamond`` walked ``__rmap_walk_file``. Locking the memory
+#: (``mlockall``) did not help (2 of 2 runs); with these settings the longest step of 12
+#: runs was 0.8 s, under heavier load (two stray busy loops beside them). Such a freeze is
+#: a real hang of that rank (a real job on such a host would have it too), but a demo or a
+#: test run with one shows the host, not stepwatch.
+MALLOC_ENV = {
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TOP_PAD_": str(64 << 20),
+}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -54,7 +77,9 @@ def collector(
     cmd = [sys.executable, "-m", "stepwatch", "serve", "--port", str(port), "--database-url", database_url]
     cmd += ["--log-level", "warning"]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **MALLOC_ENV, **(env or {})}
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, ready_timeout_s, log_path)
@@ -95,6 +120,7 @@ def ranks(
         for r in range(n):
             rank_env = {
                 **os.environ,
+                **MALLOC_ENV,
                 **(env or {}),
                 "RANK": str(r),
                 "LOCAL_RANK": str(r),

@@ -47,6 +47,13 @@ def test_four_gloo_ranks_end_to_end(empty_db_url: str, tmp_path: Path, host_batc
     with launch.collector(empty_db_url, log_path=str(tmp_path / "collector.log")) as col:
         env = {"STEPWATCH_URL": col.url, "STEPWATCH_HOST_BATCH": "1" if host_batch else ""}
         with launch.ranks(RANKS, args, env=env, log_dir=str(tmp_path)) as procs:
+            # Every process started here keeps its heap (launch.MALLOC_ENV: why, there).
+            for pid in [col.process.pid, *(p.pid for p in procs)]:
+                environ = dict(
+                    kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if kv
+                )
+                for k, v in launch.MALLOC_ENV.items():
+                    assert environ.get(k.encode()) == v.encode(), (pid, k)
             launch.wait_all(procs, timeout_s=180, log_dir=str(tmp_path))
         with httpx.Client(base_url=col.url, timeout=10) as c:
             runs = c.get("/api/v1/runs").raise_for_status().json()
