@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -39,11 +40,41 @@ MALLOC_ENV = {
 }
 
 
+#: Ports tried below the kernel's ephemeral range (see :func:`free_port`).
+PORT_SPAN = 12_000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux: 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, for a server about to bind it, chosen below the kernel's
+    ephemeral range. Why not ``bind(0)``: that port comes from the range outgoing
+    connections take their local ports from, and between the probe's close and the
+    server's bind any process's ``connect`` may take it (seen in the tests: a collector's
+    ``bind`` failed with "address already in use" while ranks posted to another one).
+    Below the range only another ``bind`` can, and the random pick makes two callers
+    choosing the same port unlikely."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - PORT_SPAN), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is full: the kernel's pick, as before
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        picked: int = s.getsockname()[1]
+        return picked
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
