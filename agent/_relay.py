@@ -18,7 +18,9 @@ busy, every rank is told so and retries as it would have. When it refuses the ho
 or fails on it (a 4xx: one bad entry, a token over its quota; a 5xx), or has no host-batch
 route (an older collector; then for a minute), each rank posts its own entry alone, at
 once and in parallel, and gets the answer it would have got by itself, so the good entries
-are stored. When the relay is gone (its process exited or was killed), the next rank to
+are stored. A relay whose agent closes (its rank finished first) hands on: it closes the
+socket and answers each entry it holds "post it yourself", so no rank's final window is
+hung up on. When the relay is gone (its process exited or was killed), the next rank to
 find it gone binds the socket and relays from then on (a relay that hangs up on a rank's
 entries in three posts in a row is given no more: the rank posts alone); a rank that can
 neither reach a relay nor become one posts alone, and so for a minute does one whose
@@ -35,6 +37,7 @@ holds, it posts alone. Elsewhere than Linux, ranks post alone.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -285,7 +288,23 @@ class Relay:
         #: Host batches posted and entries relayed, for the curious (tests, a debugger).
         self.posts = 0
         self.entries = 0
+        #: Set by :meth:`stop`; the thread sees it through a byte on ``_wake_w``.
+        self._stopping = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
         self._thread = threading.Thread(target=self._run, name="stepwatch-relay", daemon=True)
+
+    def stop(self, timeout_s: float) -> None:
+        """Hand the host's relaying on before this process goes (its agent closes): no rank
+        connects here any more, and every entry this relay holds or has been sent is
+        answered "post it yourself", at once, instead of a hang-up when the process exits
+        (which cost a rank a failed attempt and its backoff, at the end of a job when its
+        final window has the least time left). Waits up to ``timeout_s`` for the thread."""
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+        if self._thread is not threading.current_thread():
+            self._thread.join(max(0.0, timeout_s))
 
     # -- the relay's thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -300,6 +319,7 @@ class Relay:
         import httpx
 
         self._sel.register(self._listener, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
         with httpx.Client(timeout=self._timeout_s, headers=self._headers) as client:
             while True:
                 wait = None if not self._pending else max(0.0, self._first_at + LINGER_S - time.monotonic())
@@ -308,8 +328,14 @@ class Relay:
                     assert isinstance(sock, socket.socket)
                     if sock is self._listener:
                         self._accept()
+                    elif sock is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            sock.recv(64)
                     else:
                         self._read(sock)
+                if self._stopping:
+                    self._hand_on()
+                    return
                 if self._pending and (
                     not self._batches_route
                     or len(self._pending) >= max(len(self._buffers), self._local_ranks)
@@ -366,6 +392,20 @@ class Relay:
                 self._first_at = time.monotonic()
             self._pending.append((sock, body))
             self._pending_bytes += n
+
+    def _hand_on(self) -> None:
+        """Stop relaying (see :meth:`stop`): the socket closed first, under the lock, so that
+        a rank's next connect finds no relay (it binds the address itself, or posts
+        alone), then each entry already sent here answered "post it yourself"."""
+        with _lock:
+            self._listener.close()
+            if _running.get(self._address) is self:
+                del _running[self._address]
+        for sock in list(self._buffers):  # entries on their way before the socket closed
+            self._read(sock)
+        batch, self._pending, self._pending_bytes = self._pending, [], 0
+        for sock, _ in batch:
+            self._answer(sock, _ALONE)
 
     def _drop(self, sock: socket.socket) -> None:
         if self._buffers.pop(sock, None) is not None:
@@ -448,6 +488,8 @@ class Relay:
         self._buffers.clear()
         self._pending.clear()
         self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 def _local_world_size() -> int:
@@ -460,6 +502,15 @@ def _local_world_size() -> int:
 #: The relays this process runs, by address, and the lock of starting one.
 _running: dict[bytes, Relay] = {}
 _lock = threading.Lock()
+
+
+def stop_all(timeout_s: float) -> None:
+    """Stop every relay this process runs (:meth:`Relay.stop`), within ``timeout_s``."""
+    with _lock:
+        relays = list(_running.values())
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    for relay in relays:
+        relay.stop(deadline - time.monotonic())
 
 
 def _after_fork(ref: weakref.ref[Relay]) -> None:

@@ -426,6 +426,35 @@ def test_a_relay_that_fails_on_every_batch_sends_its_ranks_alone() -> None:
     assert taken == [b'\0\0\0\x08{"n": 1}'] * 2 * _relay.HUNG_UP_POSTS, taken
 
 
+def test_a_relay_whose_agent_closes_hands_its_entries_back_and_its_address_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relaying rank finishes first, while another rank's final window waits in its
+    relay for the host batch: the relay answers it "post it yourself" (no hang-up, which
+    cost that rank a failed attempt and its backoff at the end of the job), closes its
+    socket, and the next rank to come binds the address."""
+    from stepwatch import _relay
+
+    monkeypatch.setattr(_relay, "LINGER_S", TIMEOUT_S)  # the entry waits for its host batch
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    url = "http://127.0.0.1:9/closing-relay"  # an address of its own; nothing listens there
+    addr = _relay.address(url, None)
+    relay = _relay.Relay.start(addr, url, {}, 1.0)
+    answers: list[Any] = []
+    client = _relay.RelayClient(url, None, {}, 1.0)
+    posting = threading.Thread(target=lambda: answers.append(client.post(b'{"n": 1}', 1.0)))
+    posting.start()
+    wait_until(lambda: relay._pending, "the entry waiting in the relay")
+    _relay.stop_all(TIMEOUT_S)
+    posting.join(TIMEOUT_S)
+    assert answers == [None], "told to post it alone, not hung up on"
+    assert relay.posts == 0 and addr not in _relay._running
+    again = _relay.Relay.start(addr, url, {}, 1.0)  # the address is free for the next rank
+    assert again is not relay
+    again.stop(TIMEOUT_S)
+    client.close()
+
+
 def test_a_rank_waits_for_a_relay_that_is_bound_but_not_yet_listening(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
