@@ -19,13 +19,14 @@ or fails on it (a 4xx: one bad entry, a token over its quota; a 5xx), or has no 
 route (an older collector; then for a minute), each rank posts its own entry alone, at
 once and in parallel, and gets the answer it would have got by itself, so the good entries
 are stored. A relay whose agent closes (its rank finished first) hands on: it closes the
-socket and answers each entry it holds "post it yourself", so no rank's final window is
-hung up on. When the relay is gone (its process exited or was killed), the next rank to
-find it gone binds the socket and relays from then on (a relay that hangs up on a rank's
-entries in three posts in a row is given no more: the rank posts alone); a rank that can
-neither reach a relay nor become one posts alone, and so for a minute does one whose
-relay held its window without answering (a stopped or frozen process: the heartbeats of
-a hang must still go).
+socket and posts the entries that have reached it as one last host batch, so the ranks
+that finish after it are not hung up on (one still on its way is, once, and its rank binds
+the socket or posts alone). When the relay is gone (its process exited or was killed), the
+next rank to find it gone binds the socket and relays from then on (a relay that hangs up
+on a rank's entries in three posts in a row is given no more: the rank posts alone); a
+rank that can neither reach a relay nor become one posts alone, and so for a minute does
+one whose relay held its window without answering (a stopped or frozen process: the
+heartbeats of a hang must still go).
 
 The socket is in Linux's abstract namespace (no file to clean up after a SIGKILL), named
 by the user, collector URL and token, so only ranks that would post to the same collector
@@ -255,7 +256,11 @@ class Relay:
             except OSError:
                 listener.close()
                 raise
-            relay = cls(addr, listener, url, headers, timeout_s)
+            try:
+                relay = cls(addr, listener, url, headers, timeout_s)
+            except Exception:  # no socket pair or selector to be had (descriptors run out)
+                listener.close()
+                raise
             try:
                 relay._thread.start()
             except RuntimeError as exc:  # no thread to be had (interpreter exiting, limits)
@@ -296,14 +301,17 @@ class Relay:
 
     def stop(self, timeout_s: float) -> None:
         """Hand the host's relaying on before this process goes (its agent closes): no rank
-        connects here any more, and every entry this relay holds or has been sent is
-        answered "post it yourself", at once, instead of a hang-up when the process exits
-        (which cost a rank a failed attempt and its backoff, at the end of a job when its
-        final window has the least time left). Waits up to ``timeout_s`` for the thread."""
+        connects here any more, and the entries that have reached this relay are posted
+        as one last host batch and answered, instead of hung up on when the process exits
+        (twice cost a rank a failed attempt and its backoff, at the end of a job, when its
+        final window has the least time left). An entry still on its way is hung up on
+        once: its rank then finds no relay and binds the address or posts alone, at once.
+        Waits up to ``timeout_s`` for the thread (it may be posting a batch); past that,
+        its process's exit hangs up on what it holds, as before."""
         self._stopping = True
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
-        if self._thread is not threading.current_thread():
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join(max(0.0, timeout_s))
 
     # -- the relay's thread ------------------------------------------------------------
@@ -334,7 +342,7 @@ class Relay:
                     else:
                         self._read(sock)
                 if self._stopping:
-                    self._hand_on()
+                    self._hand_on(client)
                     return
                 if self._pending and (
                     not self._batches_route
@@ -367,23 +375,25 @@ class Relay:
         self._buffers[sock] = bytearray()
         self._sel.register(sock, selectors.EVENT_READ)
 
-    def _read(self, sock: socket.socket) -> None:
+    def _read(self, sock: socket.socket) -> bool:
+        """Read what ``sock`` has (its complete frames join the pending batch); whether it
+        had anything (False: nothing yet, or the rank hung up)."""
         try:
             chunk = sock.recv(1 << 20)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             chunk = b""
         if not chunk:  # the rank is gone (its entry, if any, goes anyway: it is idempotent)
             self._drop(sock)
-            return
+            return False
         buf = self._buffers[sock]
         buf += chunk
         while len(buf) >= _REQUEST.size:
             (n,) = _REQUEST.unpack_from(buf)
             if n > MAX_FRAME_BYTES:  # not a window: a confused peer, not a reason to grow
                 self._drop(sock)
-                return
+                return False
             if len(buf) < _REQUEST.size + n:
                 break
             body = bytes(buf[_REQUEST.size : _REQUEST.size + n])
@@ -392,20 +402,26 @@ class Relay:
                 self._first_at = time.monotonic()
             self._pending.append((sock, body))
             self._pending_bytes += n
+        return True
 
-    def _hand_on(self) -> None:
+    def _hand_on(self, client: httpx.Client) -> None:
         """Stop relaying (see :meth:`stop`): the socket closed first, under the lock, so that
         a rank's next connect finds no relay (it binds the address itself, or posts
-        alone), then each entry already sent here answered "post it yourself"."""
+        alone), then the entries that reached it posted as one last host batch and each
+        answered, as any batch's."""
         with _lock:
             self._listener.close()
             if _running.get(self._address) is self:
                 del _running[self._address]
-        for sock in list(self._buffers):  # entries on their way before the socket closed
-            self._read(sock)
+        for sock in list(self._buffers):  # entries that reached it before the socket closed
+            while sock in self._buffers and self._read(sock):
+                pass
         batch, self._pending, self._pending_bytes = self._pending, [], 0
-        for sock, _ in batch:
-            self._answer(sock, _ALONE)
+        if batch:
+            try:
+                self._post(client, batch)
+            except Exception:  # each rank retries its own entry
+                log.exception("stepwatch: the host's relay failed on its last batch")
 
     def _drop(self, sock: socket.socket) -> None:
         if self._buffers.pop(sock, None) is not None:

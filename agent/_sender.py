@@ -51,9 +51,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stepwatch")
 
-#: Seconds ``close`` gives the host's relay this process runs to hand on (it answers the
-#: entries it holds "post it yourself"; microseconds unless it is posting a batch), when
-#: the deadline has less left.
+#: Seconds ``close`` gives the host's relay this process runs to hand on (it posts the
+#: entries it holds: one request, if any), when the deadline has less left.
 RELAY_STOP_S = 0.05
 
 

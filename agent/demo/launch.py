@@ -16,23 +16,24 @@ from dataclasses import dataclass
 
 import httpx
 
-#: glibc settings for every rank and collector started here: the allocator keeps what it
-#: got from the kernel instead of handing it back every step (no heap trim; blocks up to
-#: 32 MiB, all of the demo models' tensors, from the heap, not their own mmap), so that a
-#: training loop makes no ``brk``/``munmap`` calls. Why: the virtual machines this project
-#: runs on have a DAMON scheme (``/sys/kernel/mm/damon/admin/kdamonds``: ``pageout`` of
-#: physical memory idle for 60 s) whose thread walks the reverse maps of the processes'
-#: pages, and a ``brk`` that shrinks the heap then waits for it for tens of seconds,
-#: holding the GIL: the rank stands still and its peers wait in the next collective.
-#: Measured on 2026-12-04 with ``stepwatch_server.evaluation.real``'s steady scenario and
-#: a sampler of the kernel stacks of every thread in D state: in 7 of 13 runs a rank stood
-#: still 14-57 s (the collector rightly reported a hang), in 2 more 11-14 s; the rank's
-#: training thread sat in ``__do_sys_brk`` -> ``do_vmi_align_munmap`` ->
-#: ``anon_vma_clone`` while ``kdamond`` walked ``__rmap_walk_file``. Locking the memory
-#: (``mlockall``) did not help (2 of 2 runs); with these settings the longest step of 12
-#: runs was 0.8 s, under heavier load (two stray busy loops beside them). Such a freeze is
-#: a real hang of that rank (a real job on such a host would have it too), but a demo or a
-#: test run with one shows the host, not stepwatch.
+#: glibc settings for every rank and collector started here (unless the environment sets
+#: them): the allocator keeps what it got from the kernel instead of handing it back every
+#: step (no heap trim; blocks up to 32 MiB, all of the demo models' tensors, from the heap,
+#: not their own mmap), so that a training loop makes no ``brk``/``munmap`` calls. Why: the
+#: virtual machines this project runs on have a DAMON scheme
+#: (``/sys/kernel/mm/damon/admin/kdamonds``: ``pageout`` of physical memory idle for 60 s)
+#: whose thread walks the reverse maps of the processes' pages, and a ``brk`` that shrinks
+#: the heap then waits for it for tens of seconds, holding the GIL: the rank stands still
+#: and its peers wait in the next collective. Measured on 2026-12-04 with
+#: ``stepwatch_server.evaluation.real``'s steady scenario and a sampler of the kernel
+#: stacks of every thread in D state: in 7 of 13 runs a rank stood still 14-57 s (the
+#: collector rightly reported a hang), in 2 more 11-14 s; the rank's training thread sat in
+#: ``__do_sys_brk`` -> ``do_vmi_align_munmap`` -> ``anon_vma_clone`` while ``kdamond``
+#: walked ``__rmap_walk_file``. Locking the memory (``mlockall``) did not help (2 of 2
+#: runs); with these settings the longest step of 12 runs was 0.8 s, under heavier load
+#: (two stray busy loops beside them). Such a freeze is a real hang of that rank (a real
+#: job on such a host would have it too), but a demo or a test run with one shows the host,
+#: not stepwatch.
 MALLOC_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
@@ -61,17 +62,18 @@ def free_port() -> int:
     ``bind`` failed with "address already in use" while ranks posted to another one).
     Below the range only another ``bind`` can, and the random pick makes two callers
     choosing the same port unlikely."""
-    low = _ephemeral_low()
+    high = _ephemeral_low()
+    low = max(1024, high - PORT_SPAN)
     rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - PORT_SPAN), low)
+    for _ in range(200 if low < high else 0):  # no room below the range: the kernel's pick
+        port = rng.randrange(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    with socket.socket() as s:  # the range below is full: the kernel's pick, as before
+    with socket.socket() as s:  # nothing free below the range: the kernel's pick, as before
         s.bind(("127.0.0.1", 0))
         picked: int = s.getsockname()[1]
         return picked
@@ -109,7 +111,7 @@ def collector(
     cmd += ["--log-level", "warning"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **MALLOC_ENV, **(env or {})}
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**MALLOC_ENV, **os.environ, **(env or {})}
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -150,8 +152,8 @@ def ranks(
     try:
         for r in range(n):
             rank_env = {
+                **MALLOC_ENV,  # unless the user's environment sets them
                 **os.environ,
-                **MALLOC_ENV,
                 **(env or {}),
                 "RANK": str(r),
                 "LOCAL_RANK": str(r),

@@ -570,10 +570,10 @@ class ProfilerWindow:
             del trace
             if self.cuda and entry.get("device") != "cuda":
                 # CUPTI recorded nothing on the device: a breakdown of the host ops alone
-                # would read as a CPU rank's. Seen on an H200 (torch 2.11, CUDA 13.0): with
-                # TEARDOWN_CUPTI=1, every second torch.profiler session held no kernel.
+                # would read as a CPU rank's. Seen on an H200 (torch 2.11, CUDA 13.0) with
+                # TEARDOWN_CUPTI=1: a session started right after another one stopped held
+                # no kernel. Its cost counts, as a window's (as for a trace over the cap).
                 entry = {"first_step": job.first_step, "n_steps": 0, "skipped": NO_DEVICE_ACTIVITY}
-                self.skipped += 1
         except Exception as exc:
             job.prof = None
             entry = {"first_step": job.first_step, "n_steps": 0, "skipped": f"parse failed: {exc!r}"[:128]}

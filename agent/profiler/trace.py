@@ -66,13 +66,16 @@ CUDA (any ``kernel`` / ``gpu_memcpy`` / ``gpu_memset`` event)
     host boundary (which would hand the first step a whole step of foreign work).
     Its device time is kept as ``before_window_us``. Where the trace holds none of
     that tail (CUPTI records no kernel launched before it started: seen on an H200 with
-    torch 2.11, the agent's second window there), the window's first launched work
-    tells it: if that work started more than ``QUEUED_US`` after its launch call
-    returned, the device was still busy with the tail until then, so no step boundary
-    maps before that start, and the time from the window's start to it counts as
-    pre-window work. The profiler's own start is no step's either: the first step's
-    host span opens when CUPTI's first buffer requests (``overhead`` events) that held
-    the training thread have ended.
+    torch 2.11, the agent's later windows there), the training thread's first launch in
+    the window tells it: if its work started more than ``QUEUED_US`` after the call
+    returned, and that wait is at least half the time since the window's start, the
+    device was busy with the tail until then, so no step boundary maps before that
+    start, and the time from the window's start to it counts in ``before_window_us``
+    (inferred, not measured). A first launch that is synchronous (a pageable copy,
+    ``.item()``) cannot show a wait, and the tail then stays in the first step. The
+    profiler's own start is no step's either: the first step's host span opens when
+    CUPTI's first buffer requests (``overhead`` events) that held the training thread
+    have ended.
     *data wait* = loader spans on the main thread minus device-busy time: a host
     that is in the loader while the GPU still works through queued kernels is not
     stalling training, only device idle time spent waiting for the loader is.
@@ -385,7 +388,7 @@ def _after_profiler_start(
     opened = max(
         (ev.end_us for ev in events if ev.cat == "overhead" and s0 <= ev.start_us < first_op), default=s0
     )
-    return [(min(opened, e0), e0), *host_steps[1:]]
+    return [(min(opened, first_op, e0), e0), *host_steps[1:]]
 
 
 QUEUED_US = 50.0
@@ -394,8 +397,39 @@ queue (on an idle device it starts before the call returns or microseconds after
 H200 under CUPTI, 5 µs before)."""
 
 
+def _hidden_tail_end(
+    host_steps: Sequence[Interval],
+    gpu: Sequence[TraceEvent],
+    launch_span: Mapping[int, Interval],
+    main_launches: frozenset[int],
+) -> float:
+    """Where the device finished work the trace does not hold, read off the training
+    thread's first launch in the window: its work (the earliest of it: a graph launch has
+    many kernels under one correlation) started at that point, having waited more than
+    :data:`QUEUED_US` after the call returned, and for at least half the time from the
+    window's start (so a step that opens with host work, say 5 ms of data loading, on an
+    idle device with a slow launch is not cut). ``-inf``: no such evidence."""
+    if not host_steps:
+        return -math.inf
+    started: dict[int, float] = {}
+    for ev in gpu:
+        corr = _int(ev.args.get("correlation"))
+        if corr is not None and corr in main_launches:
+            started[corr] = min(started.get(corr, math.inf), ev.start_us)
+    if not started:
+        return -math.inf
+    corr = min(started, key=lambda c: launch_span[c][0])
+    wait = started[corr] - launch_span[corr][1]
+    if wait > QUEUED_US and wait >= 0.5 * (started[corr] - host_steps[0][0]):
+        return started[corr]
+    return -math.inf
+
+
 def _device_steps(
-    host_steps: Sequence[Interval], gpu: Sequence[TraceEvent], launch_span: Mapping[int, Interval]
+    host_steps: Sequence[Interval],
+    gpu: Sequence[TraceEvent],
+    launch_span: Mapping[int, Interval],
+    main_launches: frozenset[int],
 ) -> tuple[list[Interval], float]:
     """Map host step spans to device-side spans (see the module docstring), and the
     device time of the work launched before the window."""
@@ -403,15 +437,10 @@ def _device_steps(
     first_launch = min(launch_span, default=None)
     before = 0.0
     tail_held = False  # whether the trace holds work launched before the window
-    # (launch call's start, its end, the work's start) of the window's first launch
-    first: tuple[float, float, float] | None = None
     for ev in gpu:
         corr = _int(ev.args.get("correlation"))
         if corr is not None and corr in launch_span:
-            call_start, call_end = launch_span[corr]
-            launched = min(call_start, ev.start_us)
-            if first is None or call_start < first[0]:
-                first = (call_start, call_end, ev.start_us)
+            launched = min(launch_span[corr][0], ev.start_us)
         elif corr is not None and first_launch is not None and corr < first_launch:
             launched = -math.inf  # launched before the profiler started recording
             before += ev.dur_us
@@ -420,11 +449,9 @@ def _device_steps(
             launched = ev.start_us
         work.append((launched, ev.end_us))
     # A tail the trace does not hold: the window's first launched work queued behind it.
-    drained = -math.inf
-    if not tail_held and first is not None and first[2] - first[1] > QUEUED_US:
-        drained = first[2]
-        if host_steps:
-            before += max(0.0, drained - host_steps[0][0])
+    drained = -math.inf if tail_held else _hidden_tail_end(host_steps, gpu, launch_span, main_launches)
+    if drained > -math.inf:
+        before += max(0.0, drained - host_steps[0][0])  # inferred: the tail's time in the window
     work.sort()
     launches = [w[0] for w in work]
     prefix_end: list[float] = []
@@ -519,7 +546,12 @@ def classify_events(events: Sequence[TraceEvent], distributed_info: object = Non
     compute, copies, comm = union(compute_ev), union(copy_ev), union(comm_ev)
     world = _int(distributed_info.get("world_size")) if isinstance(distributed_info, Mapping) else None
     records = sorted(_comm_records(work, param_comms, world) + gloo, key=lambda r: r.start_us)
-    steps, before = _device_steps(host_steps, gpu, {c: ev.span for c, ev in launch_of.items()})
+    steps, before = _device_steps(
+        host_steps,
+        gpu,
+        {c: ev.span for c, ev in launch_of.items()},
+        frozenset(c for c, ev in launch_of.items() if on_main(ev)),
+    )
     return WindowTrace(
         steps=steps,
         compute=compute,

@@ -13,8 +13,17 @@ import pytest
 from stepwatch.demo import launch
 from stepwatch.flops import Convention
 
+from ..wait import wait_until
+
 RANKS, STEPS, WARMUP = 4, 30, 3
 PEAK = 5.0e10  # declared peak FLOP/s of one CPU rank (CPUs have no datasheet row)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """A process's environment as the kernel holds it; empty while it is still starting
+    (read just after ``Popen`` on a loaded machine, it was)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(kv.decode(errors="replace").split("=", 1) for kv in raw.split(b"\0") if b"=" in kv)
 
 
 def _own_measurements(tmp_path: Path) -> list[dict[str, Any]]:
@@ -49,11 +58,9 @@ def test_four_gloo_ranks_end_to_end(empty_db_url: str, tmp_path: Path, host_batc
         with launch.ranks(RANKS, args, env=env, log_dir=str(tmp_path)) as procs:
             # Every process started here keeps its heap (launch.MALLOC_ENV: why, there).
             for pid in [col.process.pid, *(p.pid for p in procs)]:
-                environ = dict(
-                    kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if kv
-                )
+                environ = wait_until(lambda pid=pid: _environ(pid), f"process {pid}'s environment")
                 for k, v in launch.MALLOC_ENV.items():
-                    assert environ.get(k.encode()) == v.encode(), (pid, k)
+                    assert environ.get(k) == v, (pid, k)
             launch.wait_all(procs, timeout_s=180, log_dir=str(tmp_path))
         with httpx.Client(base_url=col.url, timeout=10) as c:
             runs = c.get("/api/v1/runs").raise_for_status().json()

@@ -388,7 +388,9 @@ def test_a_collector_that_gives_no_answer_costs_one_request_per_host_batch() -> 
             server.shutdown(socket.SHUT_RDWR)  # wakes the accept
             thread.join(TIMEOUT_S)
         assert answer is not None and answer.status == _relay.NO_ANSWER, answer
-        assert b"RemoteProtocolError" in answer.content, answer
+        # Closed without an answer: a clean close, or a reset where the request was not
+        # all read yet (a loaded machine delivers it in pieces).
+        assert b"RemoteProtocolError" in answer.content or b"reset by peer" in answer.content, answer
         assert len(accepted) == 1, accepted
 
 
@@ -426,13 +428,14 @@ def test_a_relay_that_fails_on_every_batch_sends_its_ranks_alone() -> None:
     assert taken == [b'\0\0\0\x08{"n": 1}'] * 2 * _relay.HUNG_UP_POSTS, taken
 
 
-def test_a_relay_whose_agent_closes_hands_its_entries_back_and_its_address_on(
+def test_a_relay_whose_agent_closes_posts_what_it_holds_and_hands_its_address_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The relaying rank finishes first, while another rank's final window waits in its
-    relay for the host batch: the relay answers it "post it yourself" (no hang-up, which
-    cost that rank a failed attempt and its backoff at the end of the job), closes its
-    socket, and the next rank to come binds the address."""
+    relay for the host batch: the relay posts it (one last host batch) and answers it,
+    where its process's exit hung up on it (twice cost that rank a failed attempt and its
+    backoff at the end of the job), closes its socket, and the next rank to come binds
+    the address. (The collector here is away: the answer says so.)"""
     from stepwatch import _relay
 
     monkeypatch.setattr(_relay, "LINGER_S", TIMEOUT_S)  # the entry waits for its host batch
@@ -447,8 +450,9 @@ def test_a_relay_whose_agent_closes_hands_its_entries_back_and_its_address_on(
     wait_until(lambda: relay._pending, "the entry waiting in the relay")
     _relay.stop_all(TIMEOUT_S)
     posting.join(TIMEOUT_S)
-    assert answers == [None], "told to post it alone, not hung up on"
-    assert relay.posts == 0 and addr not in _relay._running
+    (answer,) = answers
+    assert answer is not None and answer.status == _relay.NO_ANSWER, "answered, not hung up on"
+    assert (relay.posts, relay.entries) == (1, 1) and addr not in _relay._running
     again = _relay.Relay.start(addr, url, {}, 1.0)  # the address is free for the next rank
     assert again is not relay
     again.stop(TIMEOUT_S)

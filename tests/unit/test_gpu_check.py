@@ -98,6 +98,9 @@ def test_profiler_window_verdict(gc: ModuleType) -> None:
     assert lost.status == "FAIL" and "1 skipped" in lost.detail
     off = gc.profiler_window_verdict([entry(17, [0.0161, 0.0200], [0.0158, 0.0190])], events, 1)
     assert off.status == "FAIL" and "step 18" in off.detail
+    # The H200's later windows before the tail rule: the first step 30 ms, its events 16.
+    tail = gc.profiler_window_verdict([entry(33, [0.0300, 0.0160], [0.0160, 0.0158])], events, 1)
+    assert tail.status == "FAIL" and "step 33" in tail.detail, "never longer than its events"
     host = gc.profiler_window_verdict(
         [entry(17, [0.0161, 0.0160], [0.0158, 0.0158], device="cpu")], events, 1
     )

@@ -35,3 +35,11 @@ def test_a_port_in_use_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> N
 
         monkeypatch.setattr(launch.random, "SystemRandom", Picks)
         assert launch.free_port() == other
+
+
+def test_with_no_room_below_the_range_the_kernel_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ephemeral range that starts at 1024 (a common tuning) leaves nothing below."""
+    monkeypatch.setattr(launch, "_ephemeral_low", lambda: 1024)
+    port = launch.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

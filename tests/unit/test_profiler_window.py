@@ -296,7 +296,7 @@ def test_a_cuda_window_whose_trace_holds_no_device_work_is_skipped_not_read_as_c
     )
     entry = _window_at(pw, 10, 0.1)
     assert entry["n_steps"] == 0 and entry["skipped"] == NO_DEVICE_ACTIVITY
-    assert entry["cost"]["window_s"] > 0 and pw.stats()["skipped"] == 1
+    assert entry["cost"]["window_s"] > 0, "its cost counts, as a window's"
     cpu = _window_at(_fake_cpu_window(trace), 10, 0.1)
     assert cpu["device"] == "cpu" and cpu["n_steps"] == 2, "a CPU rank's window is its host ops"
 

@@ -12,7 +12,7 @@ import pytest
 from stepwatch.profiler.breakdown import total, union
 from stepwatch.profiler.trace import parse_chrome_trace, window_breakdown
 
-from ..kineto import GEMM, NCCL_SENDRECV_OLD, KinetoTrace, training_trace
+from ..kineto import GEMM, MAIN, MEMCPY, NCCL_SENDRECV_OLD, KinetoTrace, training_trace
 
 
 def test_the_first_step_of_a_lagging_gpu_equals_the_steady_steps() -> None:
@@ -52,6 +52,38 @@ def test_a_tail_the_trace_does_not_hold_is_read_off_the_first_launchs_wait() -> 
     assert w.steps[0][0] == pytest.approx(0.9 * s)
     assert w.before_window_us == pytest.approx(0.9 * s)
     assert total(w.compute) == pytest.approx(3 * s)
+
+
+def test_a_step_that_opens_with_host_work_on_an_idle_device_keeps_its_start() -> None:
+    """5 ms of data loading, then a launch that starts 60 µs after its call (a slow launch
+    on an idle device): too short a wait to say the device was busy for 5 ms."""
+    t = KinetoTrace()
+    t.step(1, 0.0, 10_000.0)
+    t.gpu(GEMM, 5_064.0, 4_000.0, launch_at=5_000.0)  # call 5,000-5,004, start 60 µs later
+    w = parse_chrome_trace(t.to_dict())
+    assert w.steps == [(0.0, 10_000.0)] and w.before_window_us == 0.0
+
+
+def test_only_the_training_threads_launches_tell_a_tail() -> None:
+    """A prefetch thread's copy that waited on a busy copy engine says nothing about the
+    training stream: the step starts where its host span does."""
+    t = KinetoTrace()
+    t.step(1, 0.0, 10_000.0)
+    t.gpu(MEMCPY, 6_000.0, 500.0, launch_at=10.0, cat="gpu_memcpy", stream=9, tid=MAIN + 1)
+    t.gpu(GEMM, 120.0, 9_000.0, launch_at=100.0)
+    w = parse_chrome_trace(t.to_dict())
+    assert w.steps == [(0.0, 10_000.0)] and w.before_window_us == 0.0
+
+
+def test_the_profilers_start_is_cut_only_up_to_the_first_op() -> None:
+    """An overhead event that outlasts the training thread's first op did not hold it."""
+    t = KinetoTrace()
+    t.step(1, 0.0, 10_000.0)
+    t.host("Activity Buffer Request", 10.0, 3_000.0, cat="overhead", tid=0)
+    t.host("aten::mm", 1_000.0, 50.0)
+    t.gpu(GEMM, 1_040.0, 8_000.0, launch_at=1_030.0)
+    w = parse_chrome_trace(t.to_dict())
+    assert w.steps == [(1_000.0, 10_000.0)]
 
 
 def test_work_without_a_launch_but_inside_the_correlation_range_stays_where_it_ran() -> None:
