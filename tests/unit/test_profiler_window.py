@@ -222,18 +222,19 @@ def _window_at(pw: ProfilerWindow, start: int, step_s: float) -> dict[str, Any]:
     return entry
 
 
-def _fake_window(**kw: Any) -> ProfilerWindow:
+def _fake_window(trace: dict[str, Any] | None = None, **kw: Any) -> ProfilerWindow:
+    """A CUDA rank's window (``cuda=False``: a CPU rank's) exporting ``trace`` (default: a
+    synthetic CUDA training trace of steps 11 and 12)."""
     from ..kineto import training_trace
 
-    trace = training_trace(steps=2, first_step=11).to_dict()
+    exported = trace if trace is not None else training_trace(steps=2, first_step=11).to_dict()
     return ProfilerWindow(
         every=10,
         steps=2,
         warmup_end=0,
-        cuda=True,
-        make_profiler=lambda: _ExportingProfiler(trace),
+        make_profiler=lambda: _ExportingProfiler(exported),
         other_profiler_active=lambda: False,
-        **{"budget": 1e9, **kw},
+        **{"budget": 1e9, "cuda": True, **kw},
     )
 
 
@@ -274,8 +275,9 @@ def test_a_trace_over_the_cap_is_skipped_and_says_why() -> None:
 
 
 def test_a_cuda_window_whose_trace_holds_no_device_work_is_skipped_not_read_as_cpu() -> None:
-    """An H200 (torch 2.11, CUDA 13.0, TEARDOWN_CUPTI=1) gave every second window a trace
-    without one kernel; parsed as is, the window read as a CPU rank's (2% compute)."""
+    """An H200 (torch 2.11, CUDA 13.0, TEARDOWN_CUPTI=1) gave a window started right after
+    another torch.profiler session a trace without one kernel; parsed as is, the window
+    read as a CPU rank's (2% compute)."""
     from stepwatch.profiler._window import NO_DEVICE_ACTIVITY
 
     from ..kineto import KinetoTrace
@@ -285,32 +287,11 @@ def test_a_cuda_window_whose_trace_holds_no_device_work_is_skipped_not_read_as_c
         t.step(n, i * 1000.0, 1000.0)
         t.host("aten::mm", i * 1000.0 + 10.0, 50.0)
     trace = t.to_dict()
-    pw = ProfilerWindow(
-        every=10,
-        steps=2,
-        warmup_end=0,
-        cuda=True,
-        budget=1e9,
-        make_profiler=lambda: _ExportingProfiler(trace),
-        other_profiler_active=lambda: False,
-    )
-    entry = _window_at(pw, 10, 0.1)
+    entry = _window_at(_fake_window(trace), 10, 0.1)
     assert entry["n_steps"] == 0 and entry["skipped"] == NO_DEVICE_ACTIVITY
     assert entry["cost"]["window_s"] > 0, "its cost counts, as a window's"
-    cpu = _window_at(_fake_cpu_window(trace), 10, 0.1)
+    cpu = _window_at(_fake_window(trace, cuda=False), 10, 0.1)
     assert cpu["device"] == "cpu" and cpu["n_steps"] == 2, "a CPU rank's window is its host ops"
-
-
-def _fake_cpu_window(trace: dict[str, Any]) -> ProfilerWindow:
-    return ProfilerWindow(
-        every=10,
-        steps=2,
-        warmup_end=0,
-        cuda=False,
-        budget=1e9,
-        make_profiler=lambda: _ExportingProfiler(trace),
-        other_profiler_active=lambda: False,
-    )
 
 
 @pytest.mark.parametrize(
