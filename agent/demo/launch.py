@@ -16,15 +16,18 @@ from dataclasses import dataclass
 
 import httpx
 
-#: glibc settings for every rank and collector started here (unless the environment sets
-#: them): the allocator keeps what it got from the kernel instead of handing it back every
-#: step (no heap trim; blocks up to 32 MiB, all of the demo models' tensors, from the heap,
-#: not their own mmap), so that a training loop makes no ``brk``/``munmap`` calls. Why: the
-#: virtual machines this project runs on have a DAMON scheme
-#: (``/sys/kernel/mm/damon/admin/kdamonds``: ``pageout`` of physical memory idle for 60 s)
-#: whose thread walks the reverse maps of the processes' pages, and a ``brk`` that shrinks
-#: the heap then waits for it for tens of seconds, holding the GIL: the rank stands still
-#: and its peers wait in the next collective. Measured on 2026-12-04 with
+#: glibc settings for the real-training harness' ranks and collector
+#: (``stepwatch_server.evaluation.real``), not given to the processes started here by
+#: default: with them, the demo's steps ran slower (its run 43-46 s against 34-38 s) and
+#: its straggler flag was still open at the end in 3 of 4 runs (without them 3 of 3
+#: closed), 2026-12-04. What they do: the allocator keeps what it got from the kernel
+#: instead of handing it back every step (no heap trim; blocks up to 32 MiB, all of the
+#: demo models' tensors, from the heap, not their own mmap), so that a training loop makes
+#: no ``brk``/``munmap`` calls. Why: the virtual machines this project runs on have a DAMON
+#: scheme (``/sys/kernel/mm/damon/admin/kdamonds``: ``pageout`` of physical memory idle for
+#: 60 s) whose thread walks the reverse maps of the processes' pages, and a ``brk`` that
+#: shrinks the heap then waits for it for tens of seconds, holding the GIL: the rank stands
+#: still and its peers wait in the next collective. Measured on 2026-12-04 with
 #: ``stepwatch_server.evaluation.real``'s steady scenario and a sampler of the kernel
 #: stacks of every thread in D state: in 7 of 13 runs a rank stood still 14-57 s (the
 #: collector rightly reported a hang), in 2 more 11-14 s; the rank's training thread sat in
@@ -110,9 +113,7 @@ def collector(
     cmd = [sys.executable, "-m", "stepwatch", "serve", "--port", str(port), "--database-url", database_url]
     cmd += ["--log-level", "warning"]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**MALLOC_ENV, **os.environ, **(env or {})}
-        )
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, ready_timeout_s, log_path)
@@ -152,7 +153,6 @@ def ranks(
     try:
         for r in range(n):
             rank_env = {
-                **MALLOC_ENV,  # unless the user's environment sets them
                 **os.environ,
                 **(env or {}),
                 "RANK": str(r),

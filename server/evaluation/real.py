@@ -568,7 +568,7 @@ def _run_here(
         )
         db = f"sqlite:///{os.path.join(work, 'real.db')}"
         log = os.path.join(work, "collector.log")
-        collector = launch.collector(db, log_path=log, env=env)  # with launch.MALLOC_ENV
+        collector = launch.collector(db, log_path=log, env={**env, **MALLOC_ENV})
         with _session_niceness(s.nice), collector as col, burner:
             if s.nice:
                 _renice(col.process.pid, s.nice)
