@@ -16,34 +16,6 @@ from dataclasses import dataclass
 
 import httpx
 
-#: glibc settings for the real-training harness' ranks and collector
-#: (``stepwatch_server.evaluation.real``), not given to the processes started here by
-#: default: with them, the demo's steps ran slower (its run 43-46 s against 34-38 s) and
-#: its straggler flag was still open at the end in 3 of 4 runs (without them 3 of 3
-#: closed), 2026-12-04. What they do: the allocator keeps what it got from the kernel
-#: instead of handing it back every step (no heap trim; blocks up to 32 MiB, all of the
-#: demo models' tensors, from the heap, not their own mmap), so that a training loop makes
-#: no ``brk``/``munmap`` calls. Why: the virtual machines this project runs on have a DAMON
-#: scheme (``/sys/kernel/mm/damon/admin/kdamonds``: ``pageout`` of physical memory idle for
-#: 60 s) whose thread walks the reverse maps of the processes' pages, and a ``brk`` that
-#: shrinks the heap then waits for it for tens of seconds, holding the GIL: the rank stands
-#: still and its peers wait in the next collective. Measured on 2026-12-04 with
-#: ``stepwatch_server.evaluation.real``'s steady scenario and a sampler of the kernel
-#: stacks of every thread in D state: in 7 of 13 runs a rank stood still 14-57 s (the
-#: collector rightly reported a hang), in 2 more 11-14 s; the rank's training thread sat in
-#: ``__do_sys_brk`` -> ``do_vmi_align_munmap`` -> ``anon_vma_clone`` while ``kdamond``
-#: walked ``__rmap_walk_file``. Locking the memory (``mlockall``) did not help (2 of 2
-#: runs); with these settings the longest step of 12 runs was 0.8 s, under heavier load
-#: (two stray busy loops beside them). Such a freeze is a real hang of that rank (a real
-#: job on such a host would have it too), but a demo or a test run with one shows the host,
-#: not stepwatch.
-MALLOC_ENV = {
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-    "MALLOC_TOP_PAD_": str(64 << 20),
-}
-
-
 #: Ports tried below the kernel's ephemeral range (see :func:`free_port`).
 PORT_SPAN = 12_000
 

@@ -44,8 +44,30 @@ import httpx
 from stepwatch.demo import launch
 
 RANKS = 4
-#: The ranks' and the collector's glibc settings: :data:`launch.MALLOC_ENV` (why, there).
-MALLOC_ENV = launch.MALLOC_ENV
+#: glibc's allocator in the ranks and the collector keeps what it got from the kernel
+#: instead of handing it back every step (no heap trim; blocks up to 32 MiB, all of this
+#: model's tensors, from the heap, not their own mmap), so that the training loop makes no
+#: ``brk``/``munmap`` calls. Why: the virtual machines this runs on have a DAMON scheme
+#: (``/sys/kernel/mm/damon/admin/kdamonds``: ``pageout`` of physical memory it sees
+#: idle for 60 s) whose thread walks the reverse maps of the ranks' pages, and a ``brk``
+#: that shrinks the heap then waits for it for tens of seconds, holding the GIL: the rank
+#: stands still and its peers wait in the next collective. Measured on 2026-12-04 with
+#: the steady scenario and a sampler of the kernel stacks of every thread in D state:
+#: in 7 of 13 runs a rank stood still 14-57 s (the collector rightly reported a hang),
+#: in 2 more 11-14 s; a rank's training thread sat in ``__do_sys_brk`` ->
+#: ``do_vmi_align_munmap`` -> ``anon_vma_clone`` while ``kdamond`` walked
+#: ``__rmap_walk_file``. Locking the ranks' memory (``mlockall``) did not help (2 of 2
+#: runs); with these settings the longest step of 12 runs was 0.8 s, under heavier load
+#: (two stray busy loops beside them).
+#: Such a freeze is a real hang of that rank (a real job on such a host would have it
+#: too), but a run with one is no evidence about the detector under test. Not given to the
+#: demo's ranks (``stepwatch.demo.launch``): there its steps ran slower (43-46 s against
+#: 34-38 s a demo) and its straggler flag was still open at the end in 3 of 4 runs.
+MALLOC_ENV = {
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TOP_PAD_": str(64 << 20),
+}
 #: Collector settings: windows of about 8 s of steps (8-16 steps here: the late-arrival
 #: sign test needs more than the 4 steps a 4 s window gets when the first batch's steps
 #: were slow), a fast analysis loop, and a hang floor of 15 s (production: 60 s) so that
