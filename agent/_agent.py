@@ -612,7 +612,7 @@ class Stepwatch:
         if window.acks is None:
             window.acks = self._steering.take_acks()
         if window.profiles is None:
-            window.profiles = self._pw.take() if self._pw is not None else []
+            window.profiles, window.profiles_through = self._take_profiles(window)
             self._upload_traces()
         payload = build_payload(
             window,
@@ -627,6 +627,21 @@ class Stepwatch:
             acks=window.acks,
         )
         return encode(payload)
+
+    def _take_profiles(self, window: Window) -> tuple[list[dict[str, Any]], int | None]:
+        """The profiler entries that ride on this batch, and the step through which every
+        window's entry has been sent (sender thread). The collector compares a window's
+        ranks only once each has sent the profile of the steps it holds: the entry comes
+        from the profiler thread, often a batch after its steps, and a window compared
+        without it lacks the compute evidence that names a compute straggler (a flag
+        then neither opens nor closes on that window)."""
+        pw = self._pw
+        if pw is None:
+            return [], None
+        last = max(0, window.first_step + window.n_steps - 1)
+        owed = pw.owed_from  # before take(): see ProfilerWindow.take
+        entries = pw.take(None if window.final else last)
+        return entries, last if owed is None else min(last, owed - 1)
 
     def _upload_traces(self) -> None:
         """Hand a capture's raw trace (kept by the profiler thread) to the sender, which

@@ -69,6 +69,8 @@ def build_payload(
         "tags": [TAGS[t] or None for t in tags] if tags is not None and any(tags) else None,
         "wall_end": window.wall_end,
     }
+    if window.profiles_through is not None:
+        steps["profiles_through"] = window.profiles_through
     payload: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "batch_id": window.batch_id,

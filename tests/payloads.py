@@ -50,6 +50,7 @@ def payload(
     plan: dict[str, Any] | None = None,
     profiles: Sequence[dict[str, Any]] | None = None,
     comm: dict[str, Any] | None = None,
+    profiles_through: int | None = None,
 ) -> dict[str, Any]:
     n = len(times)
     window = Window(
@@ -62,6 +63,7 @@ def payload(
         wall_end=time.time() if wall_end is None else wall_end,
         batch_id=batch_id or new_batch_id(),
         final=final,
+        profiles_through=profiles_through,
     )
     agent = {
         "version": "0.1.0",

@@ -217,6 +217,12 @@ class ProfilerWindow:
         self._other_active = other_profiler_active
         #: True while a window records; the loader wrapper then emits data-wait spans.
         self.active = False
+        #: First step of the window whose entry the sender has not been handed yet (it
+        #: records, or the profiler thread parses it), else None: the collector waits for
+        #: that entry before it compares the window's ranks (:meth:`take`). Written by the
+        #: training thread at a start and by whichever thread pushes the window's entry,
+        #: never by both at once (a start needs the profiler thread idle).
+        self.owed_from: int | None = None
         self.record_function: Any = None
         self._prof: Any = None
         self._first = 0
@@ -382,6 +388,7 @@ class ProfilerWindow:
         from torch.profiler import record_function
 
         self.record_function = record_function
+        self.owed_from = step + 1
         self.active = True
         return step + 1
 
@@ -421,6 +428,7 @@ class ProfilerWindow:
             with contextlib.suppress(Exception):
                 prof.stop()
         self._skip(self._first if prof is not None else step + 1, reason, self._capture_id)
+        self.owed_from = None  # after the push: the sender reads it before it takes
 
     def _skip(self, first_step: int, reason: str, capture: str | None = None) -> None:
         self.skipped += 1
@@ -457,6 +465,7 @@ class ProfilerWindow:
                     prof.stop()
                 if self._capture_id is not None:
                     self._skip(self._first, "agent closed at the capture's first step", self._capture_id)
+                self.owed_from = None
         return self._idle.wait(timeout_s)
 
     def stats(self) -> dict[str, Any]:
@@ -475,14 +484,27 @@ class ProfilerWindow:
             "last_capture_cost": self.last_capture_cost,
         }
 
-    def take(self) -> list[dict[str, Any]]:
-        """All finished entries, oldest first (sender thread)."""
-        out = []
+    def take(self, through: int | None = None) -> list[dict[str, Any]]:
+        """The finished entries of windows that start at or before step ``through``
+        (all of them: None), in step order (sender thread). A later window's entry waits for
+        the batch that carries its steps: a sender behind the training thread would
+        otherwise deliver a window's breakdown before the rank window it belongs to.
+
+        Where the collector must wait for an entry: read :attr:`owed_from` *before*
+        calling this. An entry pushed in between is then taken here or claimed as owed,
+        never neither."""
+        out: list[dict[str, Any]] = []
+        later: list[dict[str, Any]] = []
         while True:
             try:
-                out.append(self.results.popleft())
+                entry = self.results.popleft()
             except IndexError:
-                return out
+                break
+            # Not in step order: a skip is pushed at once, a parsed window when it is done.
+            (later if through is not None and entry["first_step"] > through else out).append(entry)
+        self.results.extendleft(reversed(later))  # ahead of anything pushed meanwhile
+        out.sort(key=lambda e: int(e["first_step"]))
+        return out
 
     # -- profiler thread -----------------------------------------------------------
     def _torch_profiler(self) -> Any:
@@ -553,6 +575,8 @@ class ProfilerWindow:
                 except Exception as exc:  # never let the thread die
                     log.warning("stepwatch: profiler window dropped: %r", exc)
                 finally:
+                    # After the push, before a new window may start (that needs idle).
+                    self.owed_from = None
                     self._idle.set()
                     if self._jobs:  # appended meanwhile: not idle after all
                         self._idle.clear()

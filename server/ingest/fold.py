@@ -162,13 +162,14 @@ def _ranks(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns
     merged: dict[tuple[int, int], dict[str, Any]] = {}
     for p, run_id in zip(payloads, run_ids, strict=True):
         r, a, s = p.rank, p.agent, p.steps
+        last = s.first + len(s.time_s) - 1
         row = {
             "run_id": run_id,
             "rank": r.rank,
             "host": r.host,
             "local_rank": r.local_rank,
             "coords": dict(r.coords),
-            "last_step": s.first + len(s.time_s) - 1,
+            "last_step": last,
             "last_seen": datetime.fromtimestamp(s.wall_end, timezone.utc),
             "agent_version": a.version,
             "clock": a.clock,
@@ -176,7 +177,8 @@ def _ranks(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns
             "dropped_steps": a.dropped_steps,
             "hot_path_mean_s": a.hot_path_mean_s,
             "send_interval_s": a.send_interval_s,
-            "final_step": s.first + len(s.time_s) - 1 if p.final else None,
+            "final_step": last if p.final else None,
+            "profiles_through": last if s.profiles_through is None else min(last, s.profiles_through),
         }
         old = merged.get((run_id, r.rank))
         if old is not None:

@@ -99,7 +99,7 @@ RANKS = Summed(
     (
         *_cols(Rule.KEY, "run_id", "rank"),
         *_cols(Rule.LAST, "host", "local_rank", "coords", "agent_version", "clock"),
-        *_cols(Rule.MAX, "last_step", "last_seen", "dropped_windows", "dropped_steps"),
+        *_cols(Rule.MAX, "last_step", "last_seen", "dropped_windows", "dropped_steps", "profiles_through"),
         *_cols(Rule.LAST_KNOWN, "hot_path_mean_s", "send_interval_s", "final_step"),
     ),
 )
@@ -270,7 +270,7 @@ def fold_table(
 def merge_value(rule: Rule, old: Any, new: Any) -> Any:
     """``new`` merged into ``old`` as an upsert would; ``new`` arrived later."""
     if rule is Rule.MAX:
-        return max(old, new)
+        return new if old is None else old if new is None else max(old, new)
     if rule is Rule.LAST_KNOWN:
         return old if new is None else new
     if rule in (Rule.KEY, Rule.LAST):
@@ -304,10 +304,10 @@ def merge_sql(table: Summed, name: str, old: str, new: str, fn: SqlFunctions) ->
             else f"CASE WHEN {o} > {limit} - {n} THEN {limit} ELSE {o} + {n} END"
         )
         return total if col.rule is Rule.SUM else f"coalesce({total}, {o}, {n})"
-    if col.rule is Rule.MIN:
-        return f"{fn.least}({o}, {n})"
-    if col.rule is Rule.MAX:
-        return f"{fn.greatest}({o}, {n})"
+    if col.rule in (Rule.MIN, Rule.MAX):
+        both = f"{fn.least if col.rule is Rule.MIN else fn.greatest}({o}, {n})"
+        # SQLite's two-argument min/max is NULL if either is; PostgreSQL's ignores NULLs.
+        return f"coalesce({both}, {o}, {n})" if table.table.c[name].nullable else both
     if col.rule is Rule.LAST:
         return n
     if col.rule is Rule.LAST_KNOWN:

@@ -131,6 +131,11 @@ class Rank(Base):
     #: Last step of the rank's final batch (sent by ``close()``). The rank finished, and
     #: is no hang, while ``final_step >= last_step``; a restart that steps further clears it.
     final_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: Every profiler window of the rank starting at or before this step has been
+    #: stored (the agent's ``steps.profiles_through``; its ``last_step`` when it sends
+    #: none): the analysis compares a window's ranks once their profiles are in.
+    #: NULL in rows written before the column.
+    profiles_through: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class RankWindow(Base):

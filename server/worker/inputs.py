@@ -54,10 +54,11 @@ class RankRow:
     last_step: int
     last_seen: float
     final_step: int | None
+    profiles_through: int | None = None
 
     @property
     def progress(self) -> RankProgress:
-        return RankProgress(self.rank, self.last_step, self.final_step)
+        return RankProgress(self.rank, self.last_step, self.final_step, self.profiles_through)
 
 
 def active_runs(conn: Connection, since: datetime) -> list[RunInfo]:
@@ -76,6 +77,7 @@ def rank_rows(conn: Connection, run_id: int) -> list[RankRow]:
             RANKS.c.last_step,
             RANKS.c.last_seen,
             RANKS.c.final_step,
+            RANKS.c.profiles_through,
         )
         .where(RANKS.c.run_id == run_id)
         .order_by(RANKS.c.rank)
@@ -89,6 +91,7 @@ def rank_rows(conn: Connection, run_id: int) -> list[RankRow]:
             last_step=r.last_step,
             last_seen=unix(r.last_seen) or 0.0,
             final_step=r.final_step,
+            profiles_through=r.profiles_through,
         )
         for r in rows
     ]

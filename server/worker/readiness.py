@@ -3,8 +3,11 @@
 A rank window may only be compared with its peers once every rank has reported it, or the
 comparison is made with whoever happened to be on time. Window ``w`` (steps
 ``w * window_steps + 1 .. (w + 1) * window_steps``) is **complete** when every rank of the
-run has reported a step past its end, or has finished (its final batch came and it has
-not stepped since). A rank that never reports again (dead, or its agent lost) must not
+run has reported a step past its end, and the profiler entry of every profiler window
+that starts in it (the agent's ``profiles_through``: an entry is parsed on its own thread
+and often rides on a later batch than its steps, and a window compared without it lacks
+the compute times that name a compute straggler), or has finished (its final batch came
+and it has not stepped since). A rank that never reports again (dead, or its agent lost) must not
 stop the analysis of the others: a window that newer data has already passed (some rank
 reported a later step) but that is still incomplete is analysed anyway ``grace_s`` after
 a collector first saw it passed, without the missing rank. Those first sightings use the
@@ -31,11 +34,21 @@ class RankProgress:
     rank: int
     last_step: int
     final_step: int | None = None
+    #: Through which step the rank's profiler entries are stored (None: no wait).
+    profiles_through: int | None = None
 
     @property
     def finished(self) -> bool:
         """The rank closed its agent and has not stepped since."""
         return self.final_step is not None and self.final_step >= self.last_step
+
+    @property
+    def complete_through(self) -> int:
+        """The last step whose window this rank has sent everything of: its steps and
+        the profiles of the profiler windows among them."""
+        if self.profiles_through is None:
+            return self.last_step
+        return min(self.last_step, self.profiles_through)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +84,7 @@ def ready_windows(
     last_window = window_of(max_step, ws)
     all_finished = bool(ranks) and all(r.finished for r in ranks)
     if len(ranks) >= world_size and ranks:
-        done = [r.last_step for r in ranks if not r.finished]
+        done = [r.complete_through for r in ranks if not r.finished]
         # Windows below this index were reported past their end by every rank.
         complete_below = last_window + 1 if not done else min(done) // ws
     else:

@@ -138,6 +138,68 @@ def test_a_late_rank_is_waited_for_then_left_out(client: TestClient, engine: Eng
     assert ov["analysis"]["windows_analysed"] == 6
 
 
+def _profiled(window: int, rank: int, slow_rank: int, slow: range) -> dict[str, Any]:
+    """The profiler entry of ``window``'s first two steps (rank ``slow_rank`` computes
+    0.13 s more per step in the windows ``slow``)."""
+    compute = 0.38 if rank == slow_rank and window in slow else 0.25
+    return profile_entry(
+        first_step=window * STEPS + 1, enter=[0.4, 0.9], end=[0.45, 0.95], compute=compute, ranks=None
+    )
+
+
+def test_a_window_is_compared_once_its_ranks_profiles_are_in(client: TestClient, engine: Engine) -> None:
+    """As in the agent: a profiler entry rides on the batch after its steps (it is parsed on
+    the profiler thread), and each batch says through which step every entry has been sent.
+    A pass between a window's steps and its profiles leaves the window for the next pass, so
+    every profiled window reaches the straggler detector with its compute times: rank 2's
+    extra compute (windows 2-5) opens a flag, which closes once it is gone. Compared as soon
+    as the steps were in (before ``profiles_through``), no window had its profiles, and no
+    flag opened."""
+    ranks, slow = range(4), range(2, 6)
+    w = worker(engine)
+    found: list[tuple[str, str, int]] = []
+    for win in range(12):
+        for r in ranks:
+            post(
+                client,
+                rank=r,
+                world=4,
+                first=win * STEPS + 1,
+                times=[0.5] * STEPS,
+                profiles=[_profiled(win - 1, r, 2, slow)] if win else None,
+                profiles_through=win * STEPS,  # the entry of this window's steps 1-2 is owed
+            )
+        result = w.run_once()
+        assert result.windows == (1 if win else 0), "only the window whose profiles came"
+        found += [(t.finding.key, t.finding.status, win - 1) for _, t in result.transitions]
+    assert found == [("straggler:compute:rank=2", "open", 4), ("straggler:compute:rank=2", "closed", 8)]
+    with engine.connect() as conn:
+        through = conn.execute(select(Rank.__table__.c.profiles_through)).scalars().all()
+    assert through == [11 * STEPS] * 4
+    # An older batch arriving late (a retry that outlived newer batches) does not move it back.
+    post(client, rank=1, world=4, first=1, times=[0.5] * STEPS, profiles_through=0)
+    with engine.connect() as conn:
+        row = conn.execute(select(Rank.__table__).where(Rank.__table__.c.rank == 1)).one()
+    assert (row.profiles_through, row.last_step) == (11 * STEPS, 12 * STEPS)
+
+
+def test_a_profile_never_sent_holds_its_window_for_the_grace_only(client: TestClient, engine: Engine) -> None:
+    clock = Clock()
+    for win in range(3):
+        for r in range(4):
+            # Rank 3's profile of step 9 never comes (its profiler thread is stuck).
+            owed = 8 if r == 3 else win * STEPS + STEPS
+            post(client, rank=r, world=4, first=win * STEPS + 1, times=[0.5] * STEPS, profiles_through=owed)
+    w = worker(engine, clock, grace_s=60.0)
+    assert w.run_once().windows == 1  # window 0; window 1 waits for rank 3's entry
+    clock.t += 61
+    assert w.run_once().windows == 1  # window 1 by grace; window 2 holds the newest steps
+    # A rank that finished owes nothing more: its last window is compared at once.
+    for r in range(4):
+        post(client, rank=r, world=4, first=3 * STEPS + 1, times=[], final=True, profiles_through=8)
+    assert w.run_once().windows == 1
+
+
 def test_hang_opens_and_resolves_and_a_finished_run_is_no_hang(client: TestClient, engine: Engine) -> None:
     clock = Clock()
     old = clock.t - 200

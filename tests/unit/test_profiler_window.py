@@ -189,6 +189,48 @@ def test_a_due_window_waits_for_the_entry_of_its_profiled_steps(monkeypatch: pyt
     assert (p["first_step"], p["n_steps"]) == (3, 1)
 
 
+def test_each_batch_says_through_which_step_its_profiles_are_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window's entry is built on the profiler thread and often rides on a later batch
+    than its steps; each batch says through which step every window's entry has been sent
+    (``steps.profiles_through``), for the collector to compare a window's ranks only once
+    their profiles are in. An entry whose steps are in no batch yet waits for them."""
+    import threading
+    import time
+
+    pw = ProfilerWindow(every=4, steps=2, budget=1e9, warmup_end=0)
+    parsing = threading.Event()
+    parse = pw.process
+    monkeypatch.setattr(pw, "process", lambda job: parsing.wait(30) and parse(job))
+    sw, rec = _agent(pw)
+
+    def due() -> dict[str, Any]:
+        sw._close_window(time.perf_counter())  # the send interval ends here
+        doc = _encoded(sw, rec.windows[-1])
+        return {**doc["steps"], "profiles": doc.get("profiles", [])}
+
+    _train(sw, 5)  # the window of steps 5-6 records
+    first = due()
+    assert (first["first"], len(first["time_s"]), first["profiles_through"]) == (1, 5, 4)
+    assert first["profiles"] == []
+    _train(sw, 3)  # it stops at 6 and its parse waits; step 8 finds it busy and skips 9-10
+    second = due()
+    assert (second["first"], second["profiles_through"], second["profiles"]) == (6, 4, [])
+    parsing.set()
+    assert pw._idle.wait(30)
+    _train(sw, 1)
+    third = due()
+    assert third["profiles_through"] == 9
+    assert [(e["first_step"], e["n_steps"], e.get("skipped")) for e in third["profiles"]] == [
+        (5, 2, None),
+        (9, 0, "previous window still being parsed"),
+    ]
+    again = _encoded(sw, rec.windows[-1])
+    assert (again["steps"]["profiles_through"], len(again["profiles"])) == (9, 2), "a retry sends the same"
+    assert sw.close()
+    final = _encoded(sw, rec.windows[-1])
+    assert final["final"] and final["steps"]["profiles_through"] == 9 and "profiles" not in final
+
+
 # -- lasting overhead, CUPTI release, trace cap ---------------------------------------
 
 
