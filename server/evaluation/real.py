@@ -850,7 +850,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per scenario run")
     p.add_argument("--no-burn", action="store_true", help="no CPU burner")
     p.add_argument("--json", default=None, help="write the outcomes here as JSON")
-    p.add_argument("--record", default=None, help="folder: every rank's payloads, per scenario")
+    p.add_argument(
+        "--record", default=None, help="folder: every rank's payloads, per scenario (and per run with --runs)"
+    )
     p.add_argument("--link-rate", default=None, help="tbf rate of the slowed link (e.g. 50mbit)")
     args = p.parse_args(argv)
     chosen = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
@@ -858,10 +860,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen = [replace(s, link_rate=args.link_rate) if s.link_rate else s for s in chosen]
     outcomes = []
     for s in chosen:
-        for _ in range(args.runs):
+        for i in range(args.runs):
             rec = None
-            if args.record:
-                rec = os.path.join(args.record, _slug(s.name))
+            if args.record:  # one folder per run: a miss among hits can be replayed
+                rec = os.path.join(args.record, _slug(s.name), *([f"run{i + 1}"] if args.runs > 1 else []))
                 os.makedirs(rec, exist_ok=True)
             o = run_scenario(
                 s,

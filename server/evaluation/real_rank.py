@@ -89,10 +89,18 @@ def _matmuls(n: int) -> None:
         a = torch.tanh(a @ a)
 
 
-def _per_matmul_s() -> float:
-    t0 = time.perf_counter()
-    _matmuls(200)
-    return (time.perf_counter() - t0) / 200
+def _per_matmul_s(loops: int = 9, n: int = 200) -> float:
+    """Wall time of one matmul as this rank gets it now (its share of a core on this
+    busy host included): the median of ``loops`` short loops. One loop alone (a few ms) can
+    catch a scheduler hop that makes it several times longer, and the fault sized from it
+    as many times smaller: in 1 of 14 runs a +20% compute fault came out at an eighth of
+    that (5 ms more CPU a step on 50, where the other runs had 41) and nothing was flagged."""
+    times = []
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        _matmuls(n)
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
 
 
 def _comm_rounds(budget_s: float, buf: torch.Tensor, group: Any) -> int:
