@@ -639,9 +639,8 @@ class Stepwatch:
         if pw is None:
             return [], None
         last = max(0, window.first_step + window.n_steps - 1)
-        owed = pw.owed_from  # before take(): see ProfilerWindow.take
-        entries = pw.take(None if window.final else last)
-        return entries, last if owed is None else min(last, owed - 1)
+        entries, through = pw.take_through(None if window.final else last)
+        return entries, min(last, through)
 
     def _upload_traces(self) -> None:
         """Hand a capture's raw trace (kept by the profiler thread) to the sender, which

@@ -39,8 +39,9 @@ class Window:
     #: Profiler-window entries riding on this batch; fixed at its first encoding so that
     #: a retry sends the same body.
     profiles: list[dict[str, Any]] | None = None
-    #: Every profiler window of the rank that starts at or before this step has its entry
-    #: in this batch or an earlier one (``steps.profiles_through``), fixed like profiles.
+    #: The rank owes no profiler entry of a window that starts at or before this step: it
+    #: rode on this batch or an earlier one, or was lost (``steps.profiles_through``;
+    #: ``ProfilerWindow.take_through``), fixed like profiles.
     profiles_through: int | None = None
     #: Acknowledgements of the collector's directives (``_steering``), fixed like profiles.
     acks: list[dict[str, Any]] | None = None

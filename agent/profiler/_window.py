@@ -9,7 +9,8 @@ stepped and stopped only on edge steps.
 
 Off the training thread: exporting the trace, parsing it, NVML and the cost bookkeeping
 run on the ``stepwatch-profiler`` daemon thread; finished entries wait in a bounded
-deque that the sender drains into the next payload.
+deque that the sender drains into the next payload that holds their steps, and each
+payload says through which step the rank owes no entry (``steps.profiles_through``).
 
 Self-measured cost of a window (seconds), all of it counted against the budget:
 
@@ -105,6 +106,10 @@ NEVER = 1 << 62
 MAX_STRETCH = 1024
 BASELINE_STEPS = 32
 MAX_PENDING = 8
+#: Seconds after a window stopped that its entry is no longer claimed as owed (see
+#: :meth:`ProfilerWindow.owed`): a profiler thread stuck in an export must not hold the
+#: collector's analysis of every later window back to its grace period.
+OWED_GIVE_UP_S = 60.0
 MAX_STEPS = wire.MAX_CAPTURE_STEPS
 #: Captures one process holds scheduled at once.
 MAX_CAPTURES = 4
@@ -223,6 +228,8 @@ class ProfilerWindow:
         #: training thread at a start and by whichever thread pushes the window's entry,
         #: never by both at once (a start needs the profiler thread idle).
         self.owed_from: int | None = None
+        #: When the owed window stopped (``perf_counter``; 0.0 while it records).
+        self._owed_stopped = 0.0
         self.record_function: Any = None
         self._prof: Any = None
         self._first = 0
@@ -388,6 +395,7 @@ class ProfilerWindow:
         from torch.profiler import record_function
 
         self.record_function = record_function
+        self._owed_stopped = 0.0
         self.owed_from = step + 1
         self.active = True
         return step + 1
@@ -400,6 +408,7 @@ class ProfilerWindow:
         t0 = _perf()
         prof.stop()
         stop_s = _perf() - t0
+        self._owed_stopped = t0
         self._idle.clear()
         self._jobs.append(
             _Job(
@@ -484,15 +493,23 @@ class ProfilerWindow:
             "last_capture_cost": self.last_capture_cost,
         }
 
-    def take(self, through: int | None = None) -> list[dict[str, Any]]:
-        """The finished entries of windows that start at or before step ``through``
-        (all of them: None), in step order (sender thread). A later window's entry waits for
-        the batch that carries its steps: a sender behind the training thread would
-        otherwise deliver a window's breakdown before the rank window it belongs to.
+    def take(self) -> list[dict[str, Any]]:
+        """All finished entries, in step order (sender thread)."""
+        return self.take_through(None)[0]
 
-        Where the collector must wait for an entry: read :attr:`owed_from` *before*
-        calling this. An entry pushed in between is then taken here or claimed as owed,
-        never neither."""
+    def take_through(self, through: int | None) -> tuple[list[dict[str, Any]], int]:
+        """The finished entries of windows whose steps all lie at or before step
+        ``through`` (all entries: None), in step order, and the step through which this
+        rank then owes no entry (sender thread). A later window's entry waits for a batch
+        that carries its last step: a sender behind the training thread would otherwise
+        deliver a breakdown before the rank windows it belongs to exist, and the
+        collector updates only rows it has.
+
+        "Owes no entry": every window starting at or before that step has had its entry
+        taken, now or earlier, or lost (dropped past :data:`MAX_PENDING`). The owed window
+        is read *before* the entries are taken, so an entry pushed in between is taken
+        here or counted as owed, never neither."""
+        owed = self.owed()
         out: list[dict[str, Any]] = []
         later: list[dict[str, Any]] = []
         while True:
@@ -501,10 +518,22 @@ class ProfilerWindow:
             except IndexError:
                 break
             # Not in step order: a skip is pushed at once, a parsed window when it is done.
-            (later if through is not None and entry["first_step"] > through else out).append(entry)
+            end = int(entry["first_step"]) + max(int(entry["n_steps"]), 1) - 1
+            (later if through is not None and end > through else out).append(entry)
         self.results.extendleft(reversed(later))  # ahead of anything pushed meanwhile
         out.sort(key=lambda e: int(e["first_step"]))
-        return out
+        held = [int(e["first_step"]) for e in later] + ([owed] if owed is not None else [])
+        limit = NEVER if through is None else through
+        return out, max(0, min([limit, *(f - 1 for f in held)]))
+
+    def owed(self) -> int | None:
+        """First step of the window whose entry is still to come (:attr:`owed_from`),
+        unless it stopped more than :data:`OWED_GIVE_UP_S` ago: then the profiler thread
+        is stuck, and the collector had better compare the windows without it."""
+        owed, stopped = self.owed_from, self._owed_stopped
+        if owed is not None and stopped and _perf() - stopped > OWED_GIVE_UP_S:
+            return None
+        return owed
 
     # -- profiler thread -----------------------------------------------------------
     def _torch_profiler(self) -> Any:

@@ -6,7 +6,8 @@ soon as their steps were in, so a profiled window was often compared without its
 times: a compute straggler flag then neither advanced nor cleared there (the demo ended
 with its flag open when it ran slowly). The agent now says, per batch, through which step
 every profiler window has been sent; the analysis waits for that (or for the grace).
-Nullable: rows written before it (read as "no wait").
+Nullable: rows written before it and ranks that send none (no profiler, an older agent)
+are read as "nothing to wait for".
 
 Revision ID: 0019
 Revises: 0018

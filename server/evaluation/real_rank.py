@@ -241,13 +241,14 @@ def _train(args: argparse.Namespace, burners: list[subprocess.Popen[bytes]]) -> 
             break
         if step == args.fault_from and faulty:
             base = statistics.median(durations[-8:]) if durations else 0.0
-            if args.fault == "compute":
+            if args.fault == "compute" and len(fault_list) == world:
+                # Job-wide: the same extra work on every rank.
+                extra["matmuls"] = max(1, round(args.size * base / _per_matmul_cpu_s()))
+                count = torch.tensor([float(extra["matmuls"])])
+                dist.all_reduce(count)
+                extra["matmuls"] = max(1, round(float(count.item()) / world))
+            elif args.fault == "compute":
                 extra["matmuls"] = max(1, round(args.size * base / _per_matmul_s()))
-                if len(fault_list) == world:  # job-wide: the same extra work on every rank
-                    extra["matmuls"] = max(1, round(args.size * base / _per_matmul_cpu_s()))
-                    count = torch.tensor([float(extra["matmuls"])])
-                    dist.all_reduce(count)
-                    extra["matmuls"] = max(1, round(float(count.item()) / world))
             elif args.fault == "host_stall":
                 extra["sleep_s"] = args.size * base
             elif args.fault == "loader":

@@ -178,7 +178,8 @@ def _ranks(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns
             "hot_path_mean_s": a.hot_path_mean_s,
             "send_interval_s": a.send_interval_s,
             "final_step": last if p.final else None,
-            "profiles_through": last if s.profiles_through is None else min(last, s.profiles_through),
+            # None (a heartbeat, an agent without profiler or older) keeps the stored value.
+            "profiles_through": None if s.profiles_through is None else min(last, s.profiles_through),
         }
         old = merged.get((run_id, r.rank))
         if old is not None:

@@ -165,9 +165,10 @@ class StepsIn(_Strict):
     padded_tokens: list[Tokens] | None = Field(default=None, max_length=MAX_STEPS)
     tags: list[Tag] | None = Field(default=None, max_length=MAX_STEPS)
     wall_end: UnixTime
-    #: Every profiler window of the rank that starts at or before this step has been sent
-    #: (this batch or an earlier one): the analysis waits for the others before it
-    #: compares a window's ranks. Absent (an agent without profiler, or older): no wait.
+    #: The rank owes no profiler entry of a window starting at or before this step (it was
+    #: sent with this batch or an earlier one): the analysis waits for the entries still
+    #: owed before it compares a window's ranks (or for its grace). Absent (a heartbeat,
+    #: an agent without profiler or older): the rank's stored value stands.
     profiles_through: int | None = Field(default=None, ge=0, le=2**53)
 
     @model_validator(mode="after")

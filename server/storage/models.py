@@ -131,10 +131,10 @@ class Rank(Base):
     #: Last step of the rank's final batch (sent by ``close()``). The rank finished, and
     #: is no hang, while ``final_step >= last_step``; a restart that steps further clears it.
     final_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    #: Every profiler window of the rank starting at or before this step has been
-    #: stored (the agent's ``steps.profiles_through``; its ``last_step`` when it sends
-    #: none): the analysis compares a window's ranks once their profiles are in.
-    #: NULL in rows written before the column.
+    #: The rank owes no profiler entry of a window starting at or before this step (the
+    #: newest ``steps.profiles_through`` it sent): the analysis compares a window's ranks
+    #: once their profiles are in. NULL while it sent none (no profiler, an older agent):
+    #: nothing to wait for.
     profiles_through: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 

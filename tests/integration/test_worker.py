@@ -148,13 +148,13 @@ def _profiled(window: int, rank: int, slow_rank: int, slow: range) -> dict[str, 
 
 
 def test_a_window_is_compared_once_its_ranks_profiles_are_in(client: TestClient, engine: Engine) -> None:
-    """As in the agent: a profiler entry rides on the batch after its steps (it is parsed on
-    the profiler thread), and each batch says through which step every entry has been sent.
-    A pass between a window's steps and its profiles leaves the window for the next pass, so
-    every profiled window reaches the straggler detector with its compute times: rank 2's
-    extra compute (windows 2-5) opens a flag, which closes once it is gone. Compared as soon
-    as the steps were in (before ``profiles_through``), no window had its profiles, and no
-    flag opened."""
+    """As in the agent under load: a profiler entry is parsed on the profiler thread and
+    rides on a later batch than its steps, here two batches later, and each batch says
+    through which step the rank owes no entry. A pass between a window's steps and its
+    profiles leaves the window for a later pass, so every profiled window reaches the
+    straggler detector with its compute times: rank 2's extra compute (windows 2-5) opens a
+    flag, which closes once it is gone. Compared as soon as the steps were in (without
+    ``profiles_through``), no window had its profiles, and no flag opened."""
     ranks, slow = range(4), range(2, 6)
     w = worker(engine)
     found: list[tuple[str, str, int]] = []
@@ -166,21 +166,27 @@ def test_a_window_is_compared_once_its_ranks_profiles_are_in(client: TestClient,
                 world=4,
                 first=win * STEPS + 1,
                 times=[0.5] * STEPS,
-                profiles=[_profiled(win - 1, r, 2, slow)] if win else None,
-                profiles_through=win * STEPS,  # the entry of this window's steps 1-2 is owed
+                profiles=[_profiled(win - 2, r, 2, slow)] if win >= 2 else None,
+                # The entries of the last two windows (their first two steps) are owed.
+                profiles_through=max(0, (win - 1) * STEPS),
             )
         result = w.run_once()
-        assert result.windows == (1 if win else 0), "only the window whose profiles came"
-        found += [(t.finding.key, t.finding.status, win - 1) for _, t in result.transitions]
+        assert result.windows == (1 if win >= 2 else 0), "only the window whose profiles came"
+        found += [(t.finding.key, t.finding.status, win - 2) for _, t in result.transitions]
     assert found == [("straggler:compute:rank=2", "open", 4), ("straggler:compute:rank=2", "closed", 8)]
     with engine.connect() as conn:
         through = conn.execute(select(Rank.__table__.c.profiles_through)).scalars().all()
-    assert through == [11 * STEPS] * 4
-    # An older batch arriving late (a retry that outlived newer batches) does not move it back.
+    assert through == [10 * STEPS] * 4
+    # An older batch arriving late (a retry that outlived newer batches) does not move it
+    # back, and a batch that says nothing (a heartbeat) leaves it as it is.
     post(client, rank=1, world=4, first=1, times=[0.5] * STEPS, profiles_through=0)
+    post(client, rank=2, world=4, first=12 * STEPS + 1, times=[0.5] * STEPS)
     with engine.connect() as conn:
-        row = conn.execute(select(Rank.__table__).where(Rank.__table__.c.rank == 1)).one()
-    assert (row.profiles_through, row.last_step) == (11 * STEPS, 12 * STEPS)
+        rows = conn.execute(select(Rank.__table__).where(Rank.__table__.c.rank.in_([1, 2]))).all()
+    assert [(r.profiles_through, r.last_step) for r in rows] == [
+        (10 * STEPS, 12 * STEPS),
+        (10 * STEPS, 13 * STEPS),
+    ]
 
 
 def test_a_profile_never_sent_holds_its_window_for_the_grace_only(client: TestClient, engine: Engine) -> None:

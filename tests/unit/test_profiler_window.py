@@ -231,6 +231,24 @@ def test_each_batch_says_through_which_step_its_profiles_are_sent(monkeypatch: p
     assert final["final"] and final["steps"]["profiles_through"] == 9 and "profiles" not in final
 
 
+def test_an_entry_waits_for_the_batch_with_its_last_step_and_a_stuck_one_is_given_up() -> None:
+    from stepwatch.profiler import _window as window_module
+
+    pw = ProfilerWindow(every=4, steps=2, budget=1e9, warmup_end=0)
+    for first, n in ((13, 2), (9, 0), (5, 2)):  # as pushed: a skip goes ahead of a parse
+        pw.results.append({"first_step": first, "n_steps": n})
+    entries, through = pw.take_through(13)  # step 14 is in no batch yet: 13-14 waits
+    assert [e["first_step"] for e in entries] == [5, 9] and through == 12
+    entries, through = pw.take_through(14)
+    assert [e["first_step"] for e in entries] == [13] and through == 14
+    pw.owed_from, pw._owed_stopped = 17, window_module._perf()  # being parsed
+    assert pw.take_through(20) == ([], 16)
+    pw._owed_stopped -= window_module.OWED_GIVE_UP_S + 1  # a parse stuck for over a minute
+    assert pw.take_through(20) == ([], 20), "a stuck parse no longer holds the analysis back"
+    pw._owed_stopped = 0.0  # still recording (it stops at its last step): owed, however long
+    assert pw.take_through(20) == ([], 16)
+
+
 # -- lasting overhead, CUPTI release, trace cap ---------------------------------------
 
 
