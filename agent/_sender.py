@@ -54,6 +54,8 @@ log = logging.getLogger("stepwatch")
 #: Seconds ``close`` gives the host's relay this process runs to hand on (it posts the
 #: entries it holds: one request, if any), when the deadline has less left.
 RELAY_STOP_S = 0.05
+#: Seconds of the close deadline a raw-trace upload needs left to be tried (``_may_upload``).
+UPLOAD_MIN_LEFT_S = 1.0
 
 
 @dataclass
@@ -340,7 +342,7 @@ class Sender:
                         self._attempts = 0
                         self._popped_bytes += self._inflight.approx_bytes()
                     except IndexError:
-                        if self._uploads and not self._closing():  # windows sent: a raw trace now
+                        if self._uploads and self._may_upload():  # windows sent: a raw trace now
                             self._put(client, *self._uploads.popleft())
                             continue
                         self._idle.set()
@@ -460,14 +462,24 @@ class Sender:
         headers = {} if answer.retry_after_s is None else {"retry-after": f"{answer.retry_after_s:g}"}
         return httpx.Response(answer.status, headers=headers, content=answer.content)
 
+    def _may_upload(self) -> bool:
+        """A raw trace goes once every window is sent, also while closing if the deadline
+        leaves :data:`UPLOAD_MIN_LEFT_S`: a capture near the end of a run (its flag opened
+        late on a busy host) has its trace queued by the last batches, and a close that
+        dropped it lost the one trace the capture asked for."""
+        left = self._time_left()
+        return left is None or left >= UPLOAD_MIN_LEFT_S
+
     def _put(self, client: httpx.Client, path: str, body: bytes) -> None:
         """One best-effort upload: a failure is counted and logged, never retried (the
         explanation does not need it; the next capture may ask again)."""
         import httpx
 
         headers = {"content-type": "application/gzip"}
+        left = self._time_left()
+        timeout = self._timeout_s if left is None else max(0.1, min(self._timeout_s, left))
         try:
-            resp = client.put(self._base + path, content=body, headers=headers, timeout=self._timeout_s)
+            resp = client.put(self._base + path, content=body, headers=headers, timeout=timeout)
             ok = resp.status_code < 300
             why = "" if ok else _refusal(resp)
         except (httpx.HTTPError, OSError) as exc:

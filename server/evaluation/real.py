@@ -61,11 +61,11 @@ RANKS = 4
 #: (two stray busy loops beside them).
 #: Such a freeze is a real hang of that rank (a real job on such a host would have it
 #: too), but a run with one is no evidence about the detector under test. Not given to the
-#: demo's ranks (``stepwatch.demo.launch``): with them, 3 of 4 demos took 43-46 s and ended
-#: with the straggler flag still open (``test_demo`` fails), without them 8 of 8 took 34-38
-#: s and closed it; but a fresh clone's first ``make demo`` without them also took 45.5 s
-#: and left it open, so the demo test depends on the demo's pace, and these settings are
-#: not shown to be the cause.
+#: demo's ranks (``stepwatch.demo.launch``), which take the allocator's defaults as a
+#: user's job does. (With them 3 of 4 demos ran slower and ended with the straggler flag
+#: open; the cause was the analysis comparing profiled windows before their profiler
+#: entries came, which a slow demo met more often, since fixed with
+#: ``steps.profiles_through``, not these settings.)
 MALLOC_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),

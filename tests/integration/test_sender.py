@@ -276,3 +276,29 @@ def test_a_flapping_collector_warns_once_a_minute_not_once_a_flap(caplog: pytest
     lines = _warnings(caplog)
     assert sum("cannot deliver" in w for w in lines) == 1, lines
     assert sum("delivering to the collector at" in w and "again" in w for w in lines) == 1, lines
+
+
+def test_a_raw_trace_queued_by_the_last_batch_is_sent_by_the_close(db_url: str) -> None:
+    """A capture near the end of a run (its flag opened late on a busy host) has its raw
+    trace queued by the last batch, which the close encodes: the close sends it after the
+    windows, within its deadline. It dropped it, and the capture lost the one trace it
+    asked for (seen in a real run: ``test_steering_real``, beside CPU burners)."""
+    import gzip
+
+    from stepwatch.profiler._window import ProfilerWindow
+
+    with serve_in_thread(db_url) as url:
+        cfg = AgentConfig(run="traced", url=url, max_window_steps=10, send_interval_s=1e9, warmup_steps=0)
+        holder: dict[str, stepwatch.Stepwatch] = {}
+        sender = Sender(url, lambda w, s: holder["sw"]._encode(w, s), poll_s=0.05)
+        pw = ProfilerWindow(every=0, steps=1, budget=1e9, warmup_end=0)  # no periodic window
+        sw = holder["sw"] = stepwatch.Stepwatch(
+            cfg, detect({}, host="h"), convention=None, sender=sender, profiler=pw
+        )
+        for _ in range(5):  # no window closes before close(): its encoding is the first
+            sw.step(tokens=1)
+        pw.traces.append(("7", gzip.compress(b'{"traceEvents": []}')))  # as the profiler thread keeps it
+        assert sw.close(timeout_s=10)
+        # Tried (the collector answers 404: this test made no capture 7), not dropped.
+        assert (sender.stats.uploads, sender.stats.failed_uploads) == (0, 1)
+        assert sender.stats.sent_batches == 1
