@@ -629,8 +629,8 @@ class Stepwatch:
         return encode(payload)
 
     def _take_profiles(self, window: Window) -> tuple[list[dict[str, Any]], int | None]:
-        """The profiler entries that ride on this batch, and the step through which every
-        window's entry has been sent (sender thread). The collector compares a window's
+        """The profiler entries that ride on this batch, and the step through which the
+        rank owes no entry (sender thread; ``ProfilerWindow.take_through``). The collector compares a window's
         ranks only once each has sent the profile of the steps it holds: the entry comes
         from the profiler thread, often a batch after its steps, and a window compared
         without it lacks the compute evidence that names a compute straggler (a flag

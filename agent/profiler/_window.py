@@ -224,7 +224,7 @@ class ProfilerWindow:
         self.active = False
         #: First step of the window whose entry the sender has not been handed yet (it
         #: records, or the profiler thread parses it), else None: the collector waits for
-        #: that entry before it compares the window's ranks (:meth:`take`). Written by the
+        #: that entry before it compares the window's ranks (:meth:`take_through`). Written by the
         #: training thread at a start and by whichever thread pushes the window's entry,
         #: never by both at once (a start needs the profiler thread idle).
         self.owed_from: int | None = None

@@ -83,18 +83,25 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+#: Side of the compute fault's matrices: the extra work comes in ops of about 0.3 ms (a
+#: slower device runs longer kernels, not more of them). With 64 the extra ops of a +20%
+#: fault made the raw trace of a 4-step capture 1.1-2.1 MB and over, at the collector's
+#: 2 MiB cap, and the flagged rank's trace was then not kept.
+MATMUL_N = 256
+
+
 def _matmuls(n: int) -> None:
-    a = torch.randn(64, 64)
+    a = torch.randn(MATMUL_N, MATMUL_N)
     for _ in range(n):
         a = torch.tanh(a @ a)
 
 
-def _per_matmul_s(loops: int = 9, n: int = 200) -> float:
-    """Wall time of one matmul as this rank gets it now (its share of a core on this
-    busy host included): the median of ``loops`` short loops. One loop alone (a few ms) can
-    catch a scheduler hop that makes it several times longer, and the fault sized from it
-    as many times smaller: in 1 of 14 runs a +20% compute fault came out at an eighth of
-    that (5 ms more CPU a step on 50, where the other runs had 41) and nothing was flagged."""
+def _per_matmul_s(loops: int = 9, n: int = 25) -> float:
+    """Wall time of one matmul as this rank gets it now (its share of a core on this busy
+    host included): the median of ``loops`` short loops. One loop alone can catch a
+    scheduler hop and size the fault several times smaller: with one loop, rank 2's extra
+    CPU a step over 14 runs of "compute +20%" was 4.9-11.4 ms in 8 (one of them unflagged)
+    and 22.5-43.8 ms in 6; with the median of 9 loops, 13.0-51.8 ms, and 14 of 14 flagged."""
     times = []
     for _ in range(loops):
         t0 = time.perf_counter()
@@ -120,8 +127,8 @@ def _per_matmul_cpu_s() -> float:
     """The matmul's CPU time, over enough of them to be exact: on a busy host the wall
     time of a short loop counts the time it waited for a core as well."""
     t0 = time.thread_time()
-    _matmuls(2000)
-    return (time.thread_time() - t0) / 2000
+    _matmuls(250)
+    return (time.thread_time() - t0) / 250
 
 
 def _batches(
