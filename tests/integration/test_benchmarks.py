@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -77,14 +78,36 @@ def test_benchmark_runs(
     assert says in capsys.readouterr().out
 
 
-def _rounds(aa: list[float], agent: list[float]) -> dict[str, list[dict[str, float]]]:
-    """Per-round runs of 30 ms steps: the second no-agent run and the agent runs as ratios."""
-    base = 0.030
+def _rounds(
+    aa: list[float], agent: list[float], config: str = agent_overhead.NO_WINDOW
+) -> dict[str, list[dict[str, Any]]]:
+    """Per-round pairs of 30 ms steps: the second no-agent job and the agent job as
+    ratios to the no-agent job beside each."""
+    base = {"wall_s": 0.030, "cpu_s": 0.030}
     return {
-        agent_overhead.NO_AGENT: [{"wall_s": base, "cpu_s": base} for _ in aa],
-        agent_overhead.UP: [{"wall_s": base * x, "cpu_s": base * x} for x in agent],
-        agent_overhead.AGAIN: [{"wall_s": base * x, "cpu_s": base * x} for x in aa],
+        config: [{"wall_s": 0.030 * x, "cpu_s": 0.030 * x, "base": base, "stats": []} for x in agent],
+        agent_overhead.AGAIN: [{"wall_s": 0.030 * x, "cpu_s": 0.030 * x, "base": base} for x in aa],
     }
+
+
+def _job(step_s: list[float], start: float = 0.0) -> list[dict[str, Any]]:
+    """Two ranks' ``--out`` of a job whose steps took ``step_s``, half of it CPU time."""
+    ends = [start + sum(step_s[: i + 1]) for i in range(len(step_s))]
+    return [{"step_ends": ends, "cpu_ends": [e / 2 for e in ends]} for _ in range(2)]
+
+
+def test_overhead_pairs_count_only_the_steps_both_jobs_ran_together() -> None:
+    """The agent job runs 10% slower while beside the no-agent job; once that one has
+    finished, alone on the machine, it runs twice as fast. Only the shared steps count:
+    over all of its steps it would seem faster than the job beside it."""
+    base = _job([0.1] * 300)  # ends at 30 s
+    agent = _job([0.11] * 273 + [0.05] * 327)
+    together = agent_overhead.measured_together({"base": base, "agent": agent})
+    assert together["agent"]["wall_s"] / together["base"]["wall_s"] == pytest.approx(1.1, rel=1e-6)
+    assert together["agent"]["cpu_s"] / together["base"]["cpu_s"] == pytest.approx(1.1, rel=1e-3)
+    late = _job([0.1] * 300, start=20.0)  # started after the other had finished
+    with pytest.raises(ValueError, match="steps together"):
+        agent_overhead.measured_together({"base": _job([0.1] * 120), "agent": late})
 
 
 def test_overhead_verdict_flags_an_injected_3_percent_slowdown() -> None:
@@ -109,9 +132,45 @@ def test_overhead_verdict_misses_an_excess_beyond_even_a_wide_band() -> None:
     v = agent_overhead.verdict(rounds)
     assert not v["resolves"] and v["missed"] and not v["met"]
     runs = {config: [{**r, "stats": []} for r in rs] for config, rs in rounds.items()}
-    args = SimpleNamespace(steps=900, rounds=4, inject_slowdown=0.0)
+    args = SimpleNamespace(steps=900, rounds=4, inject_slowdown=0.0, profile_every=200)
     (line,) = [x for x in agent_overhead.report(runs, v, args) if x.startswith("  budget")]
     assert "MISSED" in line and "+1" in line, line
+
+
+def test_overhead_band_is_a_configurations_own_spread_where_wider() -> None:
+    """No agent beside no agent agrees within 0.3%, but the agent's own pairs spread by
+    5%: their median of +2% is not a miss (nor a pass) on so few rounds."""
+    quiet = [1.002, 0.998, 1.001, 0.999]
+    v = agent_overhead.verdict(_rounds(quiet, [1.00, 1.05, 0.99, 1.04]))
+    assert v["band"]["wall_s"] < 0.005 and v["bands"][(agent_overhead.NO_WINDOW, "wall_s")] > 0.02
+    assert not v["resolves"] and not v["missed"] and not v["met"]
+
+
+def _window_rounds(up: float, own_s: float) -> dict[str, list[dict[str, Any]]]:
+    """Three rounds: the window-less agent at no cost, the agent with 4 windows a rank at
+    ``up`` times the step, the agent's own estimate of a window ``own_s``."""
+    stats = [{"profile": {"windows": 4, "every": 200, "last_cost": {"window_s": own_s}}} for _ in range(2)]
+    quiet = [1.001, 0.999, 1.0]
+    rounds = _rounds(quiet, [1.0, 1.0, 1.0])
+    base = {"wall_s": 0.030, "cpu_s": 0.030}
+    rounds[agent_overhead.UP] = [
+        {"wall_s": 0.030 * up, "cpu_s": 0.030 * up, "base": base, "stats": stats}
+    ] * 3
+    return rounds
+
+
+def test_overhead_window_is_judged_at_the_default_period_and_against_its_own_estimate() -> None:
+    """+4% over 880 steps of 30 ms in 4 windows: 264 ms a window, 0.44% of 2,000 steps."""
+    v = agent_overhead.verdict(_window_rounds(1.04, own_s=0.25), steps=900)["window"]
+    assert v["wall_s"] == pytest.approx(0.264) and v["wall_s_default"] == pytest.approx(0.0044)
+    assert v["met"] and v["agrees"]
+    assert not agent_overhead.verdict(_window_rounds(1.04, own_s=0.05), steps=900)["window"]["agrees"]
+    assert not agent_overhead.verdict(_window_rounds(1.20, own_s=1.3), steps=900)["window"]["met"]
+    runs = _window_rounds(1.20, own_s=0.05)
+    args = SimpleNamespace(steps=900, rounds=3, inject_slowdown=0.0, profile_every=200)
+    lines = [x for x in agent_overhead.report(runs, agent_overhead.verdict(runs, 900), args) if "window" in x]
+    assert any("+1320 ms wall" in x and "estimate 50 ms: MISSED" in x for x in lines), lines
+    assert any("2.20% wall" in x and "budget <= 1%: MISSED" in x for x in lines), lines
 
 
 def test_profiler_self_estimate_is_checked_against_the_in_run_excess() -> None:
