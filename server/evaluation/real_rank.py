@@ -101,7 +101,8 @@ def _per_matmul_s(loops: int = 9, n: int = 25) -> float:
     host included): the median of ``loops`` short loops. One loop alone can catch a
     scheduler hop and size the fault several times smaller: with one loop, rank 2's extra
     CPU a step over 14 runs of "compute +20%" was 4.9-11.4 ms in 8 (one of them unflagged)
-    and 22.5-43.8 ms in 6; with the median of 9 loops, 13.0-51.8 ms, and 14 of 14 flagged."""
+    and 22.5-43.8 ms in 6; with the median of 9 loops, 13.0-51.8 ms, and 14 of 14 flagged
+    (both with 64x64 matmuls; with :data:`MATMUL_N`, 12.2-16.9 ms and 6 of 6 on a quiet host)."""
     times = []
     for _ in range(loops):
         t0 = time.perf_counter()
