@@ -28,7 +28,11 @@ Self-measured cost of a window (seconds), all of it counted against the budget:
   steps before the *first* window; an excess above :data:`LASTING_NOISE` of the latter is
   paid by every unprofiled step of the period and counted as ``lasting_s``. Since it
   does not shrink with a longer period, it stretches the period to its cap, and the
-  entry's cost names it.
+  entry's cost names it. Only on CUDA ranks: a CPU rank has no CUPTI to stay attached,
+  and there the comparison reads the host's own drift instead (on the 2-core VM of
+  ``benchmarks.agent_overhead``, more than 3% within minutes): charged to every step of
+  the period, it grew with the period it stretched, up to 3.8 s of a 4.0 s estimate
+  against 0.3-0.4 s measured, and cost coverage (windows 16x apart), not speed.
 
 Where torch offers it, CUPTI is released after each window: on CUDA >= 12.6 the agent
 sets ``TEARDOWN_CUPTI=1`` (Kineto then calls ``cuptiFinalize`` when a window ends) unless
@@ -639,7 +643,8 @@ class ProfilerWindow:
         lasting = 0.0
         lasting_ratio = None
         ref = self.before_first_s
-        if ref and base_step is not None and self.windows > 0:  # the first window's baseline is ref
+        # The first window's baseline is ref; a CPU rank has no CUPTI (module docstring).
+        if self.cuda and ref and base_step is not None and self.windows > 0:
             lasting_ratio = max(0.0, base_step / ref - 1.0)
             if lasting_ratio > LASTING_NOISE:
                 lasting = (base_step - ref) * max(0, job.every - job.n_steps)

@@ -315,6 +315,20 @@ def test_a_lasting_slowdown_after_a_window_is_counted_against_the_budget() -> No
     assert third["cost"]["lasting_s"] == 0.0 and third["cost"]["lasting_ratio"] == pytest.approx(0.02)
 
 
+def test_a_cpu_rank_does_not_take_its_drift_for_a_lasting_slowdown() -> None:
+    """No CUPTI on a CPU rank: steps 15% slower before its second window are the host's
+    drift (the overhead benchmark's VM drifts more than 3% within minutes), not a cost of
+    the window to charge to every step of the period and stretch it by."""
+    pw = _fake_window(cuda=False, budget=0.01)
+    pw._costs.clear()
+    pw._checked_prior = True
+    _window_at(pw, 10, 0.100)
+    pw._mult = 1
+    second = _window_at(pw, 20, 0.115)
+    assert second["cost"]["lasting_s"] == 0.0 and second["cost"]["lasting_ratio"] is None
+    assert second["cost"]["window_s"] < 0.115, "the window's own cost, well under one step"
+
+
 def test_the_lasting_cost_stretches_the_period() -> None:
     pw = _fake_window(budget=0.01)
     pw._costs.clear()  # no prior: only measured costs count
