@@ -21,6 +21,13 @@ most 0.9% in wall and 0.6% in CPU time (7 pairs). A round runs each agent
 configuration beside a no-agent job, and a second no-agent job beside one (the A/A pair,
 whose spread is the noise band); which job starts first alternates by round.
 
+**Pinned alike.** Rank ``r`` of both jobs runs on core ``r`` (every thread: the sender
+and profiler threads a rank starts inherit it), so each core holds one rank of each job.
+Left to the scheduler, 4 ranks on 2 cores landed unevenly, and how they landed stayed for
+the whole pair: no agent beside no agent, 5 pairs of 500 steps interleaved with 5 pinned
+ones (2026-12-05 03:27-03:40, quiet), spread from pair to pair (standard deviation)
+2.35% wall / 2.57% CPU unpinned, 0.73% / 0.43% pinned.
+
 Two measures per job, per step after warm-up, mean of the ranks:
 
 - CPU time: the rank processes' CPU (all threads: training, sender, profiler) per step,
@@ -55,6 +62,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import statistics
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -124,6 +132,7 @@ def _pair(
                 job_args += ["--slow-rank", "0", "--slow-kind", "busy", "--slow-ms", f"{slow_ms:.3f}"]
             job_env = agent_env if job == "agent" else {"STEPWATCH_DISABLED": "1"}
             procs = stack.enter_context(launch.ranks(2, job_args, env=job_env, log_dir=str(jobs[job])))
+            pin_alike([p.pid for p in procs])
             started.append((procs, jobs[job]))
         for procs, log_dir in started:
             launch.wait_all(procs, timeout_s=1800, log_dir=str(log_dir))
@@ -133,6 +142,21 @@ def _pair(
     except ValueError as exc:
         raise RuntimeError(f"{config}: {exc}") from None
     return {**together["agent"], "base": together["base"], "stats": [o["stats"] for o in outs["agent"]]}
+
+
+def pin_alike(pids: Sequence[int]) -> None:
+    """Pin the ``r``-th process (each of its threads so far; later ones inherit it) to core
+    ``r`` modulo the cores this process may use, so that two jobs pinned alike share each
+    core rank for rank (module docstring). Started a moment ago, a rank is still importing
+    torch: its training, sender and profiler threads start after this. Linux only; a
+    process already gone is left alone (its rank failed, which ``wait_all`` reports)."""
+    cores = sorted(os.sched_getaffinity(0))
+    for r, pid in enumerate(pids):
+        core = {cores[r % len(cores)]}
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(int(tid), core)
 
 
 def measured_together(outs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, dict[str, float]]:

@@ -5,7 +5,10 @@ asserted is that their verdicts can fail (given figures with a known slowdown)."
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -108,6 +111,33 @@ def test_overhead_pairs_count_only_the_steps_both_jobs_ran_together() -> None:
     late = _job([0.1] * 300, start=20.0)  # started after the other had finished
     with pytest.raises(ValueError, match="steps together"):
         agent_overhead.measured_together({"base": _job([0.1] * 120), "agent": late})
+
+
+def test_overhead_pins_the_ranks_of_each_job_alike_with_their_threads() -> None:
+    """Rank r of each job on core r, every thread the rank has by then: two real
+    processes, one of them with a second thread already running."""
+    code = (
+        "import sys, threading, time; threading.Thread(target=time.sleep, args=(600,)).start();"
+        " print('up', flush=True); sys.stdin.read()"
+    )
+    run = [sys.executable, "-c", code]
+    procs = [subprocess.Popen(run, stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(2)]
+    try:
+        for p in procs:  # each has its second thread once it says so
+            assert p.stdout is not None and p.stdout.readline() == b"up\n"
+        tasks = [f"/proc/{p.pid}/task" for p in procs]
+        assert all(len(os.listdir(t)) == 2 for t in tasks)
+        agent_overhead.pin_alike([p.pid for p in procs])
+        cores = sorted(os.sched_getaffinity(0))
+        for r, t in enumerate(tasks):
+            assert {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(t)} == {
+                frozenset({cores[r % len(cores)]})
+            }
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    agent_overhead.pin_alike([procs[0].pid])  # gone: left alone, no error
 
 
 def test_overhead_verdict_flags_an_injected_3_percent_slowdown() -> None:
