@@ -150,6 +150,8 @@ def pin_alike(pids: Sequence[int]) -> None:
     core rank for rank (module docstring). Started a moment ago, a rank is still importing
     torch: its training, sender and profiler threads start after this. Linux only; a
     process already gone is left alone (its rank failed, which ``wait_all`` reports)."""
+    if not hasattr(os, "sched_setaffinity"):  # not Linux: the scheduler places them
+        return
     cores = sorted(os.sched_getaffinity(0))
     for r, pid in enumerate(pids):
         core = {cores[r % len(cores)]}
