@@ -17,7 +17,8 @@ the same no-agent job, run back to back (about 27 s each), changed by up to 9% f
 run to the next even on a quiet machine, and the runs-in-sequence design this replaced
 never resolved a 2% slowdown (A/A bands of ±3.4% to ±29%). Two jobs running at once see
 the same drift, and their ratio does not: two no-agent jobs side by side differed by at
-most 0.9% in wall and 0.6% in CPU time (7 pairs). A round runs each agent
+most 0.9% in wall and 0.6% in CPU time in a first set of 7 pairs (but see "Pinned alike":
+later unpinned sets spread more). A round runs each agent
 configuration beside a no-agent job, and a second no-agent job beside one (the A/A pair,
 whose spread is the noise band); which job starts first alternates by round.
 
@@ -251,8 +252,9 @@ def _window(
         out[f"{m}_default"] = per_window / (DEFAULT_PROFILE_EVERY * base)
     costs = [p["last_cost"] for p in prof if p.get("last_cost")]
     out["own_s"] = median([c["window_s"] for c in costs]) if costs else None
-    # What the estimate is made of (``ProfilerWindow`` module docstring): a lasting
-    # after-effect read from a drift of the step time is paid by every step of the period.
+    # What the estimate is made of (``ProfilerWindow`` module docstring), so that an
+    # estimate far off names its part (a lasting after-effect, counted on CUDA ranks only,
+    # is charged to every step of the period).
     out["own_parts"] = {
         part: median([c.get(f"{part}_s") or 0.0 for c in costs]) if costs else 0.0
         for part in ("on_thread", "slowdown", "parse_cpu", "lasting")
