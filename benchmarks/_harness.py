@@ -41,8 +41,14 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600.0)
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s} s")
 
 
+class ServerURL(str):
+    """A server's base URL that also names its process (whose CPU a benchmark may read)."""
+
+    pid: int
+
+
 @contextlib.contextmanager
-def server(args: Sequence[str], ready_path: str, env: dict[str, str] | None = None) -> Iterator[str]:
+def server(args: Sequence[str], ready_path: str, env: dict[str, str] | None = None) -> Iterator[ServerURL]:
     """Run ``python -m ARGS --port P`` until exit; yield its base URL once ``ready_path`` answers."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="stepwatch-bench-", suffix=".log", delete=False)  # noqa: SIM115
@@ -52,7 +58,8 @@ def server(args: Sequence[str], ready_path: str, env: dict[str, str] | None = No
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
     )
-    url = f"http://127.0.0.1:{port}"
+    url = ServerURL(f"http://127.0.0.1:{port}")
+    url.pid = proc.pid
     try:
         wait_http(url + ready_path, proc)
         yield url

@@ -40,6 +40,7 @@ from stepwatch import wire
 
 from . import loadgen
 from ._copy_baseline import CopyLoad, hot_share, table_bytes_per_row
+from ._cpu import Meter, postgres_server_pid
 from ._harness import median, pg_database, server
 
 RATE_BUDGET = 100_000  # rank-steps/s
@@ -89,15 +90,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     results: dict[str, list[loadgen.LoadResult]] = {k: [] for k in kinds}
     copy_rates: dict[bool, list[float]] = {False: [], True: []}  # by comm section
+    # CPU seconds per rank-window of each phase: (collector, PostgreSQL, this process).
+    cpu: dict[str, list[tuple[float | None, float | None, float]]] = {
+        k: [] for k in (*kinds, "copy", "copy-comm")
+    }
     workers = ["--workers", str(args.workers)]
     with pg_database() as db_url, pg_database("stepwatch_bench_copy") as copy_url:
         copy_conn = psycopg.connect(copy_url.replace("+psycopg", ""))
+        postgres_pid = postgres_server_pid(copy_conn)
         null_cmd = ["benchmarks._null_collector", *workers]
         pg_cmd = ["stepwatch", "serve", "--database-url", db_url, "--log-level", "warning", *workers]
         with server(null_cmd, "/healthz") as null_url, server(pg_cmd, "/readyz") as pg_url:
             for kind, _, bodies in phases:
                 url = null_url if kind.startswith("null") else pg_url
                 host = "host" in kind
+                rank_windows = len(bodies) * (per_host if host else 1)
+                meter = Meter(url.pid, postgres_pid)
+                meter.start()
                 res = loadgen.post_all(
                     url,
                     bodies,
@@ -105,13 +114,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     concurrency=args.concurrency,
                     path=wire.HOST_BATCH_PATH if host else wire.INGEST_PATH,
                 )
+                cpu[kind].append(_per(meter.stop(), rank_windows))
                 _check(kind, res, len(bodies))
                 results[kind].append(res)
                 if kind.startswith("pg"):  # the database's own speed for the same rows, right after
                     load = CopyLoad(bodies)
                     comm = kind.endswith("comm")
                     load.prepare(copy_conn, f"copy-{comm}-{len(copy_rates[comm])}")
+                    meter = Meter(None, postgres_pid)
+                    meter.start()
                     copy_rates[comm].append(load.rank_steps / load.copy(copy_conn))
+                    spent = meter.stop()
+                    if kind == "pg" or comm:  # the per-host rows are the per-rank rows again
+                        cpu["copy-comm" if comm else "copy"].append(_per(spent, rank_windows))
         with psycopg.connect(db_url.replace("+psycopg", "")) as conn:  # the rows the COPY database holds
             job_bytes = table_bytes_per_row(conn, "job_steps")
             job_hot = hot_share(conn, "job_steps")
@@ -176,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"no-op / COPY {rate('null-host-comm') / comm_copy_rate:.3f}, PostgreSQL / no-op "
         f"{comm_rate / rate('null-host-comm'):.2f}"
     )
+    print(_cpu_lines(cpu, kinds))
     print(
         f"  job_steps after the run            {job_bytes:9.0f} B/row, "
         f"freshly copied {copy_job_bytes:.0f} B/row ({bloat:.2f}x; {job_hot:.0%} of its updates HOT)"
@@ -191,6 +207,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print("  budgets: " + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in checks.items()))
     return 0
+
+
+_CPU_LABELS = {
+    "null": "no-op endpoint, per rank",
+    "pg": "PostgreSQL, per rank",
+    "null-host": "no-op endpoint, per host",
+    "pg-host": "PostgreSQL, per host",
+    "null-host-comm": "no-op, per host, with comm",
+    "pg-host-comm": "PostgreSQL, per host, with comm",
+    "copy": "raw COPY of the same rows",
+    "copy-comm": "raw COPY, with comm (step_timings)",
+}
+
+
+def _per(spent: tuple[float | None, float | None, float], n: int) -> tuple[float | None, float | None, float]:
+    """CPU seconds of a phase as microseconds per rank-window."""
+    return (
+        None if spent[0] is None else spent[0] / n * 1e6,
+        None if spent[1] is None else spent[1] / n * 1e6,
+        spent[2] / n * 1e6,
+    )
+
+
+def _cpu_lines(cpu: dict[str, list[tuple[float | None, float | None, float]]], kinds: Sequence[str]) -> str:
+    """Where each phase's CPU went, per rank-window (median of the rounds): the collector's
+    processes (web workers, analysis), the PostgreSQL server's, and this process's (the load
+    generator; for COPY, its client). Throughput is bounded by the sum on the 2 cores."""
+
+    def cell(values: list[float | None]) -> str:
+        known = [v for v in values if v is not None]
+        return f"{median(known):8.1f}" if known and len(known) == len(values) else f"{'-':>8}"
+
+    lines = ["  CPU per rank-window, us (median of rounds)   collector  PostgreSQL  load generator / client"]
+    for kind in (*kinds, "copy", "copy-comm"):
+        rows = cpu[kind]
+        if not rows:
+            continue
+        collector = cell([r[0] for r in rows]) if not kind.startswith("copy") else f"{'-':>8}"
+        postgres, client = cell([r[1] for r in rows]), cell([r[2] for r in rows])
+        lines.append(f"    {_CPU_LABELS[kind]:<42} {collector}   {postgres}   {client}")
+    return "\n".join(lines)
 
 
 def _paced(kind: str, env: dict[str, str], args: argparse.Namespace) -> loadgen.LoadResult:

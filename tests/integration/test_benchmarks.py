@@ -12,9 +12,11 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
+import psycopg
 import pytest
 
 from benchmarks import (
+    _cpu,
     agent_overhead,
     collective_counting,
     comm_payload,
@@ -28,6 +30,7 @@ from benchmarks import (
 )
 from benchmarks.__main__ import discover
 from stepwatch_server.schemas.ingest import IngestBatches, IngestPayload
+from tests import pg
 
 
 def test_every_benchmark_is_discovered() -> None:
@@ -329,3 +332,51 @@ def test_comm_timing_pools_runs_to_resolve_what_one_run_cannot() -> None:
     pooled = comm_timing.pool(runs)
     assert len(pooled[comm_timing.BASE]) == 200
     assert comm_timing.verdict(pooled)["overall"] == "met"
+
+
+# A process that burns CPU until its own clock says so, then says it did; then waits.
+_BURN = (
+    "import sys, time\nwhile time.process_time() < 0.3: pass\nprint('burned', flush=True)\nsys.stdin.read()\n"
+)
+_PARENT = f"""
+import subprocess, sys
+burn = {_BURN!r}
+kids = []
+for _ in range(2):
+    kid = subprocess.Popen(
+        [sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    kid.stdout.readline()
+    kids.append(kid)
+kids[0].stdin.close(); kids[0].wait()  # exited and reaped: its CPU is in the parent's
+print("ready", flush=True)
+sys.stdin.read()
+kids[1].stdin.close(); kids[1].wait()
+"""
+
+
+def test_the_cpu_split_counts_a_tree_with_its_exited_children_and_the_local_postgres() -> None:
+    """The ingest benchmark's CPU split (``_cpu``) reads a process tree: a child's live
+    grandchild and one that exited (counted through its parent) both count."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == b"ready\n"
+        total = _cpu.tree_cpu_s(parent.pid)
+        assert total is not None and total >= 0.6, total  # two grandchildren of 0.3 s each
+    finally:
+        assert parent.stdin is not None
+        parent.stdin.close()
+        parent.wait(timeout=60)
+    assert _cpu.tree_cpu_s(parent.pid) is None  # gone: unreadable, not zero
+    # The suite's PostgreSQL runs on this machine: its server's CPU is read, and a query
+    # that scans ten million rows shows in it (a backend is a child of the server).
+    with pg.admin_url() as admin, psycopg.connect(admin) as conn:
+        server = _cpu.postgres_server_pid(conn)
+        local = conn.info.host in ("127.0.0.1", "localhost", "::1") or conn.info.host.startswith("/")
+        assert (server is not None) == local, (conn.info.host, server)
+        if server is not None:
+            meter = _cpu.Meter(None, server)
+            meter.start()
+            conn.execute("SELECT count(*) FROM generate_series(1, 10000000)").fetchone()
+            collector, postgres, _ = meter.stop()
+            assert collector is None and postgres is not None and postgres >= 0.05, postgres
