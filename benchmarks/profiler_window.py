@@ -39,13 +39,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from stepwatch.config import AgentConfig
 from stepwatch.demo import launch
+from stepwatch.profiler._window import PRIOR_COST_S
 
 PAIRS = 3
 #: The profiled arm's period before the budget's stretch (the agent's default of 2,000
 #: steps would not fire in :data:`STEPS`).
 PERIOD = 100
+#: Steps of each run at least; more where the period in force needs them (:func:`steps_for`).
 STEPS = 450
+#: Steps of the run that measures the step time, before the pairs.
+CALIBRATION_STEPS = 80
 WARMUP = 10
 BATCH = 2
 
@@ -53,6 +58,22 @@ BATCH = 2
 AFTER = 8
 NEIGHBOURS = 30
 AGREE = 2.0
+
+
+def steps_for(step_s: float, budget: float = AgentConfig.profile_budget) -> tuple[int, int]:
+    """(period in force at the first window, steps per run) for steps of ``step_s``.
+
+    Before its first window the agent stretches :data:`PERIOD` by powers of two until its
+    prior cost (:data:`PRIOR_COST_S`) is within ``budget`` of a period; the run must hold
+    that first window, its steps and the neighbours the in-run excess compares them with.
+    Sized for steps a fifth faster than measured (the agent reads its own median), so a
+    run on a fast machine still holds a window instead of reporting none: with 450 steps
+    fixed, 20 ms steps stretched the period to 800 and no window fired.
+    """
+    every = PERIOD
+    while every * budget * 0.8 * step_s < PRIOR_COST_S:
+        every *= 2
+    return every, max(STEPS, every + 2 + AFTER + NEIGHBOURS + 10)
 
 
 def _in_run_excess(o: dict[str, Any], k: int = 2) -> tuple[float, float]:
@@ -76,9 +97,9 @@ def _in_run_excess(o: dict[str, Any], k: int = 2) -> tuple[float, float]:
     return excess, period
 
 
-def _once(col_url: str, tmp: Path, name: str, profile: bool) -> dict[str, Any]:
+def _once(col_url: str, tmp: Path, name: str, profile: bool, steps: int) -> dict[str, Any]:
     out = tmp / f"{name}-rank{{rank}}.json"
-    args = ["--run", name, "--steps", str(STEPS), "--batch", str(BATCH), "--warmup-steps", str(WARMUP)]
+    args = ["--run", name, "--steps", str(steps), "--batch", str(BATCH), "--warmup-steps", str(WARMUP)]
     args += ["--send-interval", "10", "--out", str(out)]
     args += ["--profile-every", str(PERIOD if profile else 0)]
     log_dir = tmp / name
@@ -101,10 +122,15 @@ def run() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="stepwatch-bench-") as d:
         tmp = Path(d)
         with launch.collector(f"sqlite:///{tmp / 'bench.db'}", log_path=str(tmp / "collector.log")) as col:
+            calibration = _once(col.url, tmp, "bench-calibration", False, CALIBRATION_STEPS)
+            step_s = calibration["loop_s"] / (CALIBRATION_STEPS - WARMUP)
+            every, steps = steps_for(step_s)
             pairs = []
             for p in range(PAIRS):
                 order = (True, False) if p % 2 == 0 else (False, True)
-                res = {on: _once(col.url, tmp, f"bench-{p}-{'on' if on else 'off'}", on) for on in order}
+                res = {
+                    on: _once(col.url, tmp, f"bench-{p}-{'on' if on else 'off'}", on, steps) for on in order
+                }
                 pairs.append(res)
     ratios = [pr[True]["loop_s"] / pr[False]["loop_s"] for pr in pairs]
     cpu_ratios = [pr[True]["cpu_s"] / pr[False]["cpu_s"] for pr in pairs]
@@ -112,6 +138,9 @@ def run() -> dict[str, Any]:
     costs = [s["last_cost"] for s in stats if s.get("last_cost")]
     excess = [e for pr in pairs for e in pr[True]["excess"]]
     return {
+        "steps": steps,
+        "calibrated_step_s": step_s,
+        "expected_every": every,
         "pairs": [
             (pr[True]["loop_s"], pr[False]["loop_s"], pr[True]["cpu_s"], pr[False]["cpu_s"]) for pr in pairs
         ],
@@ -136,8 +165,14 @@ def run() -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> list[str]:
     lines = [
-        f"profiler window: 2 gloo ranks, {STEPS} steps (batch {BATCH}), {PAIRS} pairs, "
+        f"profiler window: 2 gloo ranks, {r.get('steps', STEPS)} steps (batch {BATCH}), {PAIRS} pairs, "
         f"period {PERIOD} and the default budget"
+        + (
+            f" (steps of {r['calibrated_step_s'] * 1e3:.1f} ms measured first: the period is stretched "
+            f"to about {r['expected_every']} before the first window, and each run holds one)"
+            if "calibrated_step_s" in r
+            else ""
+        )
     ]
     for on, off, con, coff in r["pairs"]:
         lines.append(
