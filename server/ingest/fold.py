@@ -4,8 +4,10 @@ Pure functions over plain data (no database): a group of batches becomes one row
 (run, rank) for ``ranks``, one per (run, rank, window) for ``rank_windows`` and one per
 (run, step) for ``job_steps``, each already summed over the group, so the database
 merges a few hundred rows instead of one per rank-step. The per-step work is vectorised
-with numpy (sort by key, then ``reduceat``): at 4,096 ranks it is the collector's hot
-loop, and a Python loop over every rank-step cost more than the database itself.
+with numpy (``reduceat`` over runs of equal keys: job steps sorted by key first; rank
+windows, whose steps a batch already holds together, in arrival order): at 4,096 ranks it
+is the collector's hot loop, and a Python loop over every rank-step cost more than the
+database itself.
 
 Each column folds by its merge rule (``storage/columns.py``), the rule the upserts
 apply between groups, so a group folded here and the same batches merged one by one
@@ -23,7 +25,7 @@ import numpy.typing as npt
 
 from stepwatch import wire
 
-from ..schemas.ingest import IngestPayload
+from ..schemas.ingest import IngestPayload, Tag
 from ..storage import columns
 from ..storage.columns import Columns, Rows
 
@@ -192,49 +194,69 @@ def _ranks(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns
 def _fold_steps(
     payloads: Sequence[IngestPayload], run_ids: Sequence[int], window_steps: Sequence[int]
 ) -> tuple[Columns, Columns]:
-    lengths = np.array([len(p.steps.time_s) for p in payloads], dtype=np.int64)
-    total = int(lengths.sum())
-    # Flat per-step columns over the whole group (list.extend runs at C speed).
+    # One pass over the batches: their own values, and the per-step lists joined end to end
+    # (list.extend runs at C speed). Padded tokens and tags, absent from most batches, are
+    # built only when some batch has them.
+    n_l: list[int] = []
+    first_l: list[int] = []
+    rank_l: list[int] = []
+    end_l: list[float] = []
+    counts_l: list[bool] = []
     time_l: list[float] = []
     wait_l: list[float] = []
     tok_l: list[int] = []
-    pad_l: list[int] = []
-    tag_l: list[int] = []
-    has_pad = np.repeat(np.array([p.steps.padded_tokens is not None for p in payloads]), lengths)
+    padded_of: list[list[int] | None] = []
+    tags_of: list[list[Tag] | None] = []
     for p in payloads:
         s = p.steps
-        n = len(s.time_s)
+        n_l.append(len(s.time_s))
+        first_l.append(s.first)
+        rank_l.append(p.rank.rank)
+        end_l.append(s.wall_end)
+        counts_l.append(p.rank.counts_tokens)
         time_l += s.time_s
         wait_l += s.data_wait_s
         tok_l += s.tokens
-        pad_l += s.padded_tokens if s.padded_tokens is not None else [0] * n
-        tag_l += [wire.TAG_CODES.get(t or "", 0) for t in s.tags] if s.tags is not None else [0] * n
+        padded_of.append(s.padded_tokens)
+        tags_of.append(s.tags)
+    lengths = np.array(n_l, dtype=np.int64)
+    total = len(time_l)
     t = np.array(time_l, dtype=np.float64)
     wait = np.array(wait_l, dtype=np.float64)
     tokens = np.array(tok_l, dtype=np.int64)
-    padded = np.array(pad_l, dtype=np.int64)
-    tags = np.array(tag_l, dtype=np.int16)
+    has_pad = np.repeat(np.array([x is not None for x in padded_of]), lengths)
+    padded = np.zeros(total, dtype=np.int64)
+    if has_pad.any():
+        pad_l: list[int] = []
+        for x, n in zip(padded_of, n_l, strict=True):
+            pad_l += x if x is not None else [0] * n
+        padded = np.array(pad_l, dtype=np.int64)
+    tags = np.zeros(total, dtype=np.int16)
+    if any(x is not None for x in tags_of):
+        codes = wire.TAG_CODES
+        tags = np.array(
+            [codes.get(v or "", 0) for x, n in zip(tags_of, n_l, strict=True) for v in (x or [None] * n)],
+            dtype=np.int16,
+        )
 
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    firsts = np.array([p.steps.first for p in payloads], dtype=np.int64)
-    step = np.repeat(firsts, lengths) + (np.arange(total) - np.repeat(starts, lengths))
+    step = np.repeat(np.array(first_l, dtype=np.int64), lengths) + (
+        np.arange(total) - np.repeat(starts, lengths)
+    )
     run = np.repeat(np.array(run_ids, dtype=np.int64), lengths)
-    rank = np.repeat(np.array([p.rank.rank for p in payloads], dtype=np.int64), lengths)
+    rank = np.repeat(np.array(rank_l, dtype=np.int64), lengths)
     ws = np.repeat(np.array(window_steps, dtype=np.int64), lengths)
     window = columns.window_of(step, ws)
-    batch_end = np.array([p.steps.wall_end for p in payloads], dtype=np.float64)
+    batch_end = np.array(end_l, dtype=np.float64)
     # End of each step: its batch's end minus the durations of the later steps in the batch.
     later = np.cumsum(t[::-1])[::-1] - t  # suffix sums over the whole group...
     later -= np.repeat(later[starts + lengths - 1], lengths)  # ...minus the later batches'
     step_end = np.repeat(batch_end, lengths) - later
-    counts = np.repeat(np.array([p.rank.counts_tokens for p in payloads]), lengths)
+    counts = np.repeat(np.array(counts_l), lengths)
 
-    # rank_windows: group by (run, rank, window); each column folds by its rule.
+    # rank_windows: one row per (run, rank, window), each column folded by its rule.
     one = np.ones(total, dtype=np.int64)
-    pad = np.ma.array(padded, mask=~has_pad)
-    order, first_idx = _groups(run, rank, window)
-    windows = columns.fold_table(
-        columns.RANK_WINDOWS,
+    windows = _fold_windows(
         {
             "run_id": run,
             "rank": rank,
@@ -247,11 +269,10 @@ def _fold_steps(
             "step_time_max": t,
             "data_wait_sum": wait,
             "tokens_sum": tokens,
-            "padded_tokens_sum": pad,
+            "padded_tokens_sum": np.ma.array(padded, mask=~has_pad),
             "wall_end": np.repeat(batch_end, lengths),
         },
-        order,
-        first_idx,
+        starts,
     )
 
     # job_steps: group by (run, step); only data-parallel leaders' tokens count.
@@ -275,6 +296,35 @@ def _fold_steps(
         first_idx,
     )
     return windows, job
+
+
+def _fold_windows(sources: dict[str, npt.NDArray[Any]], starts: npt.NDArray[np.int64]) -> Columns:
+    """``rank_windows`` rows of per-step ``sources`` whose batches begin at ``starts``.
+
+    A batch is one rank's consecutive steps, so its steps of one window are adjacent: a
+    row's steps are a run that begins where the batch or the window changes, folded in
+    place with no sort of the steps, and only the rows are put in key order. Only when two
+    batches of the group fall in the same (run, rank, window) (a backlog brought two of
+    one rank's batches into one group) are the steps sorted by key first.
+    """
+    run, rank, window = sources["run_id"], sources["rank"], sources["window"]
+    change = np.ones(len(window), dtype=bool)
+    change[1:] = window[1:] != window[:-1]
+    change[starts] = True
+    first_idx = np.flatnonzero(change)
+    keys = (run[first_idx], rank[first_idx], window[first_idx])
+    rows = np.lexsort(keys[::-1])
+    same = np.ones(len(rows) - 1, dtype=bool)
+    for k in keys:
+        ks = k[rows]
+        same &= ks[1:] == ks[:-1]
+    if same.any():
+        order, first_idx = _groups(run, rank, window)
+        return columns.fold_table(columns.RANK_WINDOWS, sources, order, first_idx)
+    return {
+        name: columns.reduce(columns.RANK_WINDOWS.column(name).rule, values, first_idx)[rows]
+        for name, values in sources.items()
+    }
 
 
 def _groups(*keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
