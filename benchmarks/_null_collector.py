@@ -12,14 +12,20 @@ from fastapi import FastAPI
 
 from stepwatch_server.app import create_app, tune_gc
 from stepwatch_server.cli import run_uvicorn
+from stepwatch_server.ingest.group_commit import Outcome
 from stepwatch_server.ingest.store import RunKey
 from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.settings import Settings
 
 
 class NullCommitter:
+    """The group commit's two entries (a lone batch, a host batch's), storing nothing."""
+
     async def submit(self, payload: IngestPayload, owner: str | None = None) -> bool:
         return True
+
+    async def submit_many(self, payloads: Sequence[IngestPayload], owner: str | None = None) -> list[Outcome]:
+        return [True] * len(payloads)
 
 
 class NullDeliveries:

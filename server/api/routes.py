@@ -177,13 +177,20 @@ async def ingest_batches(request: Request) -> IngestBatchesResult:
                 raise _entry_error(i, exc) from None
             except CollectorError as exc:
                 raise type(exc)(f"batches.{i}: {exc}", headers=exc.headers) from None
-    outcomes = await asyncio.gather(*(_store(request, p, owner) for p in payloads), return_exceptions=True)
-    for i, outcome in enumerate(outcomes):
-        if isinstance(outcome, RequestValidationError):
-            raise _entry_error(i, outcome)
-        if isinstance(outcome, BaseException):
+    committer: GroupCommitter = request.app.state.group_commit
+    t0 = time.perf_counter()
+    outcomes = await committer.submit_many(payloads, owner)
+    seconds = time.perf_counter() - t0
+    results = []
+    for outcome, payload in zip(outcomes, payloads, strict=True):
+        if not isinstance(outcome, Exception):
+            results.append(await _stored(request, payload, outcome, seconds))
+    for i, (outcome, payload) in enumerate(zip(outcomes, payloads, strict=True)):
+        if isinstance(outcome, DataError):
+            raise _entry_error(i, _unstorable(request, payload, outcome))
+        if isinstance(outcome, Exception):
             raise outcome
-    return IngestBatchesResult(results=[o for o in outcomes if isinstance(o, IngestResult)])
+    return IngestBatchesResult(results=results)
 
 
 def _entry_error(i: int, exc: RequestValidationError) -> RequestValidationError:
@@ -194,19 +201,31 @@ def _entry_error(i: int, exc: RequestValidationError) -> RequestValidationError:
 async def _store(request: Request, payload: IngestPayload, owner: str | None) -> IngestResult:
     """Store one admitted, valid payload through the group commit; the result after its commit."""
     committer: GroupCommitter = request.app.state.group_commit
-    metrics: CollectorMetrics = request.app.state.metrics
     t0 = time.perf_counter()
     try:
         stored = await committer.submit(payload, owner)
     except DataError as exc:
-        # The schema should make this impossible (every bound is a column's bound); if a
-        # value still slips through, the batch is refused (its neighbours in the group
-        # were stored one by one) rather than answered 500 and retried for ever.
-        metrics.batches.labels("unstorable").inc()
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "value out of range"
-        log.warning("batch %s of run %r refused by the database: %s", payload.batch_id, payload.run, reason)
-        raise _invalid(("body",), f"the database cannot store this batch: {reason}") from None
-    metrics.ingest_seconds.observe(time.perf_counter() - t0)
+        raise _unstorable(request, payload, exc) from None
+    return await _stored(request, payload, stored, time.perf_counter() - t0)
+
+
+def _unstorable(request: Request, payload: IngestPayload, exc: DataError) -> RequestValidationError:
+    """The 422 of a batch the database refused. The schema should make this impossible
+    (every bound is a column's bound); if a value still slips through, the batch is
+    refused (its neighbours in the group were stored one by one) rather than answered 500
+    and retried for ever."""
+    metrics: CollectorMetrics = request.app.state.metrics
+    metrics.batches.labels("unstorable").inc()
+    reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else "value out of range"
+    log.warning("batch %s of run %r refused by the database: %s", payload.batch_id, payload.run, reason)
+    return _invalid(("body",), f"the database cannot store this batch: {reason}")
+
+
+async def _stored(request: Request, payload: IngestPayload, stored: bool, seconds: float) -> IngestResult:
+    """Count a committed batch (``seconds`` from submission to commit) and answer it with
+    its rank's directives."""
+    metrics: CollectorMetrics = request.app.state.metrics
+    metrics.ingest_seconds.observe(seconds)
     metrics.batches.labels("stored" if stored else "duplicate").inc()
     n = len(payload.steps.time_s)
     if stored:

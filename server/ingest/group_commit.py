@@ -22,7 +22,11 @@ from ..schemas.ingest import IngestPayload
 
 log = logging.getLogger("stepwatch_server")
 StoreMany = Callable[[Sequence[IngestPayload], Sequence[str | None]], list[bool]]
-Item = tuple[IngestPayload, str | None, "asyncio.Future[bool]"]
+#: Each batch's outcome: True if it was new, False if stored before, or the exception the
+#: database refused it with when stored alone (its neighbours stored).
+Outcome = bool | Exception
+#: One request's batches, its write token, and the one future its answer waits on.
+Item = tuple[Sequence[IngestPayload], str | None, "asyncio.Future[list[Outcome]]"]
 
 
 class GroupCommitter:
@@ -45,9 +49,20 @@ class GroupCommitter:
     async def submit(self, payload: IngestPayload, owner: str | None = None) -> bool:
         """Store one batch with whatever else is waiting; True if it was new. ``owner``
         names the write token (recorded on a run this batch creates)."""
+        (outcome,) = await self.submit_many([payload], owner)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def submit_many(self, payloads: Sequence[IngestPayload], owner: str | None = None) -> list[Outcome]:
+        """Store one request's batches (a host batch) with whatever else is waiting, all
+        in the same group; each batch's :data:`Outcome`, in order. One future for the
+        request, not one per batch: a host batch's entries were a task, a shielded future
+        and a turn of the event loop each. Raises if the whole group failed (the database
+        away)."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[bool] = loop.create_future()
-        self._pending.append((payload, owner, fut))
+        fut: asyncio.Future[list[Outcome]] = loop.create_future()
+        self._pending.append((payloads, owner, fut))
         if self._writer is None or self._writer.done():
             self._writer = loop.create_task(self._drain())
         # A client that hangs up cancels its wait, not the write (retries are idempotent).
@@ -55,8 +70,8 @@ class GroupCommitter:
 
     def _take(self) -> list[Item]:
         steps, n = 0, 0
-        for payload, _, _ in self._pending:
-            steps += len(payload.steps.time_s)
+        for payloads, _, _ in self._pending:
+            steps += sum(len(p.steps.time_s) for p in payloads)
             n += 1
             if steps >= self._max_steps:
                 break
@@ -66,25 +81,29 @@ class GroupCommitter:
     async def _drain(self) -> None:
         while self._pending:
             group = self._take()
-            payloads = [p for p, _, _ in group]
-            owners = [o for _, o, _ in group]
+            payloads = [p for batch, _, _ in group for p in batch]
+            owners = [o for batch, o, _ in group for _ in batch]
             if self._on_group is not None:
-                self._on_group(len(group))
+                self._on_group(len(payloads))
             try:
                 results = await asyncio.to_thread(self._store_many, payloads, owners)
             except (IntegrityError, DataError) as exc:
-                if len(group) == 1:
+                if len(payloads) == 1:
                     _fail(group, exc)
                     continue
                 # One bad batch must not fail its neighbours: write them one by one.
-                log.warning("group of %d batches failed (%s); storing one by one", len(group), exc)
-                for item in group:
-                    try:
-                        (result,) = await asyncio.to_thread(self._store_many, [item[0]], [item[1]])
-                    except Exception as one_exc:
-                        _fail([item], one_exc)
-                    else:
-                        _resolve([item], [result])
+                log.warning("group of %d batches failed (%s); storing one by one", len(payloads), exc)
+                for batch, owner, fut in group:
+                    outcomes: list[Outcome] = []
+                    for p in batch:
+                        try:
+                            (result,) = await asyncio.to_thread(self._store_many, [p], [owner])
+                        except Exception as one_exc:
+                            outcomes.append(one_exc)
+                        else:
+                            outcomes.append(result)
+                    if not fut.done():
+                        fut.set_result(outcomes)
                 continue
             except Exception as exc:  # database away: every batch of the group gets the error (503)
                 _fail(group, exc)
@@ -93,9 +112,11 @@ class GroupCommitter:
 
 
 def _resolve(group: Sequence[Item], results: Sequence[bool]) -> None:
-    for (_, _, fut), result in zip(group, results, strict=True):
+    i = 0
+    for batch, _, fut in group:
         if not fut.done():
-            fut.set_result(result)
+            fut.set_result(list(results[i : i + len(batch)]))
+        i += len(batch)
 
 
 def _fail(group: Sequence[Item], exc: BaseException) -> None:

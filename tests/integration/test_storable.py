@@ -165,3 +165,34 @@ def test_a_database_refusal_answers_422_and_is_counted(pg_admin: str) -> None:
             assert 'stepwatch_ingest_batches_total{outcome="unstorable"} 1.0' in scrape
         finally:
             engine.dispose()
+
+
+def test_a_database_refusal_of_one_host_batch_entry_names_it_and_stores_its_neighbours(pg_admin: str) -> None:
+    """The same refusal inside a host batch: the entries are stored one by one, the refused
+    one answered 422 at ``batches.<i>``, the others stored and counted."""
+    from stepwatch import wire
+    from stepwatch_server.storage import migrate
+    from stepwatch_server.storage.models import IngestedBatch
+
+    with pg.fresh_database(pg_admin) as url:
+        migrate.upgrade(url)
+        engine = make_engine(url)
+        try:
+            with engine.begin() as conn:
+                conn.execute(text("ALTER TABLE ranks ALTER COLUMN local_rank TYPE smallint"))
+            entries = [payload(run="narrow-host", rank=r, world=4) for r in range(3)]
+            entries[1]["rank"]["local_rank"] = 40_000
+            with TestClient(
+                create_app(Settings(database_url=url, analysis_enabled=False), engine=engine)
+            ) as c:
+                r = c.post(wire.HOST_BATCH_PATH, json={"batches": entries})
+                assert r.status_code == 422 and _errors(r) == ["batches.1.body"], r.text
+                assert "smallint" in r.json()["detail"]
+                scrape = c.get("/metrics").text
+            with engine.connect() as conn:
+                stored = set(conn.execute(select(IngestedBatch.batch_id)).scalars())
+            assert stored == {entries[0]["batch_id"], entries[2]["batch_id"]}
+            assert 'stepwatch_ingest_batches_total{outcome="unstorable"} 1.0' in scrape
+            assert 'stepwatch_ingest_batches_total{outcome="stored"} 2.0' in scrape
+        finally:
+            engine.dispose()
