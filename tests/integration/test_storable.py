@@ -9,16 +9,25 @@ floats and booleans were coerced into integers and flags.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, select, text, update
 
+from stepwatch import wire
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.engine import make_engine
-from stepwatch_server.storage.models import INT32_MAX, INT64_MAX, ProfileWindow, RankWindow, Run
+from stepwatch_server.storage.models import (
+    INT32_MAX,
+    INT64_MAX,
+    IngestedBatch,
+    ProfileWindow,
+    RankWindow,
+    Run,
+)
 
 from .. import pg
 from ..payloads import payload, profile_entry
@@ -139,60 +148,54 @@ def test_wrong_json_types_are_not_coerced(
         assert conn.execute(select(Run.id)).first() is None
 
 
+@contextmanager
+def _narrowed(pg_admin: str) -> Iterator[tuple[TestClient, Engine]]:
+    """A collector over a fresh PostgreSQL database whose ``ranks.local_rank`` was narrowed
+    to ``smallint`` behind its back: a schema-valid local rank over 32,767 is refused by
+    the database itself."""
+    from stepwatch_server.storage import migrate
+
+    with pg.fresh_database(pg_admin) as url:
+        migrate.upgrade(url)
+        engine = make_engine(url)
+        try:
+            with engine.begin() as conn:
+                conn.execute(text("ALTER TABLE ranks ALTER COLUMN local_rank TYPE smallint"))
+            settings = Settings(database_url=url, analysis_enabled=False)
+            with TestClient(create_app(settings, engine=engine)) as c:
+                yield c, engine
+        finally:
+            engine.dispose()
+
+
 def test_a_database_refusal_answers_422_and_is_counted(pg_admin: str) -> None:
     """If the schema and a column still disagree (here: a column narrowed behind the
     collector's back), the database's ``DataError`` refuses that batch with a 422, its
     neighbours are stored, and the refusal is counted. PostgreSQL only: SQLite has no
     column types to disagree with."""
-    from stepwatch_server.storage import migrate
-
-    with pg.fresh_database(pg_admin) as url:
-        migrate.upgrade(url)
-        engine = make_engine(url)
-        try:
-            with engine.begin() as conn:
-                conn.execute(text("ALTER TABLE ranks ALTER COLUMN local_rank TYPE smallint"))
-            with TestClient(
-                create_app(Settings(database_url=url, analysis_enabled=False), engine=engine)
-            ) as c:
-                bad = payload(run="narrow")
-                bad["rank"]["local_rank"] = 40_000
-                r = c.post("/api/v1/ingest", json=bad)
-                assert r.status_code == 422 and _errors(r) == ["body"], r.text
-                assert "smallint" in r.json()["detail"]
-                assert c.post("/api/v1/ingest", json=payload(run="fine")).status_code == 200
-                scrape = c.get("/metrics").text
-            assert 'stepwatch_ingest_batches_total{outcome="unstorable"} 1.0' in scrape
-        finally:
-            engine.dispose()
+    with _narrowed(pg_admin) as (c, _):
+        bad = payload(run="narrow")
+        bad["rank"]["local_rank"] = 40_000
+        r = c.post("/api/v1/ingest", json=bad)
+        assert r.status_code == 422 and _errors(r) == ["body"], r.text
+        assert "smallint" in r.json()["detail"]
+        assert c.post("/api/v1/ingest", json=payload(run="fine")).status_code == 200
+        scrape = c.get("/metrics").text
+    assert 'stepwatch_ingest_batches_total{outcome="unstorable"} 1.0' in scrape
 
 
 def test_a_database_refusal_of_one_host_batch_entry_names_it_and_stores_its_neighbours(pg_admin: str) -> None:
     """The same refusal inside a host batch: the entries are stored one by one, the refused
     one answered 422 at ``batches.<i>``, the others stored and counted."""
-    from stepwatch import wire
-    from stepwatch_server.storage import migrate
-    from stepwatch_server.storage.models import IngestedBatch
-
-    with pg.fresh_database(pg_admin) as url:
-        migrate.upgrade(url)
-        engine = make_engine(url)
-        try:
-            with engine.begin() as conn:
-                conn.execute(text("ALTER TABLE ranks ALTER COLUMN local_rank TYPE smallint"))
-            entries = [payload(run="narrow-host", rank=r, world=4) for r in range(3)]
-            entries[1]["rank"]["local_rank"] = 40_000
-            with TestClient(
-                create_app(Settings(database_url=url, analysis_enabled=False), engine=engine)
-            ) as c:
-                r = c.post(wire.HOST_BATCH_PATH, json={"batches": entries})
-                assert r.status_code == 422 and _errors(r) == ["batches.1.body"], r.text
-                assert "smallint" in r.json()["detail"]
-                scrape = c.get("/metrics").text
-            with engine.connect() as conn:
-                stored = set(conn.execute(select(IngestedBatch.batch_id)).scalars())
-            assert stored == {entries[0]["batch_id"], entries[2]["batch_id"]}
-            assert 'stepwatch_ingest_batches_total{outcome="unstorable"} 1.0' in scrape
-            assert 'stepwatch_ingest_batches_total{outcome="stored"} 2.0' in scrape
-        finally:
-            engine.dispose()
+    entries = [payload(run="narrow-host", rank=r, world=4) for r in range(3)]
+    entries[1]["rank"]["local_rank"] = 40_000
+    with _narrowed(pg_admin) as (c, engine):
+        r = c.post(wire.HOST_BATCH_PATH, json={"batches": entries})
+        assert r.status_code == 422 and _errors(r) == ["batches.1.body"], r.text
+        assert "smallint" in r.json()["detail"]
+        scrape = c.get("/metrics").text
+        with engine.connect() as conn:
+            stored = set(conn.execute(select(IngestedBatch.batch_id)).scalars())
+    assert stored == {entries[0]["batch_id"], entries[2]["batch_id"]}
+    assert 'stepwatch_ingest_batches_total{outcome="unstorable"} 1.0' in scrape
+    assert 'stepwatch_ingest_batches_total{outcome="stored"} 2.0' in scrape
