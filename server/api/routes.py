@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import pydantic_core
@@ -181,10 +182,9 @@ async def ingest_batches(request: Request) -> IngestBatchesResult:
     t0 = time.perf_counter()
     outcomes = await committer.submit_many(payloads, owner)
     seconds = time.perf_counter() - t0
-    results = []
-    for outcome, payload in zip(outcomes, payloads, strict=True):
-        if not isinstance(outcome, Exception):
-            results.append(await _stored(request, payload, outcome, seconds))
+    committed = [(p, o) for p, o in zip(payloads, outcomes, strict=True) if not isinstance(o, Exception)]
+    _count(request, committed, seconds)
+    results = [await _answer(request, p, stored) for p, stored in committed]
     for i, (outcome, payload) in enumerate(zip(outcomes, payloads, strict=True)):
         if isinstance(outcome, DataError):
             raise _entry_error(i, _unstorable(request, payload, outcome))
@@ -206,7 +206,8 @@ async def _store(request: Request, payload: IngestPayload, owner: str | None) ->
         stored = await committer.submit(payload, owner)
     except DataError as exc:
         raise _unstorable(request, payload, exc) from None
-    return await _stored(request, payload, stored, time.perf_counter() - t0)
+    _count(request, [(payload, stored)], time.perf_counter() - t0)
+    return await _answer(request, payload, stored)
 
 
 def _unstorable(request: Request, payload: IngestPayload, exc: DataError) -> RequestValidationError:
@@ -221,17 +222,32 @@ def _unstorable(request: Request, payload: IngestPayload, exc: DataError) -> Req
     return _invalid(("body",), f"the database cannot store this batch: {reason}")
 
 
-async def _stored(request: Request, payload: IngestPayload, stored: bool, seconds: float) -> IngestResult:
-    """Count a committed batch (``seconds`` from submission to commit) and answer it with
-    its rank's directives."""
+def _count(request: Request, committed: Sequence[tuple[IngestPayload, bool]], seconds: float) -> None:
+    """Count one request's committed batches (each True if new, False if a duplicate),
+    ``seconds`` from submission to commit: one increment per counter and request (in the
+    multiprocess exporter each is a write to a shared file), the latency once per batch."""
     metrics: CollectorMetrics = request.app.state.metrics
-    metrics.ingest_seconds.observe(seconds)
-    metrics.batches.labels("stored" if stored else "duplicate").inc()
-    n = len(payload.steps.time_s)
-    if stored:
-        metrics.steps.inc(n)
+    fresh = steps = 0
+    for payload, stored in committed:
+        metrics.ingest_seconds.observe(seconds)
+        if stored:
+            fresh += 1
+            steps += len(payload.steps.time_s)
+    if fresh:
+        metrics.batches.labels("stored").inc(fresh)
+        if steps:
+            metrics.steps.inc(steps)
+    if len(committed) > fresh:
+        metrics.batches.labels("duplicate").inc(len(committed) - fresh)
+
+
+async def _answer(request: Request, payload: IngestPayload, stored: bool) -> IngestResult:
+    """A committed batch's answer, with its rank's directives."""
     return IngestResult(
-        batch_id=payload.batch_id, stored=stored, steps=n, directives=await _directives(request, payload)
+        batch_id=payload.batch_id,
+        stored=stored,
+        steps=len(payload.steps.time_s),
+        directives=await _directives(request, payload),
     )
 
 

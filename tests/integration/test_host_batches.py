@@ -62,6 +62,13 @@ def test_a_host_batch_stores_every_window_once(client: TestClient, engine: Engin
     assert _count(engine, RankWindow) == 4 and _count(engine, JobStep) == 5
     with engine.connect() as conn:
         assert conn.execute(select(func.sum(JobStep.ranks))).scalar_one() == 4 * 5
+    # Counted per batch (one increment per request and counter): 4 stored with their 20
+    # rank-steps, 5 duplicates, a latency for each of the 9.
+    scrape = client.get("/metrics").text
+    assert 'stepwatch_ingest_batches_total{outcome="stored"} 4.0' in scrape
+    assert 'stepwatch_ingest_batches_total{outcome="duplicate"} 5.0' in scrape
+    assert "stepwatch_ingest_rank_steps_total 20.0" in scrape
+    assert "stepwatch_ingest_duration_seconds_count 9.0" in scrape
 
 
 def test_an_entry_repeated_in_one_host_batch_is_stored_once(client: TestClient, engine: Engine) -> None:
