@@ -58,8 +58,9 @@ class GroupCommitter:
         """Store one request's batches (a host batch) with whatever else is waiting, all
         in the same group; each batch's :data:`Outcome`, in order. One future for the
         request, not one per batch: a host batch's entries were a task, a shielded future
-        and a turn of the event loop each. Raises if the whole group failed (the database
-        away)."""
+        and a turn of the event loop each. A batch the database refuses (``DataError``,
+        ``IntegrityError``) is its outcome, its neighbours stored; raises if the whole
+        group failed otherwise (the database away)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[list[Outcome]] = loop.create_future()
         self._pending.append((payloads, owner, fut))
@@ -88,8 +89,8 @@ class GroupCommitter:
             try:
                 results = await asyncio.to_thread(self._store_many, payloads, owners)
             except (IntegrityError, DataError) as exc:
-                if len(payloads) == 1:
-                    _fail(group, exc)
+                if len(payloads) == 1:  # that batch's own refusal, answered as its outcome
+                    _resolve_outcomes(group[0], [exc])
                     continue
                 # One bad batch must not fail its neighbours: write them one by one.
                 log.warning("group of %d batches failed (%s); storing one by one", len(payloads), exc)
@@ -102,8 +103,7 @@ class GroupCommitter:
                             outcomes.append(one_exc)
                         else:
                             outcomes.append(result)
-                    if not fut.done():
-                        fut.set_result(outcomes)
+                    _resolve_outcomes((batch, owner, fut), outcomes)
                 continue
             except Exception as exc:  # database away: every batch of the group gets the error (503)
                 _fail(group, exc)
@@ -113,10 +113,14 @@ class GroupCommitter:
 
 def _resolve(group: Sequence[Item], results: Sequence[bool]) -> None:
     i = 0
-    for batch, _, fut in group:
-        if not fut.done():
-            fut.set_result(list(results[i : i + len(batch)]))
-        i += len(batch)
+    for item in group:
+        _resolve_outcomes(item, list(results[i : i + len(item[0])]))
+        i += len(item[0])
+
+
+def _resolve_outcomes(item: Item, outcomes: list[Outcome]) -> None:
+    if not item[2].done():
+        item[2].set_result(outcomes)
 
 
 def _fail(group: Sequence[Item], exc: BaseException) -> None:

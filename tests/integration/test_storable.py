@@ -193,9 +193,12 @@ def test_a_database_refusal_of_one_host_batch_entry_names_it_and_stores_its_neig
         r = c.post(wire.HOST_BATCH_PATH, json={"batches": entries})
         assert r.status_code == 422 and _errors(r) == ["batches.1.body"], r.text
         assert "smallint" in r.json()["detail"]
+        # Alone in its host batch (and in its group), it gets the same answer.
+        r = c.post(wire.HOST_BATCH_PATH, json={"batches": [entries[1]]})
+        assert r.status_code == 422 and _errors(r) == ["batches.0.body"], r.text
         scrape = c.get("/metrics").text
         with engine.connect() as conn:
             stored = set(conn.execute(select(IngestedBatch.batch_id)).scalars())
     assert stored == {entries[0]["batch_id"], entries[2]["batch_id"]}
-    assert 'stepwatch_ingest_batches_total{outcome="unstorable"} 1.0' in scrape
+    assert 'stepwatch_ingest_batches_total{outcome="unstorable"} 2.0' in scrape
     assert 'stepwatch_ingest_batches_total{outcome="stored"} 2.0' in scrape
