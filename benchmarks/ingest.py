@@ -23,6 +23,9 @@ medians are compared. Latency is measured open-loop: windows offered at the budg
 collector as ``stepwatch serve`` runs it on PostgreSQL (the analysis worker in its own
 process; budgeted), then over the same database to one with the worker as a thread of
 each web worker (``STEPWATCH_ANALYSIS_MODE=thread``) and to one without it.
+Around each phase the CPU of the collector's processes, of the PostgreSQL server and of
+the load generator is read from ``/proc`` (``_cpu.py``) and printed per rank-window, COPY's
+beside it: where the gap to COPY is spent.
 Budgets (DESIGN §7): >= 30% of the COPY rate; >= 100,000 rank-steps/s on 2 cores and
 >= 50% of the no-op rate; POST p99 <= 100 ms at 4,096 ranks; ``job_steps`` within 2x of
 its freshly copied size per row.
