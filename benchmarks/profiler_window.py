@@ -41,7 +41,7 @@ from typing import Any
 
 from stepwatch.config import AgentConfig
 from stepwatch.demo import launch
-from stepwatch.profiler._window import PRIOR_COST_S
+from stepwatch.profiler._window import PRIOR_COST_S, stretch
 
 PAIRS = 3
 #: The profiled arm's period before the budget's stretch (the agent's default of 2,000
@@ -63,16 +63,15 @@ AGREE = 2.0
 def steps_for(step_s: float, budget: float = AgentConfig.profile_budget) -> tuple[int, int]:
     """(period in force at the first window, steps per run) for steps of ``step_s``.
 
-    Before its first window the agent stretches :data:`PERIOD` by powers of two until its
-    prior cost (:data:`PRIOR_COST_S`) is within ``budget`` of a period; the run must hold
-    that first window, its steps and the neighbours the in-run excess compares them with.
-    Sized for steps a fifth faster than measured (the agent reads its own median), so a
-    run on a fast machine still holds a window instead of reporting none: with 450 steps
-    fixed, 20 ms steps stretched the period to 800 and no window fired.
+    Before its first window the agent stretches :data:`PERIOD` by its own rule
+    (:func:`stepwatch.profiler._window.stretch`) until its prior cost
+    (:data:`PRIOR_COST_S`) is within ``budget`` of a period; the run must hold that first
+    window, its steps and the neighbours the in-run excess compares them with. Sized for
+    steps a fifth faster than measured (the agent reads its own median), so a run on a
+    fast machine still holds a window instead of reporting none: with 450 steps fixed,
+    20 ms steps stretched the period to 800 and no window fired.
     """
-    every = PERIOD
-    while every * budget * 0.8 * step_s < PRIOR_COST_S:
-        every *= 2
+    every = PERIOD * stretch(PERIOD, PRIOR_COST_S, budget, 0.8 * step_s)
     return every, max(STEPS, every + 2 + AFTER + NEIGHBOURS + 10)
 
 

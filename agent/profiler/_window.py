@@ -687,11 +687,18 @@ class ProfilerWindow:
         base = self.base
         if not base or not step_s or step_s <= 0 or self.budget <= 0 or not self._costs:
             return self._mult
-        need = statistics.median(self._costs) / (self.budget * step_s)
-        mult = 1
-        while base * mult < need and mult < MAX_STRETCH:
-            mult *= 2
-        return mult
+        return stretch(base, statistics.median(self._costs), self.budget, step_s)
 
 
-__all__ = ["DATA_WAIT_SPAN", "NEVER", "ProfilerWindow"]
+def stretch(base: int, cost_s: float, budget: float, step_s: float) -> int:
+    """The smallest power of two (at most :data:`MAX_STRETCH`) by which a period of
+    ``base`` steps of ``step_s`` must grow for a window costing ``cost_s`` to stay within
+    ``budget`` of it (benchmarks size their runs by the same rule)."""
+    need = cost_s / (budget * step_s)
+    mult = 1
+    while base * mult < need and mult < MAX_STRETCH:
+        mult *= 2
+    return mult
+
+
+__all__ = ["DATA_WAIT_SPAN", "NEVER", "ProfilerWindow", "stretch"]

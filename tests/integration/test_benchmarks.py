@@ -9,7 +9,6 @@ import os
 import random
 import subprocess
 import sys
-from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,7 +29,7 @@ from benchmarks import (
     run_listing,
 )
 from benchmarks.__main__ import discover
-from stepwatch.profiler._window import PRIOR_COST_S, ProfilerWindow
+from stepwatch.profiler._window import PRIOR_COST_S, stretch
 from stepwatch_server.schemas.ingest import IngestBatches, IngestPayload
 from tests import pg
 
@@ -226,17 +225,15 @@ def test_profiler_self_estimate_is_checked_against_the_in_run_excess() -> None:
 
 
 def test_the_profiler_benchmark_runs_long_enough_for_the_period_the_agent_will_use() -> None:
-    """Sized from the measured step time: the agent's own stretch of the period (its
-    ``_stretch``, fed the prior cost and steps up to a fifth faster than measured) leaves
-    the first window, its steps and the neighbours the in-run excess needs inside the run.
-    With 450 steps fixed, 20 ms steps gave a period of 800 and no window."""
+    """Sized from the measured step time: the period the agent stretches to before its
+    first window (its own rule, fed its prior cost and the step time it may read: a fifth
+    faster to half slower than measured) leaves the first window, its steps and the
+    neighbours the in-run excess needs inside the run. With 450 steps fixed, 20 ms steps
+    gave a period of 800 and no window."""
     for step_s in (0.005, 0.02, 0.03, 0.05, 0.2):
         every, steps = profiler_window.steps_for(step_s)
         for seen_s in (step_s * 0.8, step_s, step_s * 1.5):
-            agent = SimpleNamespace(
-                base=profiler_window.PERIOD, budget=0.01, _costs=deque([PRIOR_COST_S]), _mult=1
-            )
-            first = profiler_window.PERIOD * ProfilerWindow._stretch(agent, seen_s)  # type: ignore[arg-type]
+            first = profiler_window.PERIOD * stretch(profiler_window.PERIOD, PRIOR_COST_S, 0.01, seen_s)
             assert first <= every, (step_s, seen_s, first, every)
             assert steps >= first + 2 + profiler_window.AFTER + profiler_window.NEIGHBOURS, (step_s, steps)
     assert profiler_window.steps_for(0.02) == (800, 850)  # the run that fired no window at 450
