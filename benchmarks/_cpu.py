@@ -18,6 +18,9 @@ from typing import Any
 import psycopg
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+#: CPU of (the collector's processes, the PostgreSQL server, this process); None where
+#: that process could not be read.
+Split = tuple[float | None, float | None, float]
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -75,9 +78,9 @@ class Meter:
     def __init__(self, collector_pid: int | None, postgres_pid: int | None) -> None:
         self.collector_pid = collector_pid
         self.postgres_pid = postgres_pid
-        self._start: tuple[float | None, float | None, float] = (None, None, 0.0)
+        self._start: Split = (None, None, 0.0)
 
-    def _read(self) -> tuple[float | None, float | None, float]:
+    def _read(self) -> Split:
         collector = tree_cpu_s(self.collector_pid) if self.collector_pid is not None else None
         postgres = tree_cpu_s(self.postgres_pid) if self.postgres_pid is not None else None
         return collector, postgres, time.process_time()
@@ -85,7 +88,7 @@ class Meter:
     def start(self) -> None:
         self._start = self._read()
 
-    def stop(self) -> tuple[float | None, float | None, float]:
+    def stop(self) -> Split:
         """(collector, PostgreSQL, this process) seconds since :meth:`start`; None where
         that process could not be read."""
         end = self._read()

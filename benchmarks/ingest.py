@@ -43,7 +43,7 @@ from stepwatch import wire
 
 from . import loadgen
 from ._copy_baseline import CopyLoad, hot_share, table_bytes_per_row
-from ._cpu import Meter, postgres_server_pid
+from ._cpu import Meter, Split, postgres_server_pid
 from ._harness import median, pg_database, server
 
 RATE_BUDGET = 100_000  # rank-steps/s
@@ -94,9 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, list[loadgen.LoadResult]] = {k: [] for k in kinds}
     copy_rates: dict[bool, list[float]] = {False: [], True: []}  # by comm section
     # CPU seconds per rank-window of each phase: (collector, PostgreSQL, this process).
-    cpu: dict[str, list[tuple[float | None, float | None, float]]] = {
-        k: [] for k in (*kinds, "copy", "copy-comm")
-    }
+    cpu: dict[str, list[Split]] = {k: [] for k in (*kinds, "copy", "copy-comm")}
     workers = ["--workers", str(args.workers)]
     with pg_database() as db_url, pg_database("stepwatch_bench_copy") as copy_url:
         copy_conn = psycopg.connect(copy_url.replace("+psycopg", ""))
@@ -224,7 +222,7 @@ _CPU_LABELS = {
 }
 
 
-def _per(spent: tuple[float | None, float | None, float], n: int) -> tuple[float | None, float | None, float]:
+def _per(spent: Split, n: int) -> Split:
     """CPU seconds of a phase as microseconds per rank-window."""
     return (
         None if spent[0] is None else spent[0] / n * 1e6,
@@ -233,7 +231,7 @@ def _per(spent: tuple[float | None, float | None, float], n: int) -> tuple[float
     )
 
 
-def _cpu_lines(cpu: dict[str, list[tuple[float | None, float | None, float]]], kinds: Sequence[str]) -> str:
+def _cpu_lines(cpu: dict[str, list[Split]], kinds: Sequence[str]) -> str:
     """Where each phase's CPU went, per rank-window (median of the rounds): the collector's
     processes (web workers, analysis), the PostgreSQL server's, and this process's (the load
     generator; for COPY, its client). Throughput is bounded by the sum on the 2 cores."""
