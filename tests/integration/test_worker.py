@@ -398,3 +398,39 @@ def test_a_pass_holds_no_snapshot_while_it_computes(
             eng.dispose()
     assert len(held) == 4 and held == [[]] * 4, held
     assert len(converted) >= 4 * 2 and all(c == [] for c in converted), converted
+
+
+def test_the_rank_read_of_each_pass_matches_the_stored_rows_and_follows_their_changes(
+    client: TestClient, engine: Engine
+) -> None:
+    """``inputs.rank_rows`` reads the coordinates as text, parsed once per distinct text:
+    it must give what the column's own JSON type reads, and a rank moved by a restart
+    (new coordinates, or none) must not keep its old ones."""
+    send_windows(client, range(1), ranks=range(3), world=3)
+    table = Rank.__table__
+
+    def check() -> list[inputs.RankRow]:
+        with engine.connect() as conn:
+            run_id = conn.execute(select(table.c.run_id)).scalars().first()
+            assert run_id is not None
+            rows = inputs.rank_rows(conn, run_id)
+            stored = conn.execute(select(table).order_by(table.c.rank)).all()
+        assert [r.rank for r in rows] == [s.rank for s in stored] == [0, 1, 2]
+        for row, s in zip(rows, stored, strict=True):
+            assert dict(row.coords) == (s.coords or {})
+            assert (row.host, row.local_rank, row.last_step, row.final_step) == (
+                s.host,
+                s.local_rank,
+                s.last_step,
+                s.final_step,
+            )
+            assert row.progress.last_step == s.last_step and row.progress.rank == s.rank
+        return rows
+
+    before = check()
+    assert before[1].coords.get("dp") == 1
+    with engine.begin() as conn:
+        conn.execute(table.update().where(table.c.rank == 1).values(coords={"dp": 0, "tp": 1}))
+        conn.execute(table.update().where(table.c.rank == 2).values(coords=None))
+    after = check()
+    assert dict(after[1].coords) == {"dp": 0, "tp": 1} and dict(after[2].coords) == {}
