@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from types import MappingProxyType
+from typing import NamedTuple
 
 from sqlalchemy import Connection, Text, cast, exists, func, select
 
@@ -46,9 +46,9 @@ LS = LinkSampleRow.__table__
 RANK_CHUNK = 2000
 
 
-@dataclass(frozen=True, slots=True)
-class RankRow:
-    """A rank's identity and how far it has reported."""
+class RankRow(NamedTuple):
+    """A rank's identity and how far it has reported. A named tuple: one is built per
+    rank per pass of every active run."""
 
     rank: int
     host: str
@@ -57,14 +57,9 @@ class RankRow:
     last_step: int
     last_seen: float
     final_step: int | None
-    profiles_through: int | None = None
+    profiles_through: int | None
     #: The readiness view of the same row (built with it: read several times per pass).
-    progress: RankProgress = field(init=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "progress", RankProgress(self.rank, self.last_step, self.final_step, self.profiles_through)
-        )
+    progress: RankProgress
 
 
 def active_runs(conn: Connection, since: datetime) -> list[RunInfo]:
@@ -99,7 +94,17 @@ def rank_rows(conn: Connection, run_id: int) -> list[RankRow]:
         .order_by(RANKS.c.rank)
     ).all()
     return [
-        RankRow(rank, host, local_rank, _coords(coords), last_step, unix(seen) or 0.0, final, profiles)
+        RankRow(
+            rank,
+            host,
+            local_rank,
+            _coords(coords),
+            last_step,
+            unix(seen) or 0.0,
+            final,
+            profiles,
+            RankProgress(rank, last_step, final, profiles),
+        )
         for rank, host, local_rank, coords, last_step, seen, final, profiles in rows
     ]
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..storage.columns import window_of
 
 
-@dataclass(frozen=True, slots=True)
-class RankProgress:
-    """How far one rank has reported, and whether it has finished (final batch)."""
+class RankProgress(NamedTuple):
+    """How far one rank has reported, and whether it has finished (final batch). A
+    named tuple: one is built per rank per pass of every active run."""
 
     rank: int
     last_step: int
