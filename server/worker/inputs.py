@@ -10,11 +10,11 @@ dataclasses here; nothing downstream sees SQLAlchemy.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Text, cast, exists, func, select
 
@@ -107,6 +107,53 @@ def rank_rows(conn: Connection, run_id: int) -> list[RankRow]:
         )
         for rank, host, local_rank, coords, last_step, seen, final, profiles in rows
     ]
+
+
+def rank_fingerprint(conn: Connection, run_id: int) -> tuple[Any, ...]:
+    """A value that changes whenever a rank row of the run does: each batch moves its
+    rank's ``last_seen`` (a heartbeat moves nothing else), a window its ``last_step``, a
+    final batch or a profile the other two. One aggregate in the database instead of
+    every row in Python. (SQLite's ``extract`` has whole seconds: a rank reporting twice
+    in one second may keep the first report's ``last_seen`` until its next change, a
+    second's staleness against hang thresholds of a minute and more.)"""
+    row = conn.execute(
+        select(
+            func.count(),
+            func.sum(RANKS.c.last_step),
+            func.sum(func.extract("epoch", RANKS.c.last_seen)),
+            func.sum(func.coalesce(RANKS.c.final_step, -1)),
+            func.sum(func.coalesce(RANKS.c.profiles_through, -1)),
+        ).where(RANKS.c.run_id == run_id)
+    ).one()
+    return tuple(row)
+
+
+class RankReads:
+    """The rank rows of each active run, read again only when they changed.
+
+    Every pass needs every rank of every active run (readiness, hangs, captures); the
+    rows change only when batches arrive, and between a run's windows, after it ends and
+    for a week of horizon most passes find them as they were. The fingerprint is read
+    before the rows (each read its own snapshot): a change between the two makes the
+    next fingerprint differ, so it can cost a read, never hide a change."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, tuple[tuple[Any, ...], tuple[RankRow, ...]]] = {}
+
+    def rows(self, conn: Connection, run_id: int) -> tuple[RankRow, ...]:
+        fingerprint = rank_fingerprint(conn, run_id)
+        held = self._rows.get(run_id)
+        if held is not None and held[0] == fingerprint:
+            return held[1]
+        rows = tuple(rank_rows(conn, run_id))
+        self._rows[run_id] = (fingerprint, rows)
+        return rows
+
+    def keep(self, run_ids: Iterable[int]) -> None:
+        """Forget the runs no longer active."""
+        live = set(run_ids)
+        for run_id in [r for r in self._rows if r not in live]:
+            del self._rows[run_id]
 
 
 def group_counters(conn: Connection, run_id: int) -> list[GroupCounters]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
@@ -120,6 +120,7 @@ class AnalysisWorker:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ranks = inputs.RankReads()
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -150,6 +151,7 @@ class AnalysisWorker:
         since = datetime.fromtimestamp(now - self.config.horizon_s, timezone.utc)
         with self.engine.connect() as conn:
             runs = inputs.active_runs(conn, since)
+        self._ranks.keep(r.id for r in runs)
         for run in runs:
             if self._stop.is_set():
                 break
@@ -191,7 +193,7 @@ class AnalysisWorker:
             stored = load_state(conn, run.id)
             analysis, source = self._analysis(conn, run, stored)
             next_window = stored.next_window if stored else 0
-            ranks = inputs.rank_rows(conn, run.id)
+            ranks = self._ranks.rows(conn, run.id)
             # A provisional window size (no batch has shown the run's pace) would cut
             # windows of one step: the windows wait for the settled size, hangs do not.
             ready = ready_windows(
@@ -289,7 +291,7 @@ class AnalysisWorker:
         self,
         conn: Connection,
         run: RunInfo,
-        ranks: list[inputs.RankRow],
+        ranks: Sequence[inputs.RankRow],
         now: float,
         window: int,
         stamp: datetime,

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine, select
+from sqlalchemy import Connection, Engine, select
 
 from stepwatch_server.analysis.pipeline import Change, RunAnalysis
 from stepwatch_server.analysis.progress import SECONDS_PER_DAY
@@ -434,3 +435,30 @@ def test_the_rank_read_of_each_pass_matches_the_stored_rows_and_follows_their_ch
         conn.execute(table.update().where(table.c.rank == 2).values(coords=None))
     after = check()
     assert dict(after[1].coords) == {"dp": 0, "tp": 1} and dict(after[2].coords) == {}
+
+
+def test_a_pass_reads_the_ranks_again_only_when_a_rank_row_changed(
+    client: TestClient, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every pass needs every rank of every active run; the rows are read again only when
+    the run's rank fingerprint moved, and a change of ``last_seen`` alone (all a
+    heartbeat changes) moves it. (``rank_rows`` is wrapped to count its reads.)"""
+    clock = Clock()
+    send_windows(client, range(0, 2), wall_end=clock.t - 200)
+    reads: list[int] = []
+    read = inputs.rank_rows
+
+    def counted(conn: Connection, run_id: int) -> list[inputs.RankRow]:
+        reads.append(run_id)
+        return read(conn, run_id)
+
+    monkeypatch.setattr(inputs, "rank_rows", counted)
+    w = worker(engine, clock, hang_floor_s=60.0)
+    [(_, t)] = w.run_once().transitions
+    assert (t.finding.key, t.finding.status) == ("hang:run", "open") and len(reads) == 1
+    assert w.run_once().transitions == [] and len(reads) == 1  # nothing changed: not read
+
+    with engine.begin() as conn:  # every rank seen now, no step made: only last_seen moves
+        conn.execute(Rank.__table__.update().values(last_seen=datetime.fromtimestamp(clock.t, timezone.utc)))
+    kinds = [(t.finding.key, t.finding.status) for _, t in w.run_once().transitions]
+    assert kinds == [("hang:run", "closed")] and len(reads) == 2
