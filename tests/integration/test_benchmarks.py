@@ -18,6 +18,7 @@ import pytest
 from benchmarks import (
     _cpu,
     agent_overhead,
+    analysis_passes,
     collective_counting,
     comm_payload,
     comm_timing,
@@ -37,6 +38,7 @@ from tests import pg
 def test_every_benchmark_is_discovered() -> None:
     assert {
         "agent_overhead",
+        "analysis_passes",
         "collective_counting",
         "comm_payload",
         "comm_timing",
@@ -75,14 +77,20 @@ def test_host_bodies_carry_the_same_windows_one_host_each() -> None:
         (run_listing, ["--runs", "120"], "scrape_s"),
         (metrics_scrape, ["--ranks", "8,16", "--scrapes", "1", "--rounds", "1"], "ratio"),
         (collective_counting, ["--rounds", "1", "--calls", "20"], "counted/plain"),
+        (analysis_passes, ["--ranks", "16", "--runs", "2", "--passes", "1"], "idle / rows read"),
     ],
-    ids=["ingest", "query", "run_listing", "metrics_scrape", "collective_counting"],
+    ids=["ingest", "query", "run_listing", "metrics_scrape", "collective_counting", "analysis_passes"],
 )
 def test_benchmark_runs(
     bench: object, args: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert bench.main(args) == 0  # type: ignore[attr-defined]
     assert says in capsys.readouterr().out
+
+
+def test_analysis_passes_budget_is_missed_when_an_idle_pass_reads_the_rows_again() -> None:
+    assert analysis_passes.within_budget(30.0, 108.0)
+    assert not analysis_passes.within_budget(100.0, 108.0)  # every pass reading every rank row
 
 
 def _rounds(
