@@ -128,6 +128,11 @@ def rank_fingerprint(conn: Connection, run_id: int) -> tuple[Any, ...]:
     return tuple(row)
 
 
+#: Rank rows kept across passes (about 400 B each: some 100 MB): past it the runs read
+#: least recently are dropped, and read again when next needed, as every pass did before.
+MAX_KEPT_ROWS = 1 << 18
+
+
 class RankReads:
     """The rank rows of each active run, read again only when they changed.
 
@@ -137,17 +142,22 @@ class RankReads:
     before the rows (each read its own snapshot): a change between the two makes the
     next fingerprint differ, so it can cost a read, never hide a change."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_rows: int = MAX_KEPT_ROWS) -> None:
+        self._max_rows = max_rows
+        # Least recently used first (a run read or found unchanged moves to the end).
         self._rows: dict[int, tuple[tuple[Any, ...], tuple[RankRow, ...]]] = {}
 
     def rows(self, conn: Connection, run_id: int) -> tuple[RankRow, ...]:
         fingerprint = rank_fingerprint(conn, run_id)
-        held = self._rows.get(run_id)
-        if held is not None and held[0] == fingerprint:
-            return held[1]
-        rows = tuple(rank_rows(conn, run_id))
-        self._rows[run_id] = (fingerprint, rows)
-        return rows
+        held = self._rows.pop(run_id, None)
+        if held is None or held[0] != fingerprint:
+            held = (fingerprint, tuple(rank_rows(conn, run_id)))
+        self._rows[run_id] = held
+        kept = sum(len(rows) for _, rows in self._rows.values())
+        while kept > self._max_rows and len(self._rows) > 1:
+            oldest = next(iter(self._rows))
+            kept -= len(self._rows.pop(oldest)[1])
+        return held[1]
 
     def keep(self, run_ids: Iterable[int]) -> None:
         """Forget the runs no longer active."""

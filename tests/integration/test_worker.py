@@ -22,7 +22,7 @@ from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.engine import make_engine
-from stepwatch_server.storage.models import Rank, RankWindow
+from stepwatch_server.storage.models import Rank, RankWindow, Run
 from stepwatch_server.worker import AnalysisWorker, WorkerConfig, inputs
 
 from .. import pg
@@ -462,3 +462,29 @@ def test_a_pass_reads_the_ranks_again_only_when_a_rank_row_changed(
         conn.execute(Rank.__table__.update().values(last_seen=datetime.fromtimestamp(clock.t, timezone.utc)))
     kinds = [(t.finding.key, t.finding.status) for _, t in w.run_once().transitions]
     assert kinds == [("hang:run", "closed")] and len(reads) == 2
+
+
+def test_the_kept_rank_rows_are_bounded_and_the_least_recently_read_run_goes_first(
+    client: TestClient, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    send_windows(client, range(1), run="run-a")
+    send_windows(client, range(1), run="run-b")
+    reads: list[int] = []
+    read = inputs.rank_rows
+
+    def counted(conn: Connection, run_id: int) -> list[inputs.RankRow]:
+        reads.append(run_id)
+        return read(conn, run_id)
+
+    monkeypatch.setattr(inputs, "rank_rows", counted)
+    with engine.connect() as conn:
+        a, b = (conn.execute(select(Run.id).where(Run.name == n)).scalar_one() for n in ("run-a", "run-b"))
+        roomy, tight = inputs.RankReads(max_rows=2 * W), inputs.RankReads(max_rows=2 * W - 1)
+        for kept in (roomy, tight):
+            assert len(kept.rows(conn, a)) == len(kept.rows(conn, b)) == W
+        assert reads == [a, b, a, b]
+        roomy.rows(conn, a)  # both kept: no read
+        tight.rows(conn, b)  # b is kept (the newest)
+        assert reads == [a, b, a, b]
+        tight.rows(conn, a)  # a was dropped to keep b
+        assert reads == [a, b, a, b, a]
