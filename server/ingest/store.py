@@ -76,15 +76,21 @@ def _plan_key(target: Any, deadline: datetime | None, fingerprint: Any, baseline
 
 
 def _reported(conn: Connection, run_ids: list[int], now: datetime) -> None:
-    """Stamp the runs' last report (collector clock), at most once a second per run."""
-    conn.execute(
-        update(Run)
+    """Stamp the runs' last report (collector clock), at most once a second per run.
+
+    A run row another transaction holds is skipped (a later group stamps it): the group
+    holds its job-step locks by now, and the holder may be a group waiting for them,
+    which wrote the row first (a new plan, a settled window size); waiting for it would
+    be a deadlock."""
+    held_by_none = (
+        select(Run.id)
         .where(
             Run.id.in_(run_ids),
             or_(Run.last_report_at.is_(None), Run.last_report_at < now - timedelta(seconds=1)),
         )
-        .values(last_report_at=now)
+        .with_for_update(key_share=True, skip_locked=True)  # FOR NO KEY UPDATE SKIP LOCKED
     )
+    conn.execute(update(Run).where(Run.id.in_(held_by_none)).values(last_report_at=now))
 
 
 def choose_window_steps(

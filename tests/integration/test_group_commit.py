@@ -11,19 +11,21 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, func, select, update
 
+from stepwatch_server.ingest import store
 from stepwatch_server.ingest.group_commit import GroupCommitter
 from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.storage import migrate
 from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.engine import make_engine
-from stepwatch_server.storage.models import IngestedBatch, JobStep, Rank, RankWindow
+from stepwatch_server.storage.models import IngestedBatch, JobStep, Rank, RankWindow, Run
 
 from .. import pg
 from ..payloads import payload, profile_entry
@@ -210,3 +212,36 @@ def test_concurrent_writers_merge_the_same_job_steps_once_each(pg_admin: str) ->
             ).scalar()
         assert [tuple(s) for s in steps] == [(s, ranks + 1) for s in range(1, n * windows + 1)]
         assert "fillfactor=50" in (options or []), options  # room for HOT updates (0012)
+
+
+def test_a_group_skips_the_run_stamp_that_a_group_waiting_for_its_locks_holds(
+    pg_admin: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group may write its run's row before it waits for the job-step locks (a new
+    plan, a settled window size: ``_run_key``); the group holding those locks then skips
+    that run's last-report stamp instead of waiting for the row: each would wait for the
+    other (PostgreSQL would abort one after its deadlock timeout, a 5xx for its batches).
+    The test plays the first group by hand: it holds the row while the group is stored."""
+    monkeypatch.setattr(store, "_STAMP_EVERY", timedelta(0))  # every group stamps
+    with pg.fresh_database(pg_admin) as url:
+        migrate.upgrade(url)
+        engine = make_engine(url)
+        try:
+            ingestor = Ingestor(open_storage(engine), window_seconds=8.0)
+            first, later = (
+                IngestPayload.model_validate(payload(rank=r, world=2, first=1 + 4 * r, times=[0.5] * 4))
+                for r in range(2)
+            )
+            assert ingestor.store_many([first]) == [True]
+            old = datetime(2026, 1, 1, tzinfo=timezone.utc)
+            with engine.begin() as conn:  # the stamp is due
+                conn.execute(update(Run).values(last_report_at=old))
+            with ThreadPoolExecutor(1) as pool, engine.begin() as holder:
+                holder.execute(update(Run).values(target_tokens=10**9))  # the row is held
+                assert pool.submit(ingestor.store_many, [later]).result(timeout=120) == [True]
+            with engine.connect() as conn:
+                stamped, target = conn.execute(select(Run.last_report_at, Run.target_tokens)).one()
+                steps = conn.execute(select(func.max(JobStep.step))).scalar_one()
+            assert (stamped, target, steps) == (old, 10**9, 8)  # skipped, for a group a second later
+        finally:
+            engine.dispose()
