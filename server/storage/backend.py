@@ -42,6 +42,13 @@ class Storage(Protocol):
         column by its rule (``columns.py``)."""
         ...
 
+    def lock_buckets(self, conn: Connection, buckets: Sequence[tuple[int, int]]) -> None:
+        """Take the (run id, bucket) job-step locks for this transaction, in the given
+        (sorted) order: writers of a bucket take turns from here to their commit
+        (``rollups.py``). :meth:`write` takes the locks of its rows itself; ingest takes
+        them first, before its transaction writes anything (``ingest/store.py``)."""
+        ...
+
     def lock_run(self, conn: Connection, run_id: int) -> bool:
         """Take the run's analysis lock for this transaction; False if another collector
         holds it."""

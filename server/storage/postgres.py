@@ -20,7 +20,11 @@ grew to 10-15x its size. A plain UPDATE into a page with free space (fillfactor 
 migration 0012) is a HOT update, and the page is pruned as it is read: measured alone on
 the server, 32 merges of 192 rows left the table at its fresh size (ON CONFLICT: 8x).
 Pruning can only drop versions no open transaction on the server may still see, so a
-long transaction anywhere on the server (another database's included) defers it.
+long transaction anywhere on the server (another database's included: a snapshot's
+horizon counts every running transaction id) defers it. So does the next writer of the
+same rows if its transaction id is older than the commit it waited for: ingest takes the
+bucket locks below before its group writes anything (``ingest/store.py``), so that id is
+taken after the wait.
 An UPDATE's join visits rows in the table's physical order, not in key order, so two
 writers updating the same rows could deadlock; they do not meet there: the writers of a
 job-step bucket take turns (the bucket locks below, taken in key order before
@@ -113,13 +117,19 @@ class PostgresStorage:
             if buckets:
                 # Writers of a bucket take turns from here to their commit, so each
                 # recompute below sees every step committed before it (rollups.py).
-                conn.exec_driver_sql(
-                    _BUCKET_LOCKS,
-                    {"run": _literal([r for r, _ in buckets]), "bucket": _literal([b for _, b in buckets])},
-                )
+                # Ingest holds them already (a lock taken twice in one transaction is
+                # granted at once); other callers get them here.
+                self.lock_buckets(conn, buckets)
             conn.exec_driver_sql(self._upsert(table, tuple(cols)), _params(table, cols))
             if buckets:
                 rollups.refresh(conn, self.insert, buckets)
+
+    def lock_buckets(self, conn: Connection, buckets: Sequence[tuple[int, int]]) -> None:
+        if buckets:
+            conn.exec_driver_sql(
+                _BUCKET_LOCKS,
+                {"run": _literal([r for r, _ in buckets]), "bucket": _literal([b for _, b in buckets])},
+            )
 
     def lock_run(self, conn: Connection, run_id: int) -> bool:
         key = _LOCK_NAMESPACE | run_id

@@ -15,8 +15,8 @@ the row is exactly the aggregate of its steps, by each column's rule
 (``columns.JOB_STEP_BUCKETS``: SUM, MIN or MAX of one per-step value), and the same
 rules merge buckets into series points and the run's totals. The statements are
 generated from those rules. On PostgreSQL, writers of the same bucket are serialised
-by a transaction advisory lock taken before the steps are merged
-(``postgres.py``), so a recompute always sees every step committed before it.
+by a transaction advisory lock taken before the group writes anything (``postgres.py``,
+``ingest/store.py``), so a recompute always sees every step committed before it.
 
 The per-step values are defined here once and imported by the readers
 (``reads/queries.py``), so a bucket and a raw step can never disagree.
@@ -131,6 +131,18 @@ def touched(run_ids: Any, steps: Any) -> list[tuple[int, int]]:
     buckets = window_of(np.asarray(steps, dtype=np.int64), np.full(len(runs), BUCKET_STEPS, dtype=np.int64))
     pairs = np.unique(np.stack([runs, buckets], axis=1), axis=0)
     return [(int(r), int(b)) for r, b in pairs]
+
+
+def buckets_of(spans: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The (run id, bucket) pairs holding steps ``first .. last`` of each (run id, first,
+    last), sorted (lock order): the buckets a group's ``job_steps`` rows fall in, known
+    from its batches before they are folded (:func:`touched` of the folded rows is a
+    subset)."""
+    pairs: set[tuple[int, int]] = set()
+    for run_id, first, last in spans:
+        lo, hi = window_of(first, BUCKET_STEPS), window_of(last, BUCKET_STEPS)
+        pairs.update((run_id, b) for b in range(lo, hi + 1))
+    return sorted(pairs)
 
 
 def _spans(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:

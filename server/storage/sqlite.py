@@ -73,6 +73,9 @@ class SqliteStorage:
             self._upserts[key] = stmt
         return stmt
 
+    def lock_buckets(self, conn: Connection, buckets: Sequence[tuple[int, int]]) -> None:
+        pass  # writers take the database file in turn
+
     def lock_run(self, conn: Connection, run_id: int) -> bool:
         return True  # one collector process; its one worker thread analyses
 

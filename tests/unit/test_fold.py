@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch.wire import TAG_CODES
-from stepwatch_server.ingest import fold
+from stepwatch_server.ingest import fold, store
 from stepwatch_server.schemas.ingest import IngestPayload
-from stepwatch_server.storage import columns
+from stepwatch_server.storage import columns, rollups
 
 from ..payloads import payload
 
@@ -152,3 +152,24 @@ def test_a_folded_group_is_the_per_step_reference_by_every_rule(
     windows, jobs = _reference(payloads, run_ids, sizes)
     _same(_rows(rows.windows), windows)
     _same(_rows(rows.job_steps), jobs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 3), st.integers(0, 300), st.integers(0, 140)), min_size=1, max_size=6)
+)
+def test_the_buckets_a_group_locks_before_folding_are_those_of_its_folded_steps(
+    spans: list[tuple[int, int, int]],
+) -> None:
+    """Ingest locks a group's job-step buckets (64 steps each) from its batches' step
+    spans, before the fold (``ingest/store.py``); they are exactly the buckets of the
+    rows it then writes: none missing (a merge outside the lock), none extra (a wait for
+    nothing). Spans start anywhere from step 0 and cross bucket edges."""
+    payloads = [
+        IngestPayload.model_validate(payload(run=f"r{r}", first=first, times=[0.5] * n, final=n == 0))
+        for r, first, n in spans
+    ]
+    run_ids = [r for r, _, _ in spans]
+    rows = fold.fold(payloads, run_ids, [8] * len(spans))
+    folded = rollups.touched(rows.job_steps["run_id"], rows.job_steps["step"]) if rows.job_steps else []
+    assert rollups.buckets_of(store.step_spans(payloads, run_ids)) == folded
