@@ -136,8 +136,8 @@ def touched(run_ids: Any, steps: Any) -> list[tuple[int, int]]:
 def buckets_of(spans: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
     """The (run id, bucket) pairs holding steps ``first .. last`` of each (run id, first,
     last), sorted (lock order): the buckets a group's ``job_steps`` rows fall in, known
-    from its batches before they are folded (:func:`touched` of the folded rows is a
-    subset)."""
+    from its batches before they are folded (the same as :func:`touched` of the folded
+    rows: ``tests/unit/test_fold.py``)."""
     pairs: set[tuple[int, int]] = set()
     for run_id, first, last in spans:
         lo, hi = window_of(first, BUCKET_STEPS), window_of(last, BUCKET_STEPS)
