@@ -79,6 +79,16 @@ def db_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iter
 
 
 @pytest.fixture
+def pg_engine(pg_admin: str, pg_at_head: str) -> Iterator[Engine]:
+    """A fresh PostgreSQL database at head, for the tests of what only PostgreSQL does
+    (locks between writers, row versions and their pruning); disposed after."""
+    with pg.fresh_database(pg_admin, template=pg_at_head) as url:
+        eng = make_engine(url)
+        yield eng
+        eng.dispose()
+
+
+@pytest.fixture
 def engine(db_url: str) -> Iterator[Engine]:
     eng = make_engine(db_url)
     yield eng

@@ -217,7 +217,7 @@ def test_concurrent_writers_merge_the_same_job_steps_once_each(pg_admin: str) ->
 
 
 def test_a_group_waits_for_its_job_step_locks_before_it_writes_anything(
-    pg_admin: str, monkeypatch: pytest.MonkeyPatch
+    pg_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A group takes its job-step bucket locks before its first write, so it has no
     transaction id while it waits for the writer ahead of it (``ingest/store.py``). A
@@ -225,80 +225,70 @@ def test_a_group_waits_for_its_job_step_locks_before_it_writes_anything(
     commit it waits for, and until it ends no session may prune the row versions that
     commit replaced: every merge then needed room for a third version of its rows, and
     ``job_steps`` grew to 1.7-2.0x its fresh size in the ingest benchmark."""
+    engine = pg_engine
     monkeypatch.setattr(store, "_STAMP_EVERY", timedelta(days=1))  # stamped by the first batch only
-    with pg.fresh_database(pg_admin) as url:
-        migrate.upgrade(url)
-        engine = make_engine(url)
-        try:
-            storage = open_storage(engine)
-            ingestor = Ingestor(storage, window_seconds=8.0)
-            first, later = (
-                IngestPayload.model_validate(payload(rank=r, world=2, first=1 + 4 * r, times=[0.5] * 4))
-                for r in range(2)
-            )
-            assert ingestor.store_many([first]) == [True]
-            with engine.connect() as conn:
-                run_id = conn.execute(select(Run.id)).scalar_one()
+    storage = open_storage(engine)
+    ingestor = Ingestor(storage, window_seconds=8.0)
+    first, later = (
+        IngestPayload.model_validate(payload(rank=r, world=2, first=1 + 4 * r, times=[0.5] * 4))
+        for r in range(2)
+    )
+    assert ingestor.store_many([first]) == [True]
+    with engine.connect() as conn:
+        run_id = conn.execute(select(Run.id)).scalar_one()
 
-            def waiting() -> tuple[Any, ...] | None:
-                with engine.connect() as conn:
-                    row = conn.exec_driver_sql(
-                        "SELECT backend_xid::text, state FROM pg_stat_activity"
-                        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-                        " AND wait_event = 'advisory'"
-                    ).first()
-                return None if row is None else tuple(row)
+    def waiting() -> tuple[Any, ...] | None:
+        with engine.connect() as conn:
+            row = conn.exec_driver_sql(
+                "SELECT backend_xid::text, state FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                " AND wait_event = 'advisory'"
+            ).first()
+        return None if row is None else tuple(row)
 
-            with ThreadPoolExecutor(1) as pool:
-                with engine.begin() as holder:  # the writer ahead: holds bucket 0 (steps 1-64)
-                    storage.lock_buckets(holder, [(run_id, 0)])
-                    stored = pool.submit(ingestor.store_many, [later])
-                    xid, state = wait_until(waiting, "the group to wait for the bucket lock")
-                    assert xid is None, f"the waiting group holds transaction id {xid}"
-                    assert state == "active"
-                    assert not stored.done()
-                assert stored.result(timeout=60) == [True]
-            with engine.connect() as conn:
-                assert conn.execute(select(func.max(JobStep.step))).scalar_one() == 8
-        finally:
-            engine.dispose()
+    with ThreadPoolExecutor(1) as pool:
+        with engine.begin() as holder:  # the writer ahead: holds bucket 0 (steps 1-64)
+            storage.lock_buckets(holder, [(run_id, 0)])
+            stored = pool.submit(ingestor.store_many, [later])
+            xid, state = wait_until(waiting, "the group to wait for the bucket lock")
+            assert xid is None, f"the waiting group holds transaction id {xid}"
+            assert state == "active"
+            assert not stored.done()
+        assert stored.result(timeout=60) == [True]
+    with engine.connect() as conn:
+        assert conn.execute(select(func.max(JobStep.step))).scalar_one() == 8
 
 
 def test_a_group_skips_the_run_stamp_that_a_group_waiting_for_its_locks_holds(
-    pg_admin: str, monkeypatch: pytest.MonkeyPatch
+    pg_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A group may write its run's row before it waits for the job-step locks (a new
     plan, a settled window size: ``_run_key``); the group holding those locks then skips
     that run's last-report stamp instead of waiting for the row: each would wait for the
     other (PostgreSQL would abort one after its deadlock timeout, a 5xx for its batches).
     The test plays the first group by hand: it holds the row while the group is stored."""
+    engine = pg_engine
     monkeypatch.setattr(store, "_STAMP_EVERY", timedelta(0))  # every group stamps
-    with pg.fresh_database(pg_admin) as url:
-        migrate.upgrade(url)
-        engine = make_engine(url)
-        try:
-            ingestor = Ingestor(open_storage(engine), window_seconds=8.0)
-            first, later = (
-                IngestPayload.model_validate(payload(rank=r, world=2, first=1 + 4 * r, times=[0.5] * 4))
-                for r in range(2)
-            )
-            assert ingestor.store_many([first]) == [True]
-            old = datetime(2026, 1, 1, tzinfo=timezone.utc)
-            with engine.begin() as conn:  # the stamp is due
-                conn.execute(update(Run).values(last_report_at=old))
-            with ThreadPoolExecutor(1) as pool, engine.begin() as holder:
-                holder.execute(update(Run).values(target_tokens=10**9))  # the row is held
-                assert pool.submit(ingestor.store_many, [later]).result(timeout=120) == [True]
-            with engine.connect() as conn:
-                stamped, target = conn.execute(select(Run.last_report_at, Run.target_tokens)).one()
-                steps = conn.execute(select(func.max(JobStep.step))).scalar_one()
-            assert (stamped, target, steps) == (old, 10**9, 8)  # skipped, for a group a second later
-        finally:
-            engine.dispose()
+    ingestor = Ingestor(open_storage(engine), window_seconds=8.0)
+    first, later = (
+        IngestPayload.model_validate(payload(rank=r, world=2, first=1 + 4 * r, times=[0.5] * 4))
+        for r in range(2)
+    )
+    assert ingestor.store_many([first]) == [True]
+    old = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    with engine.begin() as conn:  # the stamp is due
+        conn.execute(update(Run).values(last_report_at=old))
+    with ThreadPoolExecutor(1) as pool, engine.begin() as holder:
+        holder.execute(update(Run).values(target_tokens=10**9))  # the row is held
+        assert pool.submit(ingestor.store_many, [later]).result(timeout=120) == [True]
+    with engine.connect() as conn:
+        stamped, target = conn.execute(select(Run.last_report_at, Run.target_tokens)).one()
+        steps = conn.execute(select(func.max(JobStep.step))).scalar_one()
+    assert (stamped, target, steps) == (old, 10**9, 8)  # skipped, for a group a second later
 
 
 @pytest.mark.solo  # pruning waits for any open transaction on the server: the parallel suite's too
-def test_job_steps_merged_by_two_writers_stay_near_their_fresh_size(pg_admin: str) -> None:
+def test_job_steps_merged_by_two_writers_stay_near_their_fresh_size(pg_engine: Engine) -> None:
     """1,024 ranks' windows of 16 x 64 steps, merged by two writers (two collector
     workers' group commits) in groups of 64 batches: each ``job_steps`` row is merged
     about 16 times per window while the other writer's transaction is open. Its heap
@@ -309,42 +299,40 @@ def test_job_steps_merged_by_two_writers_stay_near_their_fresh_size(pg_admin: st
     it writes anything``), 1.36-1.39x quiet and 2.11-2.25x busy."""
     ranks, windows, n, group = 1024, 16, 64, 64
     batches = _fleet(ranks, windows, n)
-    with pg.fresh_database(pg_admin) as url:
-        migrate.upgrade(url)
-        engines = [make_engine(url) for _ in range(2)]
-        try:
-            writers = [Ingestor(open_storage(e), window_seconds=8.0) for e in engines]
-            assert writers[0].store_many(batches[:1]) == [True]
-            groups = [batches[i : i + group] for i in range(1, len(batches), group)]
-            lock = threading.Lock()
+    second = make_engine(pg_engine.url.render_as_string(hide_password=False))  # the other worker's pool
+    engines = [pg_engine, second]
+    try:
+        writers = [Ingestor(open_storage(e), window_seconds=8.0) for e in engines]
+        assert writers[0].store_many(batches[:1]) == [True]
+        groups = [batches[i : i + group] for i in range(1, len(batches), group)]
+        lock = threading.Lock()
 
-            def write(writer: Ingestor) -> int:
-                stored = 0
-                while True:
-                    with lock:
-                        if not groups:
-                            return stored
-                        g = groups.pop(0)
-                    stored += sum(writer.store_many(g))
+        def write(writer: Ingestor) -> int:
+            stored = 0
+            while True:
+                with lock:
+                    if not groups:
+                        return stored
+                    g = groups.pop(0)
+                stored += sum(writer.store_many(g))
 
-            with ThreadPoolExecutor(2) as pool:
-                assert sum(pool.map(write, writers)) == len(batches) - 1
-            with engines[0].begin() as conn:
-                options = conn.exec_driver_sql(
-                    "SELECT reloptions FROM pg_class WHERE relname = 'job_steps'"
-                ).scalar()
-                conn.exec_driver_sql(
-                    f"CREATE TABLE fresh (LIKE job_steps INCLUDING ALL) WITH ({', '.join(options)})"
-                )
-                conn.exec_driver_sql("INSERT INTO fresh SELECT * FROM job_steps ORDER BY run_id, step")
-            with engines[0].connect() as conn:
-                rows, merged, fresh = conn.exec_driver_sql(
-                    "SELECT (SELECT count(*) FROM job_steps WHERE ranks = %(ranks)s),"
-                    " pg_relation_size('job_steps'), pg_relation_size('fresh')",
-                    {"ranks": ranks},
-                ).one()
-            assert rows == windows * n  # every rank in every step
-            assert merged <= 1.3 * fresh, f"job_steps {merged / 8192:.0f} pages, fresh {fresh / 8192:.0f}"
-        finally:
-            for e in engines:
-                e.dispose()
+        with ThreadPoolExecutor(2) as pool:
+            assert sum(pool.map(write, writers)) == len(batches) - 1
+        with engines[0].begin() as conn:
+            options = conn.exec_driver_sql(
+                "SELECT reloptions FROM pg_class WHERE relname = 'job_steps'"
+            ).scalar()
+            conn.exec_driver_sql(
+                f"CREATE TABLE fresh (LIKE job_steps INCLUDING ALL) WITH ({', '.join(options)})"
+            )
+            conn.exec_driver_sql("INSERT INTO fresh SELECT * FROM job_steps ORDER BY run_id, step")
+        with engines[0].connect() as conn:
+            rows, merged, fresh = conn.exec_driver_sql(
+                "SELECT (SELECT count(*) FROM job_steps WHERE ranks = %(ranks)s),"
+                " pg_relation_size('job_steps'), pg_relation_size('fresh')",
+                {"ranks": ranks},
+            ).one()
+        assert rows == windows * n  # every rank in every step
+        assert merged <= 1.3 * fresh, f"job_steps {merged / 8192:.0f} pages, fresh {fresh / 8192:.0f}"
+    finally:
+        second.dispose()

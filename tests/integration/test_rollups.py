@@ -17,12 +17,9 @@ from stepwatch_server.ingest import fold
 from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.settings import Settings
-from stepwatch_server.storage import migrate
 from stepwatch_server.storage.backend import open_storage
-from stepwatch_server.storage.engine import make_engine
 from stepwatch_server.storage.models import JobStep, JobStepBucket, Run
 
-from .. import pg
 from ..payloads import payload
 from ..wait import wait_until
 
@@ -116,50 +113,45 @@ def test_overview_totals_from_buckets(client: TestClient, engine: Engine) -> Non
     )
 
 
-def test_writers_of_one_bucket_take_turns(pg_admin: str) -> None:
+def test_writers_of_one_bucket_take_turns(pg_engine: Engine) -> None:
     """Two collectors write disjoint steps of one bucket at the same time: the second
     waits for the first to commit, so its recompute counts the first one's steps (a
     recompute from its own snapshot would overwrite them)."""
-    with pg.fresh_database(pg_admin) as url:
-        migrate.upgrade(url)
-        engine = make_engine(url)
-        try:
-            storage = open_storage(engine)
-            ingestor = Ingestor(storage, window_seconds=2.0)
-            ingestor.store(IngestPayload.model_validate(payload(run="r", rank=0, world=2, first=1)))
-            with engine.connect() as conn:
-                run_id, ws = conn.execute(select(Run.id, Run.window_steps)).one()
+    engine = pg_engine
+    storage = open_storage(engine)
+    ingestor = Ingestor(storage, window_seconds=2.0)
+    ingestor.store(IngestPayload.model_validate(payload(run="r", rank=0, world=2, first=1)))
+    with engine.connect() as conn:
+        run_id, ws = conn.execute(select(Run.id, Run.window_steps)).one()
 
-            def rows(rank: int, first: int) -> fold.Rows:
-                p = IngestPayload.model_validate(payload(run="r", rank=rank, world=2, first=first))
-                return fold.fold([p], [run_id], [ws])
+    def rows(rank: int, first: int) -> fold.Rows:
+        p = IngestPayload.model_validate(payload(run="r", rank=rank, world=2, first=first))
+        return fold.fold([p], [run_id], [ws])
 
-            a = engine.connect()
-            tx = a.begin()
-            storage.write(a, rows(0, 5))  # steps 5-8 of bucket 0, not committed yet
-            done = threading.Event()
+    a = engine.connect()
+    tx = a.begin()
+    storage.write(a, rows(0, 5))  # steps 5-8 of bucket 0, not committed yet
+    done = threading.Event()
 
-            def other() -> None:
-                with engine.begin() as conn:
-                    storage.write(conn, rows(1, 1))  # steps 1-4 of the same bucket
-                done.set()
+    def other() -> None:
+        with engine.begin() as conn:
+            storage.write(conn, rows(1, 1))  # steps 1-4 of the same bucket
+        done.set()
 
-            thread = threading.Thread(target=other)
-            thread.start()
-            with engine.connect() as conn:
-                wait_until(
-                    lambda: conn.execute(
-                        text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
-                    ).scalar(),
-                    "the second writer waiting for the bucket",
-                )
-            assert not done.is_set()
-            tx.commit()
-            a.close()
-            thread.join(30)
-            assert done.is_set()
-            with engine.connect() as conn:
-                n, st = conn.execute(select(JobStepBucket.n_steps, JobStepBucket.step_time_sum)).one()
-            assert n == 8 and st == pytest.approx(8 * 0.5)
-        finally:
-            engine.dispose()
+    thread = threading.Thread(target=other)
+    thread.start()
+    with engine.connect() as conn:
+        wait_until(
+            lambda: conn.execute(
+                text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+            ).scalar(),
+            "the second writer waiting for the bucket",
+        )
+    assert not done.is_set()
+    tx.commit()
+    a.close()
+    thread.join(30)
+    assert done.is_set()
+    with engine.connect() as conn:
+        n, st = conn.execute(select(JobStepBucket.n_steps, JobStepBucket.step_time_sum)).one()
+    assert n == 8 and st == pytest.approx(8 * 0.5)
