@@ -146,24 +146,30 @@ class RankReads:
         self._max_rows = max_rows
         # Least recently used first (a run read or found unchanged moves to the end).
         self._rows: dict[int, tuple[tuple[Any, ...], tuple[RankRow, ...]]] = {}
+        self._kept = 0  # rows held, over all runs
 
     def rows(self, conn: Connection, run_id: int) -> tuple[RankRow, ...]:
         fingerprint = rank_fingerprint(conn, run_id)
-        held = self._rows.pop(run_id, None)
+        held = self._drop(run_id)
         if held is None or held[0] != fingerprint:
             held = (fingerprint, tuple(rank_rows(conn, run_id)))
         self._rows[run_id] = held
-        kept = sum(len(rows) for _, rows in self._rows.values())
-        while kept > self._max_rows and len(self._rows) > 1:
-            oldest = next(iter(self._rows))
-            kept -= len(self._rows.pop(oldest)[1])
+        self._kept += len(held[1])
+        while self._kept > self._max_rows and len(self._rows) > 1:
+            self._drop(next(iter(self._rows)))
         return held[1]
 
     def keep(self, run_ids: Iterable[int]) -> None:
         """Forget the runs no longer active."""
         live = set(run_ids)
         for run_id in [r for r in self._rows if r not in live]:
-            del self._rows[run_id]
+            self._drop(run_id)
+
+    def _drop(self, run_id: int) -> tuple[tuple[Any, ...], tuple[RankRow, ...]] | None:
+        held = self._rows.pop(run_id, None)
+        if held is not None:
+            self._kept -= len(held[1])
+        return held
 
 
 def group_counters(conn: Connection, run_id: int) -> list[GroupCounters]:

@@ -437,22 +437,28 @@ def test_the_rank_read_of_each_pass_matches_the_stored_rows_and_follows_their_ch
     assert dict(after[1].coords) == {"dp": 0, "tp": 1} and dict(after[2].coords) == {}
 
 
-def test_a_pass_reads_the_ranks_again_only_when_a_rank_row_changed(
-    client: TestClient, engine: Engine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every pass needs every rank of every active run; the rows are read again only when
-    the run's rank fingerprint moved, and a change of ``last_seen`` alone (all a
-    heartbeat changes) moves it. (``rank_rows`` is wrapped to count its reads.)"""
-    clock = Clock()
-    send_windows(client, range(0, 2), wall_end=clock.t - 200)
-    reads: list[int] = []
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The run ids ``inputs.rank_rows`` is called with, in order (the real read, counted)."""
+    calls: list[int] = []
     read = inputs.rank_rows
 
     def counted(conn: Connection, run_id: int) -> list[inputs.RankRow]:
-        reads.append(run_id)
+        calls.append(run_id)
         return read(conn, run_id)
 
     monkeypatch.setattr(inputs, "rank_rows", counted)
+    return calls
+
+
+def test_a_pass_reads_the_ranks_again_only_when_a_rank_row_changed(
+    client: TestClient, engine: Engine, reads: list[int]
+) -> None:
+    """Every pass needs every rank of every active run; the rows are read again only when
+    the run's rank fingerprint moved, and a change of ``last_seen`` alone (all a
+    heartbeat changes) moves it."""
+    clock = Clock()
+    send_windows(client, range(0, 2), wall_end=clock.t - 200)
     w = worker(engine, clock, hang_floor_s=60.0)
     [(_, t)] = w.run_once().transitions
     assert (t.finding.key, t.finding.status) == ("hang:run", "open") and len(reads) == 1
@@ -465,18 +471,12 @@ def test_a_pass_reads_the_ranks_again_only_when_a_rank_row_changed(
 
 
 def test_the_kept_rank_rows_are_bounded_and_the_least_recently_read_run_goes_first(
-    client: TestClient, engine: Engine, monkeypatch: pytest.MonkeyPatch
+    client: TestClient, engine: Engine, reads: list[int]
 ) -> None:
+    """Two runs of W ranks each: held together when the bound has room for 2W rows; with
+    one row less, reading one run drops the other, read again when next needed."""
     send_windows(client, range(1), run="run-a")
     send_windows(client, range(1), run="run-b")
-    reads: list[int] = []
-    read = inputs.rank_rows
-
-    def counted(conn: Connection, run_id: int) -> list[inputs.RankRow]:
-        reads.append(run_id)
-        return read(conn, run_id)
-
-    monkeypatch.setattr(inputs, "rank_rows", counted)
     with engine.connect() as conn:
         a, b = (conn.execute(select(Run.id).where(Run.name == n)).scalar_one() for n in ("run-a", "run-b"))
         roomy, tight = inputs.RankReads(max_rows=2 * W), inputs.RankReads(max_rows=2 * W - 1)
@@ -484,6 +484,8 @@ def test_the_kept_rank_rows_are_bounded_and_the_least_recently_read_run_goes_fir
             assert len(kept.rows(conn, a)) == len(kept.rows(conn, b)) == W
         assert reads == [a, b, a, b]
         roomy.rows(conn, a)  # both kept: no read
+        roomy.rows(conn, b)  # still both, however often they are read
+        roomy.rows(conn, a)
         tight.rows(conn, b)  # b is kept (the newest)
         assert reads == [a, b, a, b]
         tight.rows(conn, a)  # a was dropped to keep b
