@@ -25,6 +25,7 @@ from sqlalchemy import Connection, delete, insert, select, update
 from ..analysis.pipeline import Change
 from ..analysis.types import Finding
 from ..storage.models import AnalysisState, Event, LinkSample, StepTiming
+from .inputs import RANK_CHUNK, ranks_among
 
 EV = Event.__table__
 STATE = AnalysisState.__table__
@@ -298,13 +299,13 @@ def drop_step_timings(conn: Connection, run_id: int, ranks: Sequence[int], throu
     to ``through_step`` (the last step of the last window analysed), late rows of earlier
     windows included; a seek per chunk of ranks. Returns the rows deleted."""
     deleted = 0
-    ids = sorted(ranks)
+    ids = sorted(set(ranks))
     for model in (StepTiming, LinkSample):
-        for i in range(0, len(ids), 2000):
+        for i in range(0, len(ids), RANK_CHUNK):
             result = conn.execute(
                 delete(model).where(
                     model.run_id == run_id,
-                    model.rank.in_(ids[i : i + 2000]),
+                    ranks_among(model.rank, ids[i : i + RANK_CHUNK]),
                     model.step <= through_step,
                 )
             )

@@ -19,11 +19,12 @@ from stepwatch_server.analysis.pipeline import Change, RunAnalysis
 from stepwatch_server.analysis.progress import SECONDS_PER_DAY
 from stepwatch_server.analysis.types import RankWindow as RankWindowIn
 from stepwatch_server.app import create_app
+from stepwatch_server.reads.runs import run_info
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.engine import make_engine
-from stepwatch_server.storage.models import Rank, RankWindow, Run
-from stepwatch_server.worker import AnalysisWorker, WorkerConfig, inputs
+from stepwatch_server.storage.models import Rank, RankWindow, Run, StepTiming
+from stepwatch_server.worker import AnalysisWorker, WorkerConfig, inputs, outputs
 
 from .. import pg
 from ..payloads import payload, profile_entry
@@ -399,6 +400,33 @@ def test_a_pass_holds_no_snapshot_while_it_computes(
             eng.dispose()
     assert len(held) == 4 and held == [[]] * 4, held
     assert len(converted) >= 4 * 2 and all(c == [] for c in converted), converted
+
+
+def test_a_chunk_of_ranks_reads_and_drops_those_ranks_whether_or_not_they_are_contiguous(
+    client: TestClient, engine: Engine
+) -> None:
+    """``inputs.ranks_among`` writes a contiguous chunk of ranks as a range: a chunk with a
+    gap must neither read nor delete the rank in the gap, and a contiguous one must read
+    every rank in it."""
+    send_windows(client, range(0, 2), ranks=range(5), world=5)
+    timings = StepTiming.__table__
+    with engine.begin() as conn:
+        run = run_info(conn.execute(select(Run.__table__)).one())
+        rows = inputs.rank_rows(conn, run.id)
+        for chosen in ([1, 2, 3], [0, 1, 3, 4], [4], [0, 2, 4]):
+            got = inputs.rank_windows(conn, run, [r for r in rows if r.rank in chosen], 0, 1)
+            assert sorted(got) == [0, 1]
+            assert all(sorted(w.rank for w in ws) == chosen for ws in got.values()), (chosen, got)
+        conn.execute(
+            timings.insert(),
+            [
+                {"run_id": run.id, "rank": r, "step": s, "step_time_s": 0.5, "data_wait_s": 0.0}
+                for r in range(5)
+                for s in (1, 2)
+            ],
+        )
+        assert outputs.drop_step_timings(conn, run.id, [4, 0, 1, 3, 1], through_step=2) == 8
+        assert conn.execute(select(timings.c.rank).distinct()).scalars().all() == [2]
 
 
 def test_the_rank_read_of_each_pass_matches_the_stored_rows_and_follows_their_changes(
