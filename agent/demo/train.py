@@ -98,8 +98,13 @@ def throttle(x: torch.Tensor, seconds: float) -> torch.Tensor:
 
 
 def busy_for(seconds: float) -> None:
-    """Real compute for ``seconds``: small matmuls, as a throttled device would take longer."""
-    a = torch.randn(64, 64)
+    """Real compute for ``seconds``, as a throttled device would take longer: matmuls of
+    about a millisecond each, so that the profiler sees the slow rank's extra time in a
+    few hundred operators, as many as a step's own. With 64x64 matmuls (some 20,000
+    operators per step) the slow rank's profiler window cost 1.6 s to parse against its
+    peers' 0.1 s, the budget stretched its period from 8 to 32 steps, and the window
+    detector, seeing it profiled once after it recovered, kept its flag open to the end."""
+    a = torch.randn(512, 512)
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         a = torch.tanh(a @ a)
