@@ -25,7 +25,7 @@ from sqlalchemy import Connection, delete, insert, select, update
 from ..analysis.pipeline import Change
 from ..analysis.types import Finding
 from ..storage.models import AnalysisState, Event, LinkSample, StepTiming
-from .inputs import RANK_CHUNK, ranks_among
+from .inputs import RANK_CHUNK, staged_ranks
 
 EV = Event.__table__
 STATE = AnalysisState.__table__
@@ -305,7 +305,7 @@ def drop_step_timings(conn: Connection, run_id: int, ranks: Sequence[int], throu
             result = conn.execute(
                 delete(model).where(
                     model.run_id == run_id,
-                    ranks_among(model.rank, ids[i : i + RANK_CHUNK]),
+                    staged_ranks(conn, model.rank, ids[i : i + RANK_CHUNK]),
                     model.step <= through_step,
                 )
             )

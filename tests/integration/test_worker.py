@@ -405,9 +405,10 @@ def test_a_pass_holds_no_snapshot_while_it_computes(
 def test_a_chunk_of_ranks_reads_and_drops_those_ranks_whether_or_not_they_are_contiguous(
     client: TestClient, engine: Engine
 ) -> None:
-    """``inputs.ranks_among`` writes a contiguous chunk of ranks as a range: a chunk with a
-    gap must neither read nor delete the rank in the gap, and a contiguous one must read
-    every rank in it."""
+    """The worker's reads and deletes by chunk of ranks (``inputs.window_ranks``: a
+    contiguous chunk as a range on PostgreSQL; ``inputs.staged_ranks``: one array there):
+    a chunk with a gap must neither read nor delete the rank in the gap, and a contiguous
+    one must read every rank in it."""
     send_windows(client, range(0, 2), ranks=range(5), world=5)
     timings = StepTiming.__table__
     with engine.begin() as conn:
