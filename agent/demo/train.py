@@ -98,12 +98,14 @@ def throttle(x: torch.Tensor, seconds: float) -> torch.Tensor:
 
 
 def busy_for(seconds: float) -> None:
-    """Real compute for ``seconds``, as a throttled device would take longer: matmuls of
-    about a millisecond each, so that the profiler sees the slow rank's extra time in a
-    few hundred operators, as many as a step's own. With 64x64 matmuls (some 20,000
-    operators per step) the slow rank's profiler window cost 1.6 s to parse against its
-    peers' 0.1 s, the budget stretched its period from 8 to 32 steps, and the window
-    detector, seeing it profiled once after it recovered, kept its flag open to the end."""
+    """Real compute for ``seconds``, as a throttled device would take longer: a 512x512
+    matmul and its tanh take about 1.5 ms on one core here, so the profiler sees 120 ms of
+    extra time as some 150 operators, fewer than a step's own. With 64x64 matmuls (some
+    20,000 operators per step) the slow rank's profiler window cost 1.6 s to parse against
+    its peers' 0.1 s, the budget stretched its period from 8 to 32 steps, and the window
+    detector, seeing it profiled once after it recovered, kept its flag open to the end.
+    (The real-training harness sizes its extra compute the same way,
+    ``server/evaluation/real_rank.py``.)"""
     a = torch.randn(512, 512)
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:

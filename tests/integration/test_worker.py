@@ -426,6 +426,8 @@ def test_a_chunk_of_ranks_reads_and_drops_those_ranks_whether_or_not_they_are_co
                 for s in (1, 2)
             ],
         )
+        gap = [r for r in rows if r.rank in (0, 1, 3, 4)]
+        assert sorted(s.rank for s in inputs.step_timings(conn, run, gap, 0, 0)[0]) == [0, 1, 3, 4]
         assert outputs.drop_step_timings(conn, run.id, [4, 0, 1, 3, 1], through_step=2) == 8
         assert conn.execute(select(timings.c.rank).distinct()).scalars().all() == [2]
 
