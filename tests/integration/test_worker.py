@@ -6,6 +6,7 @@ Batches go in through the real API (in process); the worker's passes are run by 
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -15,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Connection, Engine, select
 
+from stepwatch_server.analysis.arrivals import RankSteps
 from stepwatch_server.analysis.pipeline import Change, RunAnalysis
 from stepwatch_server.analysis.progress import SECONDS_PER_DAY
 from stepwatch_server.analysis.types import RankWindow as RankWindowIn
@@ -23,7 +25,7 @@ from stepwatch_server.reads.runs import run_info
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.backend import open_storage
 from stepwatch_server.storage.engine import make_engine
-from stepwatch_server.storage.models import Rank, RankWindow, Run, StepTiming
+from stepwatch_server.storage.models import JobStep, Rank, RankWindow, Run, StepTiming
 from stepwatch_server.worker import AnalysisWorker, WorkerConfig, inputs, outputs
 
 from .. import pg
@@ -430,6 +432,59 @@ def test_a_chunk_of_ranks_reads_and_drops_those_ranks_whether_or_not_they_are_co
         assert sorted(s.rank for s in inputs.step_timings(conn, run, gap, 0, 0)[0]) == [0, 1, 3, 4]
         assert outputs.drop_step_timings(conn, run.id, [4, 0, 1, 3, 1], through_step=2) == 8
         assert conn.execute(select(timings.c.rank).distinct()).scalars().all() == [2]
+
+
+def test_staged_timing_reads_back_per_window_and_rank_with_its_gaps_and_without_tagged_steps(
+    client: TestClient, engine: Engine
+) -> None:
+    """``inputs.step_timings`` (on PostgreSQL one row of arrays per rank, on SQLite a row
+    per step) against the rule written out step by step: per window, one entry per rank
+    in rank order, its steps from the first it reported to the last, the ones it did not
+    report unmeasured (0 s, None), the tagged steps left out, a rank not asked for absent."""
+    send_windows(client, range(0, 2), ranks=range(5), world=5)  # steps 1-16, windows 0 and 1
+    rng = random.Random(7)
+    staged = {
+        (r, s): (rng.random(), rng.random(), *(rng.choice([None, rng.random()]) for _ in range(3)))
+        for r in range(5)
+        for s in range(1, 2 * STEPS + 1)
+        if rng.random() < 0.75 or r == 0
+    }
+    tagged = {3, 12}
+    with engine.begin() as conn:
+        run = run_info(conn.execute(select(Run.__table__)).one())
+        conn.execute(
+            JobStep.__table__.update()
+            .where(JobStep.__table__.c.step.in_(tagged), JobStep.__table__.c.run_id == run.id)
+            .values(tag=1)
+        )
+        names = ("step_time_s", "data_wait_s", "sync_s", "cpu_s", "runq_s")
+        conn.execute(
+            StepTiming.__table__.insert(),
+            [
+                {"run_id": run.id, "rank": r, "step": s, **dict(zip(names, v, strict=True))}
+                for (r, s), v in staged.items()
+            ],
+        )
+        asked = [r for r in inputs.rank_rows(conn, run.id) if r.rank != 2]
+        got = inputs.step_timings(conn, run, asked, 0, 1)
+    expected: dict[int, list[RankSteps]] = {}
+    for w in (0, 1):
+        for r in asked:
+            steps = [
+                s
+                for s in range(w * STEPS + 1, (w + 1) * STEPS + 1)
+                if (r.rank, s) in staged and s not in tagged
+            ]
+            if not steps:
+                continue
+            n = steps[-1] - steps[0] + 1
+            cols: list[list[Any]] = [[0.0] * n, [0.0] * n, [None] * n, [None] * n, [None] * n]
+            for s in steps:
+                for col, v in zip(cols, staged[r.rank, s], strict=True):
+                    col[s - steps[0]] = v
+            expected.setdefault(w, []).append(RankSteps(r.rank, r.host, steps[0], *cols))
+    assert got == expected
+    assert any(len(e.step_time_s) > 1 and 0.0 in e.step_time_s for es in got.values() for e in es)  # gaps
 
 
 def test_the_rank_read_of_each_pass_matches_the_stored_rows_and_follows_their_changes(
