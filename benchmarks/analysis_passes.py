@@ -15,6 +15,15 @@ each run moved its ``last_seen`` (what a heartbeat changes), which reads every r
 again (what every pass cost before the fingerprint). CPU of this process (the worker's
 Python) and of the PostgreSQL server, per run and pass, medians.
 
+Then the pass that analyses new windows, the worker's main work: ``--window-runs`` runs of
+``--ranks`` ranks, three 64-step windows each with the comm section a DDP rank sends by
+default (staged per-step timing and link samples), stored in this process by the
+collector's ingest code (its CPU and PostgreSQL's measured: the storage side of ingest,
+without HTTP or validation), then one pass, which analyses the two complete windows of
+each run. Both as CPU per rank-window, over ``--window-rounds`` rounds (medians), and
+their ratio: how much of a core the worker needs per core of storage. Informational, no
+budget.
+
 Budget: an idle run's pass costs <= 0.5x the pass that reads its rank rows: reading the
 rows on every pass, as before, gives 1x. What an idle pass still pays is the fingerprint
 (one aggregate over the run's ranks in the database), the run's other reads, and the
@@ -60,6 +69,22 @@ def _fill(engine: Engine, runs: int, ranks: int) -> None:
             ingestor.store_many(batches[start : start + 512])
 
 
+def _store_windows(
+    engine: Engine, name: str, ranks: int, postgres_pid: int | None
+) -> tuple[float, float | None]:
+    """Three windows of a run with the comm section, stored in groups of 512 batches: the
+    CPU of this process and of PostgreSQL while storing them (validated beforehand)."""
+    ingestor = Ingestor(open_storage(engine))
+    fleet = loadgen.Fleet(name, ranks, 64, seed=7, comm=True)
+    batches = [IngestPayload.model_validate_json(b) for b in fleet.payloads(3)]
+    meter = Meter(None, postgres_pid)
+    meter.start()
+    for start in range(0, len(batches), 512):
+        ingestor.store_many(batches[start : start + 512])
+    _, postgres, own = meter.stop()
+    return own, postgres
+
+
 def _pass(worker: AnalysisWorker, postgres_pid: int | None) -> tuple[float, float | None]:
     """CPU seconds of one pass: this process's (the worker's Python), PostgreSQL's."""
     meter = Meter(None, postgres_pid)
@@ -74,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=4096)
     p.add_argument("--runs", type=int, default=4)
     p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--window-runs", type=int, default=2)
+    p.add_argument("--window-rounds", type=int, default=3)
     args = p.parse_args(argv)
     with pg_database("stepwatch_bench_passes") as url:
         engine = make_engine(url)
@@ -96,6 +123,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         .values(last_seen=RANKS.c.last_seen + timedelta(milliseconds=1))
                     )
                 moved.append(_pass(worker, postgres_pid))
+            stored: list[tuple[float, float | None]] = []
+            analysed: list[tuple[float, float | None]] = []
+            for r in range(args.window_rounds):
+                fills = [
+                    _store_windows(engine, f"bench-windows-{r}-{i}", args.ranks, postgres_pid)
+                    for i in range(args.window_runs)
+                ]
+                stored.append((sum(f[0] for f in fills), _sum_known([f[1] for f in fills])))
+                analysed.append(_pass(worker, postgres_pid))
         finally:
             engine.dispose()
 
@@ -121,7 +157,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  ratio idle / rows read       {idle_ms / moved_ms:9.3f}"
         f"   budget: idle <= {BUDGET}x the read {'met' if ok else 'MISSED'}"
     )
+    rank_windows = args.window_runs * args.ranks
+    us = {
+        label: _per_rank_window_us(rows, rank_windows * n)
+        for label, rows, n in (("stored", stored, 3), ("analysed", analysed, 2))
+    }
+    print(
+        f"  new windows with the comm section ({args.window_runs} runs x {args.ranks} ranks, "
+        f"{args.window_rounds} rounds), CPU per rank-window:"
+    )
+    for label, text_ in (
+        ("stored", "storing them (ingest's storage side)"),
+        ("analysed", "the pass analysing them"),
+    ):
+        own, pg = us[label]
+        print(f"    {text_:<38} this process {own:8.1f} us   PostgreSQL {_cell(pg)}")
+    ratio = (us["analysed"][0] + (us["analysed"][1] or 0.0)) / (us["stored"][0] + (us["stored"][1] or 0.0))
+    print(f"  ratio analysis / storage     {ratio:9.2f}   (both sides' CPU; informational)")
     return 0
+
+
+def _sum_known(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
+
+
+def _per_rank_window_us(rows: list[tuple[float, float | None]], n: int) -> tuple[float, float | None]:
+    """The median round's CPU (this process, PostgreSQL) per rank-window, microseconds."""
+    pgs = [r[1] for r in rows]
+    pg = None if any(v is None for v in pgs) else median([v for v in pgs if v is not None]) / n * 1e6
+    return median([r[0] for r in rows]) / n * 1e6, pg
+
+
+def _cell(value: float | None) -> str:
+    return f"{value:8.1f} us" if value is not None else "       -"
 
 
 if __name__ == "__main__":

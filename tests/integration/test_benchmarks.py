@@ -77,7 +77,11 @@ def test_host_bodies_carry_the_same_windows_one_host_each() -> None:
         (run_listing, ["--runs", "120"], "scrape_s"),
         (metrics_scrape, ["--ranks", "8,16", "--scrapes", "1", "--rounds", "1"], "ratio"),
         (collective_counting, ["--rounds", "1", "--calls", "20"], "counted/plain"),
-        (analysis_passes, ["--ranks", "16", "--runs", "2", "--passes", "1"], "idle / rows read"),
+        (
+            analysis_passes,
+            ["--ranks", "16", "--runs", "2", "--passes", "1", "--window-runs", "1", "--window-rounds", "1"],
+            "analysis / storage",
+        ),
     ],
     ids=["ingest", "query", "run_listing", "metrics_scrape", "collective_counting", "analysis_passes"],
 )
