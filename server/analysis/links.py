@@ -188,15 +188,34 @@ def extra_bytes(
     samples: Sequence[LinkSample], cfg: LinkConfig = LinkConfig()
 ) -> dict[int, tuple[float, float]]:
     """Ranks that sent at least ``1 + extra_bytes`` times their peers' median (leave one
-    out) in the window: rank -> (its bytes, the peers' median)."""
+    out) in the window: rank -> (its bytes, the peers' median).
+
+    The leave-one-out medians come from one sort (:func:`_medians_without_each`): a
+    median of the others per rank was O(ranks^2), 30% of a window pass at 4,096 ranks."""
     sent: dict[int, int] = {}
     for s in samples:
         sent[s.rank] = sent.get(s.rank, 0) + s.bytes_sent
     if len(sent) < 2:
         return {}
     out = {}
-    for r, b in sent.items():
-        peers = statistics.median(v for q, v in sent.items() if q != r)
+    for r, peers in _medians_without_each(sent).items():
+        b = sent[r]
         if peers > 0 and b >= (1 + cfg.extra_bytes) * peers and b - peers >= cfg.min_bytes:
             out[r] = (float(b), float(peers))
     return out
+
+
+def _medians_without_each(values: Mapping[int, float]) -> dict[int, float]:
+    """For each key, the median of the other keys' values (at least two keys), as
+    ``statistics.median`` gives it, from one sort: leaving out the value at sorted
+    position ``i`` shifts the positions after it down by one."""
+    order = sorted(values, key=values.__getitem__)
+    v = [values[k] for k in order]
+    m = len(v) - 1  # values left
+
+    def at(k: int, i: int) -> float:  # position k of the sorted values without position i
+        return v[k] if k < i else v[k + 1]
+
+    if m % 2:
+        return {key: at(m // 2, i) for i, key in enumerate(order)}
+    return {key: (at(m // 2 - 1, i) + at(m // 2, i)) / 2 for i, key in enumerate(order)}

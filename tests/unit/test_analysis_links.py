@@ -7,10 +7,14 @@ and on loopback with extra traffic between two ranks."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from stepwatch_server.analysis import links
 from stepwatch_server.analysis.arrivals import RankSteps, concat, window
 from stepwatch_server.analysis.late_arrivals import ArrivalDetector
 from stepwatch_server.analysis.links import LinkSample, edges, extra_bytes, merge, slow_links
@@ -81,6 +85,15 @@ def test_extra_bytes_names_the_ranks_that_sent_more() -> None:
     assert set(heavy) == {1, 2}
     assert heavy[1][0] == pytest.approx(50 * MB + 40_000)
     assert extra_bytes(_ring(4, {})) == {}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.integers(0, 10_000), st.integers(0, 50), min_size=2, max_size=12))
+def test_each_ranks_peer_median_is_the_median_of_the_others(sent: dict[int, int]) -> None:
+    """The leave-one-out medians from one sort equal ``statistics.median`` of the other
+    ranks' values, ties (repeated values) and odd and even counts included."""
+    expected = {r: statistics.median(v for q, v in sent.items() if q != r) for r in sent}
+    assert links._medians_without_each(sent) == expected
 
 
 def test_a_late_rank_that_sent_more_is_named_link_not_host_stall() -> None:
