@@ -40,6 +40,7 @@ from sqlalchemy import (
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..reads.runs import RunInfo, run_info
+from ..storage.backend import is_postgres
 from ..storage.models import Event, JobStep, Rank, RankWindow, Run
 from .state import QUANTILES, RANK_QUANTITIES, EventRow, JobStepSums, RankWindowSums
 
@@ -197,10 +198,6 @@ class WindowCensus:
     quantiles: Mapping[str, Quantiles] | None = None
 
 
-def _is_pg(conn: Connection) -> bool:
-    return conn.dialect.name == "postgresql"
-
-
 def _percentiles(value: ColumnElement[Any]) -> Any:
     """PostgreSQL's ``percentile_cont`` at every exported quantile: the same linear
     interpolation between order statistics as ``state.quantiles``."""
@@ -222,7 +219,7 @@ def window_census(conn: Connection, windows: Mapping[int, int]) -> dict[int, Win
     16,384 ranks."""
     if not windows:
         return {}
-    pg = _is_pg(conn)
+    pg = is_postgres(conn)
     extra = (_percentiles(_STEP_TIME), _percentiles(_DATA_WAIT)) if pg else ()
     q = (
         select(RW.c.run_id, func.count(), func.sum(_STEP_TIME), func.sum(_DATA_WAIT), *extra)
@@ -265,7 +262,7 @@ def profiled_summary(conn: Connection, windows: Mapping[int, int]) -> dict[int, 
         "data_wait": _DATA_WAIT,
         "idle": RW.c.idle_s,
     }
-    pg = _is_pg(conn)
+    pg = is_postgres(conn)
     extra = (
         (_percentiles(RW.c.compute_s), _percentiles(RW.c.comm_wait_s).filter(RW.c.comm_wait_s.is_not(None)))
         if pg

@@ -48,6 +48,7 @@ from ..schemas.responses import (
     Stat,
 )
 from ..storage import rollups
+from ..storage.backend import is_postgres
 from ..storage.columns import JOB_STEP_BUCKETS, aggregate
 from ..storage.models import Event, JobStep, JobStepBucket, Rank, RankWindow, Run, unix
 from . import progress
@@ -464,7 +465,7 @@ def rank_rows(conn: Connection, name: str, *, profile_windows: int = 1) -> list[
     are then probed for their newest window one by one."""
     run = get_run(conn, name)
     profiles = rank_profiles(conn, run.id, profile_windows)
-    pg = conn.dialect.name == "postgresql"
+    pg = is_postgres(conn)
     win = RW.alias("win")
     # Inline, so that the GROUP BY below is the selected expression itself.
     target = (RANKS.c.last_step - 1) // literal_column(str(int(run.window_steps)), Integer)

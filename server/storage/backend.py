@@ -61,9 +61,16 @@ class Storage(Protocol):
         ...
 
 
+def is_postgres(bind: Connection | Engine) -> bool:
+    """Whether ``bind`` speaks to PostgreSQL: the one test for the few reads that are
+    written differently there (arrays, ``percentile_cont``), as :func:`open_storage` picks
+    the backend."""
+    return bind.dialect.name == "postgresql"
+
+
 def open_storage(engine: Engine) -> Storage:
     """The implementation for ``engine``'s backend."""
-    if engine.dialect.name == "postgresql":
+    if is_postgres(engine):
         from .postgres import PostgresStorage
 
         return PostgresStorage(engine)

@@ -44,6 +44,7 @@ from ..analysis.robust import median
 from ..analysis.stuck_collectives import GroupCounters
 from ..analysis.types import RankWindow
 from ..reads.runs import RunInfo, run_info
+from ..storage.backend import is_postgres
 from ..storage.columns import window_of
 from ..storage.models import IngestedBatch, Rank, RankGroup, Run, StepTiming, unix
 from ..storage.models import JobStep as JobStepRow
@@ -64,10 +65,6 @@ LS = LinkSampleRow.__table__
 RANK_CHUNK = 2000
 
 
-def _is_pg(conn: Connection) -> bool:
-    return conn.dialect.name == "postgresql"
-
-
 def window_ranks(conn: Connection, chunk: Sequence[int]) -> ColumnElement[bool]:
     """``rank_windows.rank IN chunk`` (a chunk of rank ids) for a read bounded by a
     window range. On PostgreSQL a chunk of consecutive ranks (a run's ranks are
@@ -80,7 +77,7 @@ def window_ranks(conn: Connection, chunk: Sequence[int]) -> ColumnElement[bool]:
     (py-spy), 0.4% since. A chunk with a gap keeps the IN list (``= ANY`` of an array was
     searched row by row here: 1.3 ms), and so does SQLite, a seek per rank on the primary
     key (its planner might take a rank range there and read every window of those ranks)."""
-    if _is_pg(conn) and chunk and max(chunk) - min(chunk) == len(chunk) - 1 == len(set(chunk)) - 1:
+    if is_postgres(conn) and chunk and max(chunk) - min(chunk) == len(chunk) - 1 == len(set(chunk)) - 1:
         return RW.c.rank.between(min(chunk), max(chunk))
     return RW.c.rank.in_(chunk)
 
@@ -93,7 +90,7 @@ def staged_ranks(conn: Connection, column: Any, chunk: Sequence[int]) -> ColumnE
     without the list's rendering and parsing at every execution (see
     :func:`window_ranks`). Not a rank range: that reads every staged step of those ranks
     (measured with 800 staged steps per rank: a sequential scan, 116 ms against 5 ms)."""
-    if _is_pg(conn):
+    if is_postgres(conn):
         return column == any_(literal(list(chunk), ARRAY(Integer)))  # type: ignore[no-any-return]
     return column.in_(chunk)  # type: ignore[no-any-return]
 
@@ -417,9 +414,10 @@ def _staged_series(
     """Each rank's staged steps ``lo..hi`` in step order, with the :data:`_TIMING_COLUMNS`
     of those steps, in rank order. On PostgreSQL a rank's steps come as one row of arrays
     (``array_agg``, turned into lists by the driver), not one row per step: a pass
-    analysing two new windows of two runs of 4,096 ranks with the comm section took 10.8 s
-    of the worker's CPU with a row per step, 6.8 s with the arrays (PostgreSQL's own 1.4 s
-    and 2.0 s; a scratch script, medians of four passes). SQLite keeps a row per step."""
+    analysing new windows of 4,096 ranks with the comm section took 631-646 us of the
+    worker's CPU per rank-window with a row per step, 387-394 us with the arrays
+    (PostgreSQL's own 89-95 us and 128-132 us; ``python -m benchmarks.analysis_passes``).
+    SQLite keeps a row per step."""
     names = ("step", *_TIMING_COLUMNS)
     for i in range(0, len(ids), RANK_CHUNK):
         where = (
@@ -427,7 +425,7 @@ def _staged_series(
             staged_ranks(conn, ST.c.rank, ids[i : i + RANK_CHUNK]),
             ST.c.step.between(lo, hi),
         )
-        if _is_pg(conn):
+        if is_postgres(conn):
             arrays = (func.array_agg(aggregate_order_by(ST.c[k], ST.c.step)) for k in names)
             q = select(ST.c.rank, *arrays).where(*where).group_by(ST.c.rank).order_by(ST.c.rank)
             for rank, steps, *cols in conn.execute(q):
