@@ -72,7 +72,11 @@ def test_host_bodies_carry_the_same_windows_one_host_each() -> None:
 @pytest.mark.parametrize(
     ("bench", "args", "says"),
     [
-        (ingest, ["--ranks", "32", "--steps-per-window", "8", "--windows", "1", "--rounds", "1"], "ratio"),
+        (
+            ingest,
+            ["--ranks", "32", "--steps-per-window", "8", "--windows", "1", "--rounds", "1", "--workers", "1"],
+            "ratio",
+        ),
         (query, ["--days", "1", "--ranks", "16"], "run overview"),
         (run_listing, ["--runs", "120"], "scrape_s"),
         (metrics_scrape, ["--ranks", "8,16", "--scrapes", "1", "--rounds", "1"], "ratio"),
