@@ -8,14 +8,12 @@ collector's ``stuck_collectives``."""
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -23,6 +21,8 @@ from stepwatch import _collectives
 from stepwatch._comm_timing import SEQ_RING, CommTiming, comm_hook
 from stepwatch.wire import COLLECTIVE_OPS
 from stepwatch_server.analysis.stuck_collectives import GroupCounters, stuck_collectives
+
+from .. import gloo_ranks
 
 RANKS = 4
 #: The subgroup one rank of which skips a collective.
@@ -211,8 +211,7 @@ def _worker(rank: int, init: str, out: str) -> None:
 def test_wrappers_count_every_collective_exactly_and_diagnose_a_skipped_one(tmp_path: Path) -> None:
     init = f"file://{tmp_path / 'store'}"
     out = str(tmp_path / "rank{rank}.json")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(init, out), nprocs=RANKS, join=True)
+    gloo_ranks.spawn(_worker, (init, out), RANKS)
     results = [json.loads(Path(out.format(rank=r)).read_text()) for r in range(RANKS)]
     sub = results[SUB[0]]["sub"]
     for r in results:

@@ -4,20 +4,20 @@ all-reduce (and to a user's hook it wraps), every bucket timed, sequence counter
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from stepwatch import comm_hook
 from stepwatch._comm_timing import CommTiming, count_buffer_broadcast, summarise
 from stepwatch.demo.model import GPTConfig, TinyGPT, loss_fn
+
+from .. import gloo_ranks
 
 RANKS, STEPS = 4, 3
 #: In the broadcast part, this rank enters step 2's buffer broadcast this late.
@@ -124,8 +124,7 @@ def _worker(rank: int, init: str, out: str) -> None:
 def test_hook_keeps_gradients_bit_identical_and_times_every_bucket(tmp_path: Path) -> None:
     init = f"file://{tmp_path / 'store'}"
     out = str(tmp_path / "rank{rank}.json")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(init, out), nprocs=RANKS, join=True)
+    gloo_ranks.spawn(_worker, (init, out), RANKS)
     results = [json.loads(Path(out.format(rank=r)).read_text()) for r in range(RANKS)]
     for r in results:
         assert r["builtin"] == 0, "gradients differ from DDP's built-in all-reduce"
@@ -211,7 +210,7 @@ def test_watching_a_ddp_on_a_subgroup_reduces_over_that_group(tmp_path: Path) ->
     gradients."""
     init = f"file://{tmp_path / 'store'}"
     out = str(tmp_path / "sub{rank}.json")
-    mp.spawn(_subgroup_worker, args=(init, out), nprocs=RANKS, join=True)
+    gloo_ranks.spawn(_subgroup_worker, (init, out), RANKS)
     for r in range(RANKS):
         got = json.loads(Path(out.format(rank=r)).read_text())
         assert got["mismatches"] == 0, f"rank {r}: gradients differ from DDP's own on its group"
@@ -281,7 +280,7 @@ def test_the_builtin_reduction_is_timed_per_step_from_autograd_callbacks(tmp_pat
     peers' is the time they waited for it."""
     init = f"file://{tmp_path / 'store'}"
     out = str(tmp_path / "red{rank}.json")
-    mp.spawn(_reduction_worker, args=(init, out), nprocs=RANKS, join=True)
+    gloo_ranks.spawn(_reduction_worker, (init, out), RANKS)
     results = [json.loads(Path(out.format(rank=r)).read_text()) for r in range(RANKS)]
     steps = LATE_STEP + 2
     for r in results:
@@ -366,7 +365,7 @@ def test_the_end_leaves_out_the_training_threads_own_work_after_the_reduction(tm
     before the read does not count as time in the all-reduce; a 0.1 s sleep there (not
     the thread's work) still does, so the end is not simply put back at the arrival."""
     out = tmp_path / "busy.json"
-    mp.spawn(_busy_worker, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=1, join=True)
+    gloo_ranks.spawn(_busy_worker, (f"file://{tmp_path / 'store'}", str(out)), 1)
     got = json.loads(out.read_text())
     assert got["backward_s"] >= BUSY_S, got  # the work ran inside that backward
     sync = got["sync"]
@@ -409,5 +408,5 @@ def test_a_failing_timing_never_raises_into_backward(tmp_path: Path) -> None:
     """The callbacks run inside ``loss.backward()``: a timing that fails at the arrival
     or at the end loses its timing, and the backward completes with every gradient."""
     out = tmp_path / "broken.json"
-    mp.spawn(_broken_worker, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=1, join=True)
+    gloo_ranks.spawn(_broken_worker, (f"file://{tmp_path / 'store'}", str(out)), 1)
     assert json.loads(out.read_text()) == [True, True]
