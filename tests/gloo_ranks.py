@@ -1,17 +1,19 @@
 """Real gloo ranks for the tests, forked from one server process that imported torch once.
 
 ``torch.multiprocessing.spawn`` starts each rank as a fresh interpreter, which imports
-torch (1.3 CPU-seconds here) and, in ``DistributedDataParallel``'s constructor,
-``torch._dynamo`` (2.4 CPU-seconds more: DDP asks it for its optimizer mode). Four ranks
-of a DDP test paid 14 CPU-seconds for that, more than their training. Started with the
-``forkserver`` method, the ranks are forked from a process that imported those modules
-once (per pytest worker): still separate processes with their own gloo group, started as
-torch's launcher allows. The forkserver is single-threaded, so forking it is safe where
+torch (about 1.4 CPU-seconds here) and, in ``DistributedDataParallel``'s constructor,
+``torch._dynamo`` (about 1 CPU-second more, quiet; 2.4-3.4 s of wall time when four ranks
+start at once on 2 cores: DDP asks it for its optimizer mode). The two DDP files' 18 ranks
+took 67 CPU-seconds in all, 11 forked from the server (busy time of the whole machine,
+``/proc/stat``, the files alone). With the ``forkserver`` method the ranks are forked from
+a process that imported those modules once (per pytest worker): still separate processes
+with their own gloo group, started as torch's launcher allows. The forkserver is single-threaded, so forking it is safe where
 forking a pytest worker (threads of its own) is not.
 
 A forkserver passes its children the environment it started with, not the caller's
 current one: ranks get what they need as arguments (and ``OMP_NUM_THREADS=1``, set here
-before the server starts).
+before the server starts). A preloaded module that fails to import is skipped without a
+word (Python's forkserver): the ranks then import it themselves, slower but the same.
 """
 
 from __future__ import annotations
