@@ -7,8 +7,9 @@ start at once on 2 cores: DDP asks it for its optimizer mode). The two DDP files
 took 67 CPU-seconds in all, 11 forked from the server (busy time of the whole machine,
 ``/proc/stat``, the files alone). With the ``forkserver`` method the ranks are forked from
 a process that imported those modules once (per pytest worker): still separate processes
-with their own gloo group, started as torch's launcher allows. The forkserver is single-threaded, so forking it is safe where
-forking a pytest worker (threads of its own) is not.
+with their own gloo group, started as torch's launcher allows. The forkserver is
+single-threaded, so forking it is safe where forking a pytest worker (threads of its own)
+is not.
 
 A forkserver passes its children the environment it started with, not the caller's
 current one: ranks get what they need as arguments (and ``OMP_NUM_THREADS=1``, set here
