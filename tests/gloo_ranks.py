@@ -26,8 +26,11 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-#: Imported once by the forkserver (``torch._dynamo``: see the module docstring).
-PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "stepwatch"]
+from stepwatch.demo import launch
+
+#: Imported once by the forkserver (``torch._dynamo``: see the module docstring): the
+#: evaluation harness' list, so that a process using both starts one server for both.
+PRELOAD = list(launch.PRELOAD)
 
 
 def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int) -> None:

@@ -66,6 +66,8 @@ RANKS = 4
 #: open; the cause was the analysis comparing profiled windows before their profiler
 #: entries came, which a slow demo met more often, since fixed with
 #: ``steps.profiles_through``, not these settings.)
+#: The ranks' program (``python -m``).
+RANK_MODULE = "stepwatch_server.evaluation.real_rank"
 MALLOC_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
@@ -426,7 +428,9 @@ def _start_ranks(
     profile_every: int,
     netns: Sequence[str] | None,
     record: str | None = None,
-) -> list[subprocess.Popen[bytes]]:
+) -> list[launch.Forked]:
+    """The ranks, forked from the preloaded server (:func:`launch.forked`: the seconds
+    each would spend importing torch and ``torch._dynamo`` are spent once)."""
     master = f"{NET}.1" if netns else "127.0.0.1"
     port = launch.free_port() if not netns else 29500
     procs = []
@@ -445,25 +449,30 @@ def _start_ranks(
         }
         if netns:
             env["GLOO_SOCKET_IFNAME"] = "eth0"
-        cmd = [sys.executable, "-m", "stepwatch_server.evaluation.real_rank", "--run", run]
-        cmd += ["--steps", str(steps), "--fault", s.fault, "--fault-ranks", ",".join(map(str, s.fault_ranks))]
-        cmd += ["--fault-from", str(fault_from), "--size", str(s.size), "--comm-mb", str(s.comm_mb)]
-        cmd += ["--burners", str(s.burners), "--burner-nice", str(s.contention_nice)]
-        cmd += ["--profile-every", str(profile_every), "--out", os.path.join(work, "rank{rank}.json")]
-        cmd += ["--bucket-cap-mb", str(s.bucket_cap_mb), "--warmup-steps", str(s.warmup_steps)]
+        argv = ["--run", run]
+        argv += [
+            "--steps",
+            str(steps),
+            "--fault",
+            s.fault,
+            "--fault-ranks",
+            ",".join(map(str, s.fault_ranks)),
+        ]
+        argv += ["--fault-from", str(fault_from), "--size", str(s.size), "--comm-mb", str(s.comm_mb)]
+        argv += ["--burners", str(s.burners), "--burner-nice", str(s.contention_nice)]
+        argv += ["--profile-every", str(profile_every), "--out", os.path.join(work, "rank{rank}.json")]
+        argv += ["--bucket-cap-mb", str(s.bucket_cap_mb), "--warmup-steps", str(s.warmup_steps)]
         if s.hosts:
-            cmd += ["--host", s.hosts[r]]
+            argv += ["--host", s.hosts[r]]
         if record:
-            cmd += ["--record", os.path.join(record, "rank{rank}.json")]
-        cmd = [*_niced(s.nice), *cmd]
-        if netns:
-            cmd = ["ip", "netns", "exec", netns[r], *cmd]
-        with open(os.path.join(work, f"rank{r}.log"), "wb") as log:
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+            argv += ["--record", os.path.join(record, "rank{rank}.json")]
+        log = os.path.join(work, f"rank{r}.log")
+        ns = netns[r] if netns else None
+        procs.append(launch.forked(RANK_MODULE, argv, env=env, log_path=log, nice=s.nice, netns=ns))
     return procs
 
 
-def _stop_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+def _stop_all(procs: Sequence[launch.RankProcess]) -> None:
     for p in procs:
         if p.poll() is None:
             p.kill()
@@ -724,7 +733,7 @@ def _slug(name: str) -> str:
 
 def _wait(
     s: RealScenario,
-    procs: Sequence[subprocess.Popen[bytes]],
+    procs: Sequence[launch.RankProcess],
     url: str,
     run: str,
     work: str,
