@@ -1,7 +1,6 @@
-"""Process management for the demo and the end-to-end tests: a collector process and
-N training ranks on loopback, always cleaned up (also on Ctrl-C), never orphaned; and
-ranks forked from a server that imported torch once (:func:`forked`, for the evaluation
-harness)."""
+"""Process management for the demo, the evaluation harness and the end-to-end tests: a
+collector process and N training ranks on loopback, always cleaned up (also on Ctrl-C),
+never orphaned. Ranks are forked from a server that imported torch once (:func:`forked`)."""
 
 from __future__ import annotations
 
@@ -63,7 +62,7 @@ def free_port() -> int:
         return picked
 
 
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+def _stop(proc: RankProcess, grace_s: float = 5.0) -> None:
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
@@ -127,10 +126,11 @@ def ranks(
     *,
     env: Mapping[str, str] | None = None,
     log_dir: str,
-) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Start ``n`` gloo ranks of ``stepwatch.demo.train`` with torchrun's environment."""
+) -> Iterator[list[Forked]]:
+    """Start ``n`` gloo ranks of ``stepwatch.demo.train`` with torchrun's environment,
+    forked from the preloaded server (:func:`forked`)."""
     master_port = free_port()
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Forked] = []
     try:
         for r in range(n):
             rank_env = {
@@ -144,15 +144,8 @@ def ranks(
                 "MASTER_PORT": str(master_port),
                 "OMP_NUM_THREADS": "1",
             }
-            with open(os.path.join(log_dir, f"rank{r}.log"), "wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "stepwatch.demo.train", *train_args],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=rank_env,
-                    )
-                )
+            log = os.path.join(log_dir, f"rank{r}.log")
+            procs.append(forked("stepwatch.demo.train", train_args, env=rank_env, log_path=log))
         yield procs
     finally:
         for p in procs:
@@ -217,10 +210,29 @@ PRELOAD = (
 #: forkserver, not from the environment it asks for. A rank that asks for other values of
 #: these than the forkserver started with is started as a fresh interpreter instead.
 _AT_START = ("OMP_", "MALLOC_", "GLIBC_TUNABLES", "LD_", "PYTHON")
+#: The allocator settings that glibc's ``mallopt`` sets in a running process as the
+#: variables do at its start (each also fixes the mmap threshold, as the variable does).
+#: The forkserver starts without them and a rank applies those it asks for, so one server
+#: serves the harness' ranks (``evaluation.real.MALLOC_ENV``) and the demo's (the
+#: allocator's defaults, as a user's job has).
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3}
 
 
 def _read_at_start(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_AT_START)}
+    """``env``'s variables read at start that only a process' start can set."""
+    return {k: v for k, v in env.items() if k.startswith(_AT_START) and k not in _MALLOPT}
+
+
+def _mallopt(env: Mapping[str, str]) -> bool:
+    """Apply ``env``'s :data:`_MALLOPT` settings to this process; False where one could not be."""
+    asked = {k: v for k, v in env.items() if k in _MALLOPT}
+    if not asked:
+        return True
+    try:
+        libc = ctypes.CDLL(None)
+        return all(libc.mallopt(_MALLOPT[k], int(v)) == 1 for k, v in asked.items())
+    except (AttributeError, OSError, ValueError):  # not glibc, or a value glibc would parse itself
+        return False
 
 
 _CLONE_NEWNET = 0x40000000
@@ -252,7 +264,12 @@ def _run_forked(
         _enter_netns(netns)
     if nice:
         os.nice(nice)
-    if _read_at_start(os.environ) != _read_at_start(env):  # a server started otherwise
+    server = os.environ  # the forkserver's, as it started
+    if (
+        _read_at_start(server) != _read_at_start(env)
+        or any(k in server for k in _MALLOPT)
+        or not _mallopt(env)
+    ):
         os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
     os.environ.clear()
     os.environ.update(env)
@@ -316,13 +333,14 @@ def forked(
     """``python -m module argv`` with exactly ``env``, its output to ``log_path``, at
     niceness ``nice`` above the forkserver's, in network namespace ``netns``: forked from
     this process' forkserver (Python's, started at the first call with :data:`PRELOAD`
-    and this process' environment updated by ``env``'s variables read at start), so the
-    rank starts at its own code. Still a process of its own with its own gloo group; a
-    rank whose variables read at start differ from the forkserver's is started as a fresh
-    interpreter in the same way (``execve``), never with the wrong ones."""
+    and this process' environment, its variables read at start replaced by ``env``'s but
+    for :data:`_MALLOPT`), so the rank starts at its own code. Still a process of its own
+    with its own gloo group; a rank whose variables read at start differ from the
+    forkserver's is started as a fresh interpreter in the same way (``execve``), never
+    with the wrong ones."""
     ctx = multiprocessing.get_context("forkserver")
     wanted = _read_at_start(env)
-    saved = {k: os.environ.get(k) for k in set(wanted) | set(_read_at_start(os.environ))}
+    saved = {k: os.environ.get(k) for k in set(wanted) | {k for k in os.environ if k.startswith(_AT_START)}}
     try:  # the forkserver starts with exactly these, if it starts now
         for k in saved:
             os.environ.pop(k, None)

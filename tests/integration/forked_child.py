@@ -3,6 +3,7 @@ it then exits with the code its first argument names (``sleep``: waits to be kil
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import socket
@@ -13,6 +14,40 @@ import time
 # not at all (a fresh interpreter, which this module never makes import it).
 PRELOADED = "torch" in sys.modules
 
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+        )
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def _kept_after_free(size: int) -> int:
+    """The top of the heap the allocator keeps after ``size`` bytes are freed: the block
+    itself where it came from the heap and is not given back (a trim threshold above it),
+    little where it was mapped apart (above the mmap threshold, 32 MiB at most by default
+    glibc's dynamic one) or trimmed."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallinfo2.restype = _Mallinfo2
+    block = libc.malloc(size)
+    libc.free(block)
+    return int(libc.mallinfo2().keepcost)
+
+
+KEPT = _kept_after_free(24 << 20)
+
 print(
     json.dumps(
         {
@@ -22,6 +57,7 @@ print(
             "preloaded": PRELOADED,
             "interfaces": sorted(name for _, name in socket.if_nameindex()),
             "main": __name__,
+            "kept": KEPT,
         }
     ),
     flush=True,

@@ -23,6 +23,13 @@ def main() -> None:
         ("exits 3", ["3"], base, 7, None),
         ("killed", ["sleep"], base, 0, None),
         ("other OMP", ["0"], {**base, "OMP_NUM_THREADS": "2"}, 0, None),
+        (
+            "allocator",
+            ["0"],
+            {**base, "MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)},
+            0,
+            None,
+        ),
     ]
     if netns:
         cases.append(("netns", ["0"], base, 0, netns))

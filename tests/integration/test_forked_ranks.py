@@ -3,7 +3,8 @@ launcher) are what ``[ip netns exec NS] nice -n N python -m MODULE ARGS`` with t
 environment would be: their own argv, exactly the asked environment, their niceness,
 their network namespace, their exit code (``-9`` when killed), with torch already
 imported. A rank that asks for a variable read at a process' start (here
-``OMP_NUM_THREADS``) other than the forkserver's gets a fresh interpreter instead.
+``OMP_NUM_THREADS``) other than the forkserver's gets a fresh interpreter instead; the
+allocator's settings that ``mallopt`` can set, it sets in the forked rank.
 
 Real processes: a driver (``forked_driver.py``) run as a process of its own, so that the
 forkserver is the one ``forked`` starts whatever this test worker started before, forks
@@ -64,6 +65,14 @@ def test_a_forked_rank_is_the_process_its_command_line_would_be() -> None:
     assert other["rc"] == 0
     assert not other["seen"]["preloaded"], "a variable read at start differs: a fresh interpreter"
     assert other["seen"]["env"] == other["asked"] and other["seen"]["env"]["OMP_NUM_THREADS"] == "2"
+
+    # The allocator's settings, read at start by glibc, set by mallopt in a forked rank: a
+    # freed 24 MiB block stays on the heap (mmap threshold 32 MiB, trim threshold 1 GiB),
+    # where with the defaults it was mapped apart or trimmed.
+    alloc = cases["allocator"]
+    assert alloc["rc"] == 0 and alloc["seen"]["preloaded"], "one forkserver for ranks with and without"
+    assert alloc["seen"]["env"] == alloc["asked"]
+    assert alloc["seen"]["kept"] >= 24 << 20 > seen["kept"], (alloc["seen"]["kept"], seen["kept"])
 
     inside = cases["netns"]
     assert inside["rc"] == 0 and inside["seen"]["preloaded"]
