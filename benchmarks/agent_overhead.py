@@ -146,20 +146,25 @@ def _pair(
 
 
 def pin_alike(pids: Sequence[int]) -> None:
-    """Pin the ``r``-th process (each of its threads so far; later ones inherit it) to core
-    ``r`` modulo the cores this process may use, so that two jobs pinned alike share each
-    core rank for rank (module docstring). Started a moment ago, a rank is still importing
-    torch: its training, sender and profiler threads start after this. Linux only; a
-    process already gone is left alone (its rank failed, which ``wait_all`` reports)."""
+    """Pin the ``r``-th process (each of its threads; later ones inherit it) to core ``r``
+    modulo the cores this process may use, so that two jobs pinned alike share each core
+    rank for rank (module docstring). A rank forked from the preloaded server is already
+    running its own code and may start threads (gloo's, the agent's) while it is pinned:
+    its threads are listed again until a pass finds none unpinned, after which every new
+    thread is made by a pinned one and inherits the core. Linux only; a process already
+    gone is left alone (its rank failed, which ``wait_all`` reports)."""
     if not hasattr(os, "sched_setaffinity"):  # not Linux: the scheduler places them
         return
     cores = sorted(os.sched_getaffinity(0))
     for r, pid in enumerate(pids):
         core = {cores[r % len(cores)]}
+        pinned: set[str] = set()
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(ProcessLookupError):
-                    os.sched_setaffinity(int(tid), core)
+            while new := set(os.listdir(f"/proc/{pid}/task")) - pinned:
+                for tid in new:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.sched_setaffinity(int(tid), core)
+                pinned |= new
 
 
 def measured_together(outs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, dict[str, float]]:

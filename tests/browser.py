@@ -35,8 +35,10 @@ def _driver(user_dir: str) -> Any:
 
 
 @pytest.fixture
-def browser() -> Iterator[Any]:
-    os.environ.setdefault("SE_OFFLINE", "true")  # Debian's chromedriver; never download one
+def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    # Debian's chromedriver; never download one. For this test only: a variable left set
+    # would make every later rank differ from the forkserver's (``launch.forked``).
+    monkeypatch.setenv("SE_OFFLINE", os.environ.get("SE_OFFLINE", "true"))
     with tempfile.TemporaryDirectory() as user_dir:
         driver = _driver(user_dir)
         try:

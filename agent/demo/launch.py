@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections.abc import Iterator, Mapping, Sequence
@@ -126,11 +127,11 @@ def ranks(
     *,
     env: Mapping[str, str] | None = None,
     log_dir: str,
-) -> Iterator[list[Forked]]:
+) -> Iterator[list[RankProcess]]:
     """Start ``n`` gloo ranks of ``stepwatch.demo.train`` with torchrun's environment,
     forked from the preloaded server (:func:`forked`)."""
     master_port = free_port()
-    procs: list[Forked] = []
+    procs: list[RankProcess] = []
     try:
         for r in range(n):
             rank_env = {
@@ -197,6 +198,7 @@ class RankProcess(Protocol):
 #: harness, 4.4 s of imports and 3.8 s of constructor of the 9.1-9.8 s from launch to the
 #: end of step 1, four ranks starting at once on 2 cores.
 PRELOAD = (
+    "stepwatch.demo._forkserver_env",  # first: the environment the server started with
     "torch",
     "torch.distributed",
     "torch.nn.parallel",
@@ -205,33 +207,58 @@ PRELOAD = (
     "stepwatch.demo.model",
 )
 
-#: Variables read once when a process starts (the C library's allocator settings, OpenMP's
-#: thread count, the dynamic loader's, Python's own): a forked rank inherits them from the
-#: forkserver, not from the environment it asks for. A rank that asks for other values of
-#: these than the forkserver started with is started as a fresh interpreter instead.
-_AT_START = ("OMP_", "MALLOC_", "GLIBC_TUNABLES", "LD_", "PYTHON")
-#: The allocator settings that glibc's ``mallopt`` sets in a running process as the
-#: variables do at its start (each also fixes the mmap threshold, as the variable does).
-#: The forkserver starts without them and a rank applies those it asks for, so one server
+#: The variables a rank may have that the forkserver has not (or has otherwise): the ones
+#: read only once the rank's own code runs (torch.distributed's rendezvous, gloo's first
+#: connection, the agent's ``init``, the terminal's size when output is laid out; pytest's
+#: marker of the current test). Any other
+#: difference (``OMP_NUM_THREADS`` or ``MALLOC_ARENA_MAX`` read when a library loads,
+#: ``TORCH_LOGS`` or ``TORCH_DISTRIBUTED_DEBUG`` when torch is imported, ``PYTHON*`` or
+#: ``LANG`` when the interpreter starts) and the rank is started as a fresh interpreter.
+_READ_LATER = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GLOO_SOCKET_IFNAME",
+        "COLUMNS",
+        "LINES",
+        "PYTEST_CURRENT_TEST",
+    }
+)
+#: The allocator settings glibc's ``mallopt`` sets in a running process as these variables
+#: do at its start (each also fixes the mmap threshold, as the variable does): the
+#: forkserver starts without them and a rank applies those it asks for, so one server
 #: serves the harness' ranks (``evaluation.real.MALLOC_ENV``) and the demo's (the
 #: allocator's defaults, as a user's job has).
 _MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3}
 
 
-def _read_at_start(env: Mapping[str, str]) -> dict[str, str]:
-    """``env``'s variables read at start that only a process' start can set."""
-    return {k: v for k, v in env.items() if k.startswith(_AT_START) and k not in _MALLOPT}
+def _fixed(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of ``env`` a forked rank must share with its forkserver."""
+    return {
+        k: v
+        for k, v in env.items()
+        if k not in _READ_LATER and k not in _MALLOPT and not k.startswith("STEPWATCH_")
+    }
 
 
 def _mallopt(env: Mapping[str, str]) -> bool:
-    """Apply ``env``'s :data:`_MALLOPT` settings to this process; False where one could not be."""
+    """Apply ``env``'s :data:`_MALLOPT` settings to this process; False where one could not
+    be (not glibc, or a value mallopt's ``int`` cannot hold: glibc then parses it itself)."""
     asked = {k: v for k, v in env.items() if k in _MALLOPT}
     if not asked:
         return True
     try:
+        values = {k: int(v) for k, v in asked.items()}
+        if not all(0 <= v < 2**31 for v in values.values()):
+            return False
         libc = ctypes.CDLL(None)
-        return all(libc.mallopt(_MALLOPT[k], int(v)) == 1 for k, v in asked.items())
-    except (AttributeError, OSError, ValueError):  # not glibc, or a value glibc would parse itself
+        return all(libc.mallopt(ctypes.c_int(_MALLOPT[k]), ctypes.c_int(v)) == 1 for k, v in values.items())
+    except Exception:
         return False
 
 
@@ -240,7 +267,8 @@ _CLONE_NEWNET = 0x40000000
 
 def _enter_netns(name: str) -> None:
     """Join the network namespace ``ip netns add`` made (what ``ip netns exec`` does for
-    the network; ``os.setns`` is Python 3.12's)."""
+    the network; ``os.setns`` is Python 3.12's). Nothing in the ranks reads ``/sys`` or
+    ``/etc/netns``, the parts of ``ip netns exec`` left out."""
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
     try:
@@ -251,12 +279,31 @@ def _enter_netns(name: str) -> None:
         os.close(fd)
 
 
+def _why_fresh(started: Mapping[str, str] | None, env: Mapping[str, str]) -> str:
+    """Why a rank asking for ``env`` cannot be forked from a server that started with
+    ``started`` (and applies ``env``'s :data:`_MALLOPT` settings where it can); "" if it can."""
+    if started is None:
+        return "the forkserver was not started by launch.forked"
+    a, b = _fixed(started), _fixed(env)
+    if differ := sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k)):
+        return f"{', '.join(differ[:5])} differ from the forkserver's"
+    if set(started) & set(_MALLOPT):
+        return "the forkserver started with allocator settings"
+    if not _mallopt(env):
+        return "mallopt could not apply the allocator settings"
+    return ""
+
+
 def _run_forked(
     module: str, argv: list[str], env: dict[str, str], log_path: str, nice: int, netns: str | None
 ) -> None:
     """In the forked child: become what ``[ip netns exec NS] [nice -n N] python -m module
-    argv`` with ``env`` and its output to ``log_path`` would be, then run the module."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    argv`` with ``env`` and its output to ``log_path`` would be, then run the module and
+    leave as the interpreter would (its threads joined, then the exit handlers, C's
+    buffers flushed; an uncaught ``KeyboardInterrupt`` is death by SIGINT). What stays
+    the forkserver's: ``sys.path`` and the interpreter's flags (the launcher's, as
+    ``python -m`` would have them), and the hash seed, shared by the ranks."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT, 0o644)  # made empty by forked()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -264,61 +311,119 @@ def _run_forked(
         _enter_netns(netns)
     if nice:
         os.nice(nice)
-    server = os.environ  # the forkserver's, as it started
-    if (
-        _read_at_start(server) != _read_at_start(env)
-        or any(k in server for k in _MALLOPT)
-        or not _mallopt(env)
-    ):
+    # The forkserver's environment as it started (None: a server this module did not start).
+    started: dict[str, str] | None = getattr(
+        sys.modules.get("stepwatch.demo._forkserver_env"), "AT_START", None
+    )
+    why = _why_fresh(started, env)
+    if why or started is None:
+        print(f"stepwatch.demo.launch: a fresh interpreter, not forked: {why}", file=sys.stderr, flush=True)
         os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+    # The asked environment, with what the preloaded imports added to it, as they would
+    # have in the rank (torch._dynamo's TORCHINDUCTOR_CACHE_DIR).
+    added = {k: v for k, v in os.environ.items() if k not in started and k not in env}
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update({**env, **added})
+    # Fresh streams on the log, buffered as an interpreter's on a file are; the rank's own
+    # default start method (multiprocessing's child of a forkserver inherits that method).
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+    multiprocessing.set_start_method(None, force=True)
     sys.argv = [module, *argv]
+    interrupted = False
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        interrupted = True
+        sys.excepthook(*sys.exc_info())
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        raise SystemExit(1) from None
     finally:
-        # A forkserver's child leaves with os._exit: run what the interpreter runs at exit.
+        # A forkserver's child leaves with os._exit: what the interpreter does at exit.
+        threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None).fflush(None)
+        if interrupted:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 class Forked:
     """A rank forked from the forkserver, with :class:`RankProcess`'s methods. Signals go
-    through a pidfd, so that one sent after the rank exited (the forkserver reaps it at
-    once, and its pid may be taken again) reaches nobody."""
+    through a pidfd where the kernel has them (Linux 5.3), so that one sent after the rank
+    exited (the forkserver reaps it at once, and its pid may be taken again) reaches
+    nobody; elsewhere through its pid, once its exit was not seen."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
         self._process = process
         assert process.pid is not None
         self.pid: int = process.pid
-        try:
+        self._pidfd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):  # no pidfd_open, or exited and reaped
             self._pidfd = os.pidfd_open(self.pid)
-        except ProcessLookupError:  # exited and reaped already: nothing left to signal
-            self._pidfd = -1
 
     @property
     def returncode(self) -> int | None:
-        return self._process.exitcode
+        return self.poll()
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        code = self._process.exitcode
+        if code is not None and self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        return code
 
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
-        code = self._process.exitcode
+        code = self.poll()
         if code is None:
             raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0.0)
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
         return code
 
     def send_signal(self, sig: int) -> None:
-        if self._pidfd >= 0 and self._process.exitcode is None:
-            with contextlib.suppress(ProcessLookupError):
+        if self.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            if self._pidfd is not None:
                 signal.pidfd_send_signal(self._pidfd, sig)
+            else:
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+_server_lock = threading.Lock()
+_server_started = False
+
+
+def _start_server(env: Mapping[str, str]) -> None:
+    """Start this process' forkserver, once, with :data:`PRELOAD` and exactly ``env``'s
+    :func:`_fixed` part as its environment (Python's forkserver takes the caller's). The
+    environment is swapped for that moment only, before any rank exists; a forkserver
+    that was already running (another user of it in this process) is left as it is: its
+    ranks whose environment differs start as fresh interpreters."""
+    global _server_started
+    with _server_lock:
+        if _server_started:
+            return
+        saved = dict(os.environ)
+        try:
+            os.environ.clear()
+            os.environ.update(_fixed(env))
+            multiprocessing.set_forkserver_preload(list(PRELOAD))
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _server_started = True
 
 
 def forked(
@@ -329,31 +434,24 @@ def forked(
     log_path: str,
     nice: int = 0,
     netns: str | None = None,
-) -> Forked:
+) -> RankProcess:
     """``python -m module argv`` with exactly ``env``, its output to ``log_path``, at
     niceness ``nice`` above the forkserver's, in network namespace ``netns``: forked from
-    this process' forkserver (Python's, started at the first call with :data:`PRELOAD`
-    and this process' environment, its variables read at start replaced by ``env``'s but
-    for :data:`_MALLOPT`), so the rank starts at its own code. Still a process of its own
-    with its own gloo group; a rank whose variables read at start differ from the
-    forkserver's is started as a fresh interpreter in the same way (``execve``), never
-    with the wrong ones."""
-    ctx = multiprocessing.get_context("forkserver")
-    wanted = _read_at_start(env)
-    saved = {k: os.environ.get(k) for k in set(wanted) | {k for k in os.environ if k.startswith(_AT_START)}}
-    try:  # the forkserver starts with exactly these, if it starts now
-        for k in saved:
-            os.environ.pop(k, None)
-        os.environ.update(wanted)
-        multiprocessing.set_forkserver_preload(list(PRELOAD))
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    p = ctx.Process(
+    this process' forkserver (Python's, started at the first call, :func:`_start_server`),
+    so the rank starts at its own code. Still a process of its own with its own gloo
+    group. A rank whose environment differs from the forkserver's in more than what is
+    read later (:data:`_READ_LATER`, ``STEPWATCH_*``, :data:`_MALLOPT`) is started as a
+    fresh interpreter (``execve``), never with the wrong variables; so is every rank
+    where Python has no forkserver (not Unix)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        with open(log_path, "wb") as log:
+            cmd = [*(["nice", "-n", str(nice)] if nice else []), sys.executable, "-m", module, *argv]
+            cmd = ["ip", "netns", "exec", netns, *cmd] if netns else cmd
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env))
+    _start_server(env)
+    with open(log_path, "wb"):  # there on return, as with Popen
+        pass
+    p = multiprocessing.get_context("forkserver").Process(
         target=_run_forked, args=(module, list(argv), dict(env), log_path, nice, netns), name=module
     )
     # Python's forkserver runs the parent's main module again in each child (as

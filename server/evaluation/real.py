@@ -44,6 +44,8 @@ import httpx
 from stepwatch.demo import launch
 
 RANKS = 4
+#: The ranks' program (``python -m``, forked by :func:`launch.forked`).
+RANK_MODULE = "stepwatch_server.evaluation.real_rank"
 #: glibc's allocator in the ranks and the collector keeps what it got from the kernel
 #: instead of handing it back every step (no heap trim; blocks up to 32 MiB, all of this
 #: model's tensors, from the heap, not their own mmap), so that the training loop makes no
@@ -66,8 +68,6 @@ RANKS = 4
 #: open; the cause was the analysis comparing profiled windows before their profiler
 #: entries came, which a slow demo met more often, since fixed with
 #: ``steps.profiles_through``, not these settings.)
-#: The ranks' program (``python -m``).
-RANK_MODULE = "stepwatch_server.evaluation.real_rank"
 MALLOC_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
@@ -341,9 +341,10 @@ def _session_niceness(nice: int) -> Iterator[None]:
     With ``kernel.sched_autogroup_enabled`` (the default on most distributions) the CPU is
     shared fairly between sessions first and niceness only orders the processes within
     one, so other sessions' work (other test runs, builds) takes its share from the
-    scenario whatever the niceness of its processes. The scenario's processes are
-    children of this one, in its session: raising the session's own weight is what keeps
-    their share steady. Where there are no autogroups the per-process niceness does it.
+    scenario whatever the niceness of its processes. The scenario's processes (the
+    collector, the burner, the ranks its forkserver forks) are this one's descendants in
+    its session: raising the session's own weight is what keeps their share steady.
+    Where there are no autogroups the per-process niceness does it.
     """
     path = "/proc/self/autogroup"
     before: str | None = None
@@ -428,12 +429,12 @@ def _start_ranks(
     profile_every: int,
     netns: Sequence[str] | None,
     record: str | None = None,
-) -> list[launch.Forked]:
+) -> list[launch.RankProcess]:
     """The ranks, forked from the preloaded server (:func:`launch.forked`: the seconds
     each would spend importing torch and ``torch._dynamo`` are spent once)."""
     master = f"{NET}.1" if netns else "127.0.0.1"
     port = launch.free_port() if not netns else 29500
-    procs = []
+    procs: list[launch.RankProcess] = []
     for r in range(RANKS):
         env = {
             **os.environ,

@@ -1,5 +1,7 @@
 """What a rank forked by ``launch.forked`` sees, written as one JSON line to its output;
-it then exits with the code its first argument names (``sleep``: waits to be killed)."""
+it then does what its first argument says: exit with that code, ``sleep`` (until
+killed), ``interrupt`` (an uncaught KeyboardInterrupt) or ``raise`` (an uncaught error).
+Its last line is written without a flush: the interpreter's exit flushes it."""
 
 from __future__ import annotations
 
@@ -35,10 +37,11 @@ class _Mallinfo2(ctypes.Structure):
 def _kept_after_free(size: int) -> int:
     """The top of the heap the allocator keeps after ``size`` bytes are freed: the block
     itself where it came from the heap and is not given back (a trim threshold above it),
-    little where it was mapped apart (above the mmap threshold, 32 MiB at most by default
-    glibc's dynamic one) or trimmed."""
+    little where it was mapped apart (above the mmap threshold: glibc's default one moves
+    up to 32 MiB) or trimmed."""
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     libc.mallinfo2.restype = _Mallinfo2
     block = libc.malloc(size)
@@ -46,11 +49,13 @@ def _kept_after_free(size: int) -> int:
     return int(libc.mallinfo2().keepcost)
 
 
-KEPT = _kept_after_free(24 << 20)
+BLOCK = 31 << 20
+KEPT = _kept_after_free(BLOCK)
 
 print(
     json.dumps(
         {
+            "pid": os.getpid(),
             "argv": sys.argv[1:],
             "env": dict(os.environ),
             "nice": os.nice(0),
@@ -62,6 +67,12 @@ print(
     ),
     flush=True,
 )
-if sys.argv[1] == "sleep":
+what = sys.argv[1]
+if what == "sleep":
     time.sleep(120)
-raise SystemExit(int(sys.argv[1]))
+print("last line, not flushed")
+if what == "interrupt":
+    raise KeyboardInterrupt
+if what == "raise":
+    raise ValueError("the rank failed")
+raise SystemExit(int(what))
