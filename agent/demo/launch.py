@@ -210,10 +210,10 @@ PRELOAD = (
 #: The variables a rank may have that the forkserver has not (or has otherwise): the ones
 #: read only once the rank's own code runs (torch.distributed's rendezvous, gloo's first
 #: connection, the agent's ``init``, the terminal's size when output is laid out; pytest's
-#: marker of the current test). Any other
-#: difference (``OMP_NUM_THREADS`` or ``MALLOC_ARENA_MAX`` read when a library loads,
-#: ``TORCH_LOGS`` or ``TORCH_DISTRIBUTED_DEBUG`` when torch is imported, ``PYTHON*`` or
-#: ``LANG`` when the interpreter starts) and the rank is started as a fresh interpreter.
+#: marker of the current test). Any other difference (``OMP_NUM_THREADS`` or
+#: ``MALLOC_ARENA_MAX`` read when a library loads, ``TORCH_LOGS`` or
+#: ``TORCH_DISTRIBUTED_DEBUG`` when torch is imported, ``PYTHON*`` or ``LANG`` when the
+#: interpreter starts) and the rank is started as a fresh interpreter.
 _READ_LATER = frozenset(
     {
         "RANK",
