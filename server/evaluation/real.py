@@ -450,15 +450,8 @@ def _start_ranks(
         }
         if netns:
             env["GLOO_SOCKET_IFNAME"] = "eth0"
-        argv = ["--run", run]
-        argv += [
-            "--steps",
-            str(steps),
-            "--fault",
-            s.fault,
-            "--fault-ranks",
-            ",".join(map(str, s.fault_ranks)),
-        ]
+        argv = ["--run", run, "--steps", str(steps), "--fault", s.fault]
+        argv += ["--fault-ranks", ",".join(map(str, s.fault_ranks))]
         argv += ["--fault-from", str(fault_from), "--size", str(s.size), "--comm-mb", str(s.comm_mb)]
         argv += ["--burners", str(s.burners), "--burner-nice", str(s.contention_nice)]
         argv += ["--profile-every", str(profile_every), "--out", os.path.join(work, "rank{rank}.json")]
