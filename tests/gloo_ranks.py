@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from stepwatch.demo import launch
 
 #: Imported once by the forkserver (``torch._dynamo``: see the module docstring): the
-#: evaluation harness' list, so that a process using both starts one server for both.
+#: launcher's list (``launch.forked``), written once.
 PRELOAD = list(launch.PRELOAD)
 
 

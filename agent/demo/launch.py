@@ -369,10 +369,6 @@ class Forked:
         with contextlib.suppress(AttributeError, OSError):  # no pidfd_open, or exited and reaped
             self._pidfd = os.pidfd_open(self.pid)
 
-    @property
-    def returncode(self) -> int | None:
-        return self.poll()
-
     def poll(self) -> int | None:
         code = self._process.exitcode
         if code is not None and self._pidfd is not None:
