@@ -11,8 +11,11 @@ reporting) are exported, and per-rank series exist only for a run's flagged rank
 
 The collector keeps a small per-run memory, never data that grows with a run: the frozen
 baseline, the token count summed so far (so each scrape adds only the steps that
-settled since the last one; the first scrape after a start sums the run once) and the
-longest checkpoint/eval step seen. The memory holds at most ``4 x max_runs`` runs.
+settled since the last one; the first scrape after a start sums the run once), the
+longest checkpoint/eval step seen, and the complete window's census with its slowest
+ranks by step time (read again only when a rank stores a step of that window: its
+signature in ``job_steps``, ``read.window_signatures``; at 16,384 ranks the census was a
+third of a scrape). The memory holds at most ``4 x max_runs`` runs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from .families import empty_families, families
 
 log = logging.getLogger(__name__)
 
+#: The per-rank quantities of a window's census (``read.window_census``).
+CENSUS_QUANTITIES = ("step_time", "data_wait")
 #: Statuses after which no more steps are expected, so every step's tokens are counted.
 SETTLED: frozenset[RunStatus] = frozenset({"finished", "stalled"})
 
@@ -69,6 +74,17 @@ class ExporterConfig:
         return series_bound(self.max_runs, self.top_k, self.max_flagged)
 
 
+@dataclass(frozen=True)
+class _Census:
+    """A window's census as read, with the signature it was read at
+    (:func:`read.window_signatures`) and, for a run without a profiler, its slowest ranks."""
+
+    window: int
+    signature: read.Signature
+    census: read.WindowCensus
+    top: tuple[tuple[int, float], ...] | None = None
+
+
 @dataclass
 class _Memory:
     baseline: state.RunBaseline | None = None
@@ -76,6 +92,8 @@ class _Memory:
     tokens_through: int = -1
     tokens_total: float = 0.0
     longest_tagged_s: float = 0.0
+    #: The complete window's census: read again only when its signature changes.
+    census: _Census | None = None
 
 
 class RunStateCollector(Collector):
@@ -141,7 +159,7 @@ class RunStateCollector(Collector):
         }
         added = read.token_sums(conn, spans)
         reporting = {i: s.ranks_since for i, s in states.items()}
-        ranks = _read_ranks(conn, heads, tail, reporting, read.open_events(conn, ids), cfg)
+        ranks = _read_ranks(conn, heads, tail, reporting, read.open_events(conn, ids), cfg, mem)
         totals = read.event_totals(conn, ids)
 
         views = []
@@ -210,6 +228,7 @@ def _read_ranks(
     reporting: dict[int, int],
     events: dict[int, list[state.EventRow]],
     cfg: ExporterConfig,
+    mem: dict[int, _Memory],
 ) -> dict[int, _View]:
     """Each run's ranks as the database summarises them: which window is complete, the
     quantiles across ranks, the breakdown means and the top-K, then the rows of the
@@ -217,7 +236,16 @@ def _read_ranks(
     newest = {h.id: state.windows_in_view(tail[h.id].last_step, h.window_steps)[1] for h in heads}
     prev = {i: max(0, w - 1) for i, w in newest.items()}
     # The previous window of each run, and the newest only where the previous has no row.
-    at_prev = read.window_census(conn, prev)
+    # The previous window's census is read again only if a rank stored a step of it since
+    # it was last read (its signature: ``window_steps`` rows, not a pass over the ranks).
+    sizes = {h.id: h.window_steps for h in heads}
+    signatures = read.window_signatures(conn, {i: (w, sizes[i]) for i, w in prev.items()})
+    kept = {i: k for i in prev if (k := _kept_census(mem[i], prev[i], signatures.get(i)))}
+    at_prev = {i: k.census for i, k in kept.items()}
+    read_now = read.window_census(conn, {i: w for i, w in prev.items() if i not in kept})
+    for i, census_read in read_now.items():
+        mem[i].census = _Census(prev[i], signatures.get(i, (0, 0)), census_read)
+    at_prev |= read_now
     first = {i: w for i, w in newest.items() if i not in at_prev and w != prev[i]}
     at_newest = read.window_census(conn, first)
     census = {i: {prev[i]: c} for i, c in at_prev.items()} | {i: {newest[i]: c} for i, c in at_newest.items()}
@@ -252,15 +280,27 @@ def _read_ranks(
         for h in heads
     }
     stats = read.order_statistics(conn, {i: q for i, q in wanted.items() if q})
+    for i in wanted:  # the census' quantiles kept with it, on SQLite too
+        memo = mem[i].census
+        if memo is not None and memo.census.quantiles is None and memo.window == complete[i]:
+            n = memo.census.ranks
+            interpolated = {q: state.interpolate(n, stats.get(i, {}).get(q, {})) for q in CENSUS_QUANTITIES}
+            mem[i].census = replace(memo, census=replace(memo.census, quantiles=interpolated))
     key = {i: "compute" if d["compute"][0] else "step_time" for i, d in dists.items()}
     top_at = {
         i: (key[i], d[key[i]][3]) for i, d in dists.items() if d[key[i]][0] and d[key[i]][3] is not None
     }
-    top = (
-        read.top_ranks(conn, {i: (q, w) for i, (q, w) in top_at.items() if w is not None}, cfg.top_k)
-        if cfg.top_k > 0
-        else {}
-    )
+    # By step time (no profiler), the slowest ranks of a kept census are kept with it.
+    top = {i: list(t) for i, (q, w) in top_at.items() if (t := _kept_top(mem[i], q, w)) is not None}
+    if cfg.top_k > 0:
+        rest = {i: (q, w) for i, (q, w) in top_at.items() if i not in top and w is not None}
+        top |= read.top_ranks(conn, rest, cfg.top_k)
+        for i, (q, w) in top_at.items():
+            memo = mem[i].census
+            if q == "step_time" and memo is not None and memo.window == w and memo.top is None:
+                mem[i].census = replace(memo, top=tuple(top[i]))
+    else:
+        top = {}
     flagged = {h.id: state.flagged_ranks(events[h.id], cfg.max_flagged) for h in heads}
     selected = {}
     for h in heads:
@@ -298,6 +338,22 @@ def _read_ranks(
             overlap=overlap,
         )
     return views
+
+
+def _kept_census(m: _Memory, window: int, signature: read.Signature | None) -> _Census | None:
+    """The census remembered for ``window`` if no step of it was stored since it was read."""
+    c = m.census
+    if c is None or signature is None or c.window != window or c.signature != signature:
+        return None
+    return c
+
+
+def _kept_top(m: _Memory, quantity: str, window: int | None) -> tuple[tuple[int, float], ...] | None:
+    """The slowest ranks by step time remembered with the census in use for ``window``."""
+    c = m.census
+    if quantity != "step_time" or c is None or c.window != window:
+        return None
+    return c.top
 
 
 def _snapshot(

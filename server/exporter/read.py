@@ -11,6 +11,12 @@ rows of the newest windows into objects and sorting them in Python was 85% of a 
 16,384 ranks. The one exception is the first token sum of a run after the collector
 starts (see ``collector.py``), which reads the run's steps once.
 
+Three reads still pass over one window's rows of every rank: the complete window's census
+(quantiles and totals of step time and data wait), the newest profiled window's summary
+and the status count over ``ranks``. The collector keeps the census between scrapes and
+reads it again only when :func:`window_signatures` (``window_steps`` rows of
+``job_steps``) says a rank stored a step of that window since.
+
 Why more than 400 lines: one bounded query per quantity a scrape exports, each with
 its SQLite and PostgreSQL form; splitting them would separate queries that must stay
 bounded the same way.
@@ -41,6 +47,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ..reads.runs import RunInfo, run_info
 from ..storage.backend import is_postgres
+from ..storage.columns import steps_of
 from ..storage.models import Event, JobStep, Rank, RankWindow, Run
 from .state import QUANTILES, RANK_QUANTITIES, EventRow, JobStepSums, RankWindowSums
 
@@ -231,6 +238,30 @@ def window_census(conn: Connection, windows: Mapping[int, int]) -> dict[int, Win
         quantiles = {"step_time": _quantiles_of(qs[0]), "data_wait": _quantiles_of(qs[1])} if pg else None
         out[run_id] = WindowCensus(int(n), float(st or 0.0), float(dw or 0.0), quantiles)
     return out
+
+
+#: What the stored rank rows of one window add up to in ``job_steps``: (steps stored,
+#: rank-steps stored). See :func:`window_signatures`.
+Signature = tuple[int, int]
+
+
+def window_signatures(conn: Connection, windows: Mapping[int, tuple[int, int]]) -> dict[int, Signature]:
+    """Per run, how many steps of its given window ``job_steps`` holds and how many rank
+    reports they add up to (``windows[run_id] = (window, window_steps)``): a range of the
+    primary key, ``window_steps`` rows whatever the run's rank count.
+
+    Every write that changes a window's step columns in ``rank_windows`` (``n_steps``,
+    the step-time and data-wait sums: what :func:`window_census` reads) adds the same
+    steps' ranks to ``job_steps`` in the same transaction (``ingest/fold.py``), so a
+    window whose signature has not changed since its census was read still has that
+    census: the exporter reads the census again only when this changes. A run whose
+    window has no step stored is absent."""
+    spans = {run_id: steps_of(w, n) for run_id, (w, n) in windows.items()}
+    if not spans:
+        return {}
+    cond = or_(*(and_(JS.c.run_id == r, JS.c.step.between(lo, hi)) for r, (lo, hi) in spans.items()))
+    q = select(JS.c.run_id, func.count(), func.sum(JS.c.ranks)).where(cond).group_by(JS.c.run_id)
+    return {run_id: (int(n), int(ranks or 0)) for run_id, n, ranks in conn.execute(q)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -235,6 +235,11 @@ def window_of(step: Any, window_steps: Any) -> Any:
     return (max(int(step), 1) - 1) // int(window_steps)
 
 
+def steps_of(window: int, window_steps: int) -> tuple[int, int]:
+    """The first and last step of a rank window: the steps :func:`window_of` puts in it."""
+    return (window * window_steps + 1 if window > 0 else 0), (window + 1) * window_steps
+
+
 # -- numpy (the fold) -----------------------------------------------------------------
 def reduce(rule: Rule, values: npt.NDArray[Any], first_idx: npt.NDArray[np.intp]) -> npt.NDArray[Any]:
     """Fold ``values`` (sorted by key) over each run of equal keys starting at

@@ -245,3 +245,52 @@ def test_breakdown_means_are_the_averages_over_the_profiled_ranks(engine: Engine
     for phase, want in zip(state.PHASES, expected, strict=True):
         got = v("stepwatch_run_breakdown_seconds", {"run": "bd", "phase": phase})
         assert got == pytest.approx(want, rel=1e-12, abs=1e-15), phase
+
+
+def test_the_complete_windows_census_is_read_again_only_when_a_rank_stores_a_step_of_it(
+    engine: Engine, ingestor: Ingestor
+) -> None:
+    """The quantiles, totals and slowest ranks of the complete window are kept between
+    scrapes while ``job_steps`` shows no new step of it, and read again once a late rank
+    stores its steps there. A write that bypasses ingest (made only to tell a kept census
+    from a re-read one: real writes always add to ``job_steps``) is not seen until then."""
+    times = {r: 0.44 + r / 200 for r in range(12)}  # 4-step windows (the fixture)
+    late = 11
+    for w in range(3):  # windows 0-2; the late rank has sent window 0 only
+        ranks = range(12) if w == 0 else range(late)
+        feed(ingestor, run="c", world=12, first=1 + 4 * w, steps=4, step_time=lambda r: times[r], ranks=ranks)
+    reg = registry(engine, top_k=2, max_flagged=0)
+    v = reg.get_sample_value
+
+    def scrape() -> tuple[float | None, float | None, set[int]]:
+        families = list(reg.collect())
+        selected = {
+            int(s.labels["rank"])
+            for fam in families
+            if fam.name == "stepwatch_rank_step_time_seconds"
+            for s in fam.samples
+        }
+        return (
+            v("stepwatch_run_rank_step_time_seconds_count", {"run": "c"}),
+            v("stepwatch_run_rank_step_time_seconds_sum", {"run": "c"}),
+            selected,
+        )
+
+    assert scrape() == (11, pytest.approx(sum(times[r] for r in range(late))), {9, 10})
+    median = v("stepwatch_run_rank_step_time_seconds", {"run": "c", "quantile": "0.5"})
+    assert median == pytest.approx(times[5])
+    with engine.begin() as conn:  # rank 0's window 1 made the slowest, behind ingest's back
+        conn.execute(
+            RW.update()
+            .where(RW.c.run_id == run_id(engine, "c"), RW.c.rank == 0, RW.c.window == 1)
+            .values(step_time_sum=RW.c.step_time_sum * 20)
+        )
+    assert scrape() == (11, pytest.approx(sum(times[r] for r in range(late))), {9, 10})
+    assert v("stepwatch_run_rank_step_time_seconds", {"run": "c", "quantile": "1.0"}) == times[10]
+    feed(ingestor, run="c", world=12, first=5, steps=4, step_time=lambda r: 0.9, ranks=[late])
+    count, total, selected = scrape()
+    assert count == 12 and selected == {0, late}
+    assert total == pytest.approx(sum(times[r] for r in range(1, late)) + 20 * times[0] + 0.9)
+    for q, want in state.quantiles([20 * times[0], *(times[r] for r in range(1, late)), 0.9]):
+        got = v("stepwatch_run_rank_step_time_seconds", {"run": "c", "quantile": str(q)})
+        assert got == pytest.approx(want)
