@@ -26,6 +26,19 @@ Only lateness the link can explain is set aside: up to the time per step lost on
 slow link; a rank later than that is still named (the demo's +1 s/step compute straggler
 beside a link that looked slow for one window on a loaded loopback).
 
+The converse holds too: a compute straggler slows the connections of its ring neighbour.
+In the demo beside a CPU burner (rank 2 given 120 ms of extra compute per step, about 50 ms
+more training-thread CPU on 4 ranks sharing 2 cores, loopback), both connections of rank 3
+(data flows from rank r to r-1) ran at 65-95 MB/s while the two others ran at 127-493,
+in three consecutive 8-step windows of the slowdown (never both at once before it): rank
+3 was named ``link`` (23-32 ms lost per step) beside the right ``compute:rank=2`` in 2 of
+19 such runs, and once in a solo phase of the suite. A slow link is set aside when a rank
+at the other end of one of its connections is late for compute with more extra
+training-thread CPU per step than the time lost on the link: a slow link cannot make a
+peer's training thread busy for longer than the transfer time it costs, so the extra work
+is the cause. (The recorded ``tc tbf`` run at 150 Mbit/s loses 126-140 ms per step on the
+link, while the ranks' CPU differs by under 10 ms.)
+
 A late rank opens a flag after ``OPEN_AFTER`` (2) consecutive late windows, the
 persistence of :func:`.arrivals.persistent`: the sign test already needs most steps of a
 window, and one late window (a GC pause, a scheduler hiccup) opens nothing.
@@ -132,8 +145,9 @@ class ArrivalDetector:
                 observed.update(rank_key(c, r) for c in CAUSES if c != "link" or mine)
                 observed.add(host_key(h))
             slow = self._slow_links(aligned, mine, span) if mine else {}
-            hits.update({h.key: h for h in slow.values()})
             late = late_ranks(aligned, self.config)
+            slow = {r: h for r, h in slow.items() if _computed_away(h, late, mine) is None}
+            hits.update({h.key: h for h in slow.values()})
             if slow:  # see the module docstring: a slow link explains up to its lost time
                 lost = max(h.cost_seconds for h in slow.values())
                 near = _link_peers(mine, set(slow))
@@ -330,6 +344,19 @@ def _link_peers(links: Sequence[LinkSample], slow: set[int]) -> set[int]:
         if e.dst in slow:
             out.add(e.src)
     return out - slow
+
+
+def _computed_away(link: Hit, late: Sequence[LateRank], links: Sequence[LinkSample]) -> LateRank | None:
+    """The compute straggler at the other end of a connection of ``link``'s rank whose
+    extra training-thread CPU per step outweighs the time that rank lost on its link, if
+    there is one: its extra work, not the link, slowed those connections (module
+    docstring). A slow link cannot add more CPU to a peer than the transfer time it costs."""
+    near = _link_peers(links, set(link.ranks))
+    for x in late:
+        extra_cpu = x.evidence.get("extra_cpu_s", 0.0)
+        if x.cause == "compute" and x.rank in near and extra_cpu >= link.cost_seconds:
+            return x
+    return None
 
 
 def _link_hit(x: SlowLink, host: str, span: tuple[int, int], step_time_s: float) -> Hit:
