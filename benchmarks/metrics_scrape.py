@@ -13,11 +13,11 @@ median scrape time, as a ratio of the smallest run's. Budget (issue #16): <= 200
 top-K come from the database, only the selected ranks' rows are read). The series of a
 run must not grow with its ranks (bounded cardinality): the exit status says so.
 
-The scrapes after an app's first keep the complete window's census (no step of it is
-stored in between); the first scrape reads it, as a scrape does after a rank stores a
-step of that window, and is printed beside them with the same budget. It also pays the
-app's one-time reads (the run's token sum and baseline), so its ratio understates the
-census' growth: the median's is the one to watch.
+Two kinds of scrape are timed, each against the budgets: of a live run (every rank's
+next window stored before each scrape, so the complete window moves and its census,
+the quantiles across every rank, is read, as at most scrapes of a running job) and of a
+run that stored nothing since the last scrape (the census kept: a finished or stalled
+run, or scrapes more frequent than windows). The first is the one a running job costs.
 
 Default database: a fresh PostgreSQL database (production); ``--database-url`` for
 another one, e.g. ``sqlite:///tmp/x.db``.
@@ -30,7 +30,7 @@ import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -61,7 +61,11 @@ BUDGET_RATIO = 2.0
 GROUP = 512  # batches per transaction, as a busy collector's group commit forms them
 
 
-def populate(ingestor: Ingestor, run: str, world: int, *, first: int = 1, steps: int = 12) -> float:
+#: Steps first stored per rank, and per window (0.25 s steps at window_seconds=1).
+STEPS, WINDOW_STEPS = 12, 4
+
+
+def populate(ingestor: Ingestor, run: str, world: int, *, first: int = 1, steps: int = STEPS) -> float:
     """``steps`` steps of 0.25 s from every rank (4-step windows at window_seconds=1)."""
     t0 = time.perf_counter()
     batch = []
@@ -96,20 +100,26 @@ def profile(ingestor: Ingestor, run: str, world: int, window: int) -> None:
     )
 
 
-def scrape_times(app: object, n: int) -> tuple[float, float, str]:
-    """Seconds of an app's first scrape, which reads the complete window's census (and
-    sums each run's tokens once), and the median of ``n`` scrapes after it, which keep
-    the census while no step of its window is stored (``exporter/collector.py``)."""
+def scrape_times(app: object, n: int, advance: Callable[[], None]) -> tuple[float, float, str]:
+    """Median seconds of ``n`` scrapes of a finished-looking run, which keep the complete
+    window's census (no step of it is stored in between: ``exporter/collector.py``), and
+    of ``n`` scrapes of a live one: before each, ``advance`` stores the run's next window
+    for every rank, so the complete window moves and its census is read, as it is at most
+    scrapes of a running job (10 s windows, a 15 s scrape interval). After a first,
+    untimed scrape, which sums each run's tokens once."""
     with TestClient(app) as client:  # type: ignore[arg-type]
-        t0 = time.perf_counter()
-        text_ = client.get("/metrics").text
-        first = time.perf_counter() - t0
-        samples = []
+        client.get("/metrics")
+        kept, live = [], []
         for _ in range(n):
             t0 = time.perf_counter()
             text_ = client.get("/metrics").text
-            samples.append(time.perf_counter() - t0)
-    return first, statistics.median(samples), text_
+            kept.append(time.perf_counter() - t0)
+        for _ in range(n):
+            advance()
+            t0 = time.perf_counter()
+            text_ = client.get("/metrics").text
+            live.append(time.perf_counter() - t0)
+    return statistics.median(kept), statistics.median(live), text_
 
 
 def series_of(text_: str) -> dict[str, int]:
@@ -181,19 +191,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Interleaved rounds (smallest first, then the others), the median of each
             # size's round medians: the first app also warms the engine's statement cache.
             rounds: dict[int, list[float]] = {n: [] for n in sizes}
-            firsts: dict[int, list[float]] = {n: [] for n in sizes}
+            lives: dict[int, list[float]] = {n: [] for n in sizes}
+            after = dict.fromkeys(sizes, STEPS)  # the last step each run has stored
+
+            def advance(n: int) -> None:
+                populate(ingestor, f"r{n}", n, first=after[n] + 1, steps=WINDOW_STEPS)
+                after[n] += WINDOW_STEPS
+
             for _ in range(args.rounds):
                 for n in sizes:
                     _make_newest(engine, f"r{n}")
                     # No analysis worker: its passes over every rank would share the scrape's CPU.
                     only = Settings(database_url=url, metrics_max_runs=1, analysis_enabled=False)
                     app = create_app(only, engine=engine)
-                    t0, t, text_ = scrape_times(app, args.scrapes)
-                    firsts[n].append(t0)
+                    t, t_live, text_ = scrape_times(app, args.scrapes, lambda n=n: advance(n))
                     rounds[n].append(t)
+                    lives[n].append(t_live)
                     series[n] = series_of(text_).get(f"r{n}", 0)
             scrape = {n: statistics.median(ts) for n, ts in rounds.items()}
-            first = {n: statistics.median(ts) for n, ts in firsts.items()}
+            live = {n: statistics.median(ts) for n, ts in lives.items()}
         finally:
             engine.dispose()
     base, largest = sizes[0], sizes[-1]
@@ -203,17 +219,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in sizes:
         print(
             f"  {n:6,} ranks: stored in {stored[n]:5.1f} s, {series[n]:3d} series (bound {bound}), "
-            f"median scrape {scrape[n] * 1e3:6.1f} ms, ratio {scrape[n] / scrape[base]:4.2f}x; "
-            f"first scrape {first[n] * 1e3:6.1f} ms, ratio {first[n] / first[base]:4.2f}x"
+            f"median scrape, live {live[n] * 1e3:6.1f} ms ({live[n] / live[base]:4.2f}x), "
+            f"census kept {scrape[n] * 1e3:6.1f} ms ({scrape[n] / scrape[base]:4.2f}x)"
         )
-    ratio, met = verdict(scrape[base], scrape[largest])
-    mark = "met" if met else "MISSED"
-    print(f"  {largest:,} vs {base:,} ranks: {ratio:.2f}x, {scrape[largest] * 1e3:.1f} ms: {mark}")
-    ratio, met = verdict(first[base], first[largest])
+    ratio, met = verdict(live[base], live[largest])
     mark = "met" if met else "MISSED"
     print(
-        f"  first scrape (the census read), {largest:,} vs {base:,} ranks: "
-        f"{ratio:.2f}x, {first[largest] * 1e3:.1f} ms: {mark}"
+        f"  live run (a window stored before each scrape), {largest:,} vs {base:,} ranks: "
+        f"{ratio:.2f}x, {live[largest] * 1e3:.1f} ms: {mark}"
+    )
+    ratio, met = verdict(scrape[base], scrape[largest])
+    mark = "met" if met else "MISSED"
+    print(
+        f"  census kept (no step stored between scrapes), {largest:,} vs {base:,} ranks: "
+        f"{ratio:.2f}x, {scrape[largest] * 1e3:.1f} ms: {mark}"
     )
     return 0 if all(series[n] <= bound for n in sizes) else 1
 

@@ -37,7 +37,9 @@ at the other end of one of its connections is late for compute with more extra
 training-thread CPU per step than the time lost on the link: a slow link cannot make a
 peer's training thread busy for longer than the transfer time it costs, so the extra work
 is the cause. (The recorded ``tc tbf`` run at 150 Mbit/s loses 126-140 ms per step on the
-link, while the ranks' CPU differs by under 10 ms.)
+link, while the ranks' CPU differs by under 10 ms.) The price: a real slow link beside a
+compute straggler whose extra CPU outweighs what the link loses is not named while the
+straggler lasts; the straggler, the larger cost, is.
 
 A late rank opens a flag after ``OPEN_AFTER`` (2) consecutive late windows, the
 persistence of :func:`.arrivals.persistent`: the sign test already needs most steps of a

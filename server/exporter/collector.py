@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 #: The per-rank quantities of a window's census (``read.window_census``).
 CENSUS_QUANTITIES = ("step_time", "data_wait")
+#: A kept census is read again after this long whatever its signature: the one write
+#: the signature does not see, ``stepwatch db prune`` rolling up the windows of a run
+#: that stalled days ago but still reports, shows within it.
+CENSUS_MAX_AGE_S = 300.0
 #: Statuses after which no more steps are expected, so every step's tokens are counted.
 SETTLED: frozenset[RunStatus] = frozenset({"finished", "stalled"})
 
@@ -82,6 +86,8 @@ class _Census:
     window: int
     signature: read.Signature
     census: read.WindowCensus
+    #: When it was read (the collector's clock).
+    read_at: float
     top: tuple[tuple[int, float], ...] | None = None
 
 
@@ -159,7 +165,8 @@ class RunStateCollector(Collector):
         }
         added = read.token_sums(conn, spans)
         reporting = {i: s.ranks_since for i, s in states.items()}
-        ranks = _read_ranks(conn, heads, tail, reporting, read.open_events(conn, ids), cfg, mem)
+        events = read.open_events(conn, ids)
+        ranks = _read_ranks(conn, heads, tail, reporting, events, cfg, mem, self._clock())
         totals = read.event_totals(conn, ids)
 
         views = []
@@ -229,6 +236,7 @@ def _read_ranks(
     events: dict[int, list[state.EventRow]],
     cfg: ExporterConfig,
     mem: dict[int, _Memory],
+    now: float,
 ) -> dict[int, _View]:
     """Each run's ranks as the database summarises them: which window is complete, the
     quantiles across ranks, the breakdown means and the top-K, then the rows of the
@@ -240,11 +248,11 @@ def _read_ranks(
     # it was last read (its signature: ``window_steps`` rows, not a pass over the ranks).
     sizes = {h.id: h.window_steps for h in heads}
     signatures = read.window_signatures(conn, {i: (w, sizes[i]) for i, w in prev.items()})
-    kept = {i: k for i in prev if (k := _kept_census(mem[i], prev[i], signatures.get(i)))}
+    kept = {i: k for i in prev if (k := _kept_census(mem[i], prev[i], signatures.get(i), now))}
     at_prev = {i: k.census for i, k in kept.items()}
     read_now = read.window_census(conn, {i: w for i, w in prev.items() if i not in kept})
     for i, census_read in read_now.items():
-        mem[i].census = _Census(prev[i], signatures.get(i, (0, 0)), census_read)
+        mem[i].census = _Census(prev[i], signatures.get(i, (0, 0)), census_read, now)
     at_prev |= read_now
     first = {i: w for i, w in newest.items() if i not in at_prev and w != prev[i]}
     at_newest = read.window_census(conn, first)
@@ -340,12 +348,13 @@ def _read_ranks(
     return views
 
 
-def _kept_census(m: _Memory, window: int, signature: read.Signature | None) -> _Census | None:
-    """The census remembered for ``window`` if no step of it was stored since it was read."""
+def _kept_census(m: _Memory, window: int, signature: read.Signature | None, now: float) -> _Census | None:
+    """The census remembered for ``window`` if no step of it was stored since it was read,
+    at most ``CENSUS_MAX_AGE_S`` ago."""
     c = m.census
     if c is None or signature is None or c.window != window or c.signature != signature:
         return None
-    return c
+    return c if 0 <= now - c.read_at < CENSUS_MAX_AGE_S else None
 
 
 def _kept_top(m: _Memory, quantity: str, window: int | None) -> tuple[tuple[int, float], ...] | None:

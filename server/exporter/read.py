@@ -250,12 +250,13 @@ def window_signatures(conn: Connection, windows: Mapping[int, tuple[int, int]]) 
     reports they add up to (``windows[run_id] = (window, window_steps)``): a range of the
     primary key, ``window_steps`` rows whatever the run's rank count.
 
-    Every write that changes a window's step columns in ``rank_windows`` (``n_steps``,
+    Every ingest that changes a window's step columns in ``rank_windows`` (``n_steps``,
     the step-time and data-wait sums: what :func:`window_census` reads) adds the same
     steps' ranks to ``job_steps`` in the same transaction (``ingest/fold.py``), so a
     window whose signature has not changed since its census was read still has that
-    census: the exporter reads the census again only when this changes. A run whose
-    window has no step stored is absent."""
+    census: the exporter reads the census again only when this changes (or, for the one
+    other writer, ``stepwatch db prune`` rolling up windows days old, after
+    ``collector.CENSUS_MAX_AGE_S``). A run whose window has no step stored is absent."""
     spans = {run_id: steps_of(w, n) for run_id, (w, n) in windows.items()}
     if not spans:
         return {}

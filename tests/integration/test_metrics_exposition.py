@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +12,7 @@ from sqlalchemy import Engine, Float, cast, func, select
 
 from stepwatch_server.app import create_app
 from stepwatch_server.exporter import ExporterConfig, RunStateCollector, state
+from stepwatch_server.exporter.collector import CENSUS_MAX_AGE_S
 from stepwatch_server.ingest.store import Ingestor
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.backend import open_storage
@@ -251,15 +253,17 @@ def test_the_complete_windows_census_is_read_again_only_when_a_rank_stores_a_ste
     engine: Engine, ingestor: Ingestor
 ) -> None:
     """The quantiles, totals and slowest ranks of the complete window are kept between
-    scrapes while ``job_steps`` shows no new step of it, and read again once a late rank
-    stores its steps there. A write that bypasses ingest (made only to tell a kept census
-    from a re-read one: real writes always add to ``job_steps``) is not seen until then."""
+    scrapes while ``job_steps`` shows no new step of it, for at most ``CENSUS_MAX_AGE_S``,
+    and read again once a late rank stores its steps there. A write that bypasses ingest
+    (as ``db prune`` does; here made to tell a kept census from a re-read one) is seen only
+    after that age or the next step stored in the window."""
     times = {r: 0.44 + r / 200 for r in range(12)}  # 4-step windows (the fixture)
     late = 11
     for w in range(3):  # windows 0-2; the late rank has sent window 0 only
         ranks = range(12) if w == 0 else range(late)
         feed(ingestor, run="c", world=12, first=1 + 4 * w, steps=4, step_time=lambda r: times[r], ranks=ranks)
-    reg = registry(engine, top_k=2, max_flagged=0)
+    now = [time.time()]
+    reg = registry(engine, clock=lambda: now[0], top_k=2, max_flagged=0)
     v = reg.get_sample_value
 
     def scrape() -> tuple[float | None, float | None, set[int]]:
@@ -287,6 +291,9 @@ def test_the_complete_windows_census_is_read_again_only_when_a_rank_stores_a_ste
         )
     assert scrape() == (11, pytest.approx(sum(times[r] for r in range(late))), {9, 10})
     assert v("stepwatch_run_rank_step_time_seconds", {"run": "c", "quantile": "1.0"}) == times[10]
+    now[0] += CENSUS_MAX_AGE_S  # kept no longer than that: the change shows
+    tampered = sum(times[r] for r in range(1, late)) + 20 * times[0]
+    assert scrape() == (11, pytest.approx(tampered), {0, 10})
     feed(ingestor, run="c", world=12, first=5, steps=4, step_time=lambda r: 0.9, ranks=[late])
     count, total, selected = scrape()
     assert count == 12 and selected == {0, late}
