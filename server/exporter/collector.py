@@ -13,9 +13,11 @@ The collector keeps a small per-run memory, never data that grows with a run: th
 baseline, the token count summed so far (so each scrape adds only the steps that
 settled since the last one; the first scrape after a start sums the run once), the
 longest checkpoint/eval step seen, and the complete window's census with its slowest
-ranks by step time (read again only when a rank stores a step of that window: its
-signature in ``job_steps``, ``read.window_signatures``; at 16,384 ranks the census was a
-third of a scrape). The memory holds at most ``4 x max_runs`` runs.
+ranks by step time, read again when a rank stores a step of that window (its signature in
+``job_steps``, ``read.window_signatures``) or after ``CENSUS_MAX_AGE_S``. That spares the
+runs that store nothing between two scrapes (finished, stalled, or scraped more often
+than they close windows); a running job's complete window moves between most scrapes, and
+its census is read anew. The memory holds at most ``4 x max_runs`` runs.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class _Memory:
     tokens_through: int = -1
     tokens_total: float = 0.0
     longest_tagged_s: float = 0.0
-    #: The complete window's census: read again only when its signature changes.
+    #: The complete window's census: read again when its signature changes or it ages.
     census: _Census | None = None
 
 
