@@ -43,8 +43,6 @@ from .families import empty_families, families
 
 log = logging.getLogger(__name__)
 
-#: The per-rank quantities of a window's census (``read.window_census``).
-CENSUS_QUANTITIES = ("step_time", "data_wait")
 #: A kept census is read again after this long whatever its signature: the one write
 #: the signature does not see, ``stepwatch db prune`` rolling up the windows of a run
 #: that stalled days ago but still reports, shows within it.
@@ -293,8 +291,8 @@ def _read_ranks(
     for i in wanted:  # the census' quantiles kept with it, on SQLite too
         memo = mem[i].census
         if memo is not None and memo.census.quantiles is None and memo.window == complete[i]:
-            n = memo.census.ranks
-            interpolated = {q: state.interpolate(n, stats.get(i, {}).get(q, {})) for q in CENSUS_QUANTITIES}
+            n, found = memo.census.ranks, stats.get(i, {})
+            interpolated = {q: state.interpolate(n, found.get(q, {})) for q in read.CENSUS_QUANTITIES}
             mem[i].census = replace(memo, census=replace(memo.census, quantiles=interpolated))
     key = {i: "compute" if d["compute"][0] else "step_time" for i, d in dists.items()}
     top_at = {

@@ -192,6 +192,8 @@ def _in_windows(windows: Mapping[int, Collection[int]]) -> ColumnElement[bool]:
 
 
 Quantiles = tuple[tuple[float, float], ...]
+#: The per-rank quantities of a window's census, in the order its query computes them.
+CENSUS_QUANTITIES = ("step_time", "data_wait")
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +237,7 @@ def window_census(conn: Connection, windows: Mapping[int, int]) -> dict[int, Win
     )
     out = {}
     for run_id, n, st, dw, *qs in conn.execute(q):
-        quantiles = {"step_time": _quantiles_of(qs[0]), "data_wait": _quantiles_of(qs[1])} if pg else None
+        quantiles = dict(zip(CENSUS_QUANTITIES, map(_quantiles_of, qs), strict=True)) if pg else None
         out[run_id] = WindowCensus(int(n), float(st or 0.0), float(dw or 0.0), quantiles)
     return out
 
