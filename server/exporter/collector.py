@@ -16,8 +16,12 @@ longest checkpoint/eval step seen, and the complete window's census with its slo
 ranks by step time, read again when a rank stores a step of that window (its signature in
 ``job_steps``, ``read.window_signatures``) or after ``CENSUS_MAX_AGE_S``. That spares the
 runs that store nothing between two scrapes (finished, stalled, or scraped more often
-than they close windows); a running job's complete window moves between most scrapes, and
-its census is read anew. The memory holds at most ``4 x max_runs`` runs.
+than they close windows). A running job's complete window moves between most scrapes:
+there the census and the profiled summary are those the analysis worker stored when it
+analysed the window (``summaries.py``), while the signature they were read at holds.
+The complete window is then the newest one analysed: the window before the newest, or
+the one before it until the analysis passes that. The memory holds at most
+``4 x max_runs`` runs.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 from prometheus_client.core import Metric
@@ -37,7 +41,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from ..reads.runs import RunInfo
 from ..reads.status import DEFAULT_RULE, RunStatus, StatusRule, run_states
 from ..settings import Settings
-from . import read, state
+from . import read, state, summaries
 from .catalog import series_bound
 from .families import empty_families, families
 
@@ -49,6 +53,8 @@ log = logging.getLogger(__name__)
 CENSUS_MAX_AGE_S = 300.0
 #: Statuses after which no more steps are expected, so every step's tokens are counted.
 SETTLED: frozenset[RunStatus] = frozenset({"finished", "stalled"})
+#: A window of a run: ``(run_id, window)``.
+Window = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -243,26 +249,51 @@ def _read_ranks(
     selected (flagged and slowest) ranks only."""
     newest = {h.id: state.windows_in_view(tail[h.id].last_step, h.window_steps)[1] for h in heads}
     prev = {i: max(0, w - 1) for i, w in newest.items()}
-    # The previous window of each run, and the newest only where the previous has no row.
-    # The previous window's census is read again only if a rank stored a step of it since
-    # it was last read (its signature: ``window_steps`` rows, not a pass over the ranks).
+    # The census the analysis stored when it analysed the window (``summaries.py``): used
+    # while its window is the previous one, or the one before while the analysis has not
+    # yet passed the previous, and no rank stored a step of it since (its signature).
+    # Otherwise the previous window, and the newest only where the previous has no row;
+    # the previous window's census is read again only if its signature changed since the
+    # collector last read it.
     sizes = {h.id: h.window_steps for h in heads}
-    signatures = read.window_signatures(conn, {i: (w, sizes[i]) for i, w in prev.items()})
-    kept = {i: k for i in prev if (k := _kept_census(mem[i], prev[i], signatures.get(i), now))}
+    stored = summaries.stored(conn, list(newest))
+    asked = {(i, w, sizes[i]) for i, w in prev.items()}
+    asked |= {(i, r.window, sizes[i]) for i, s in stored.items() for r in (s.census, s.profiled) if r}
+    signatures = read.window_signatures(conn, asked)
+    analysed = {
+        i: s.census
+        for i, s in stored.items()
+        if s.census and prev[i] - 1 <= s.census.window <= prev[i] and _holds(i, s.census, signatures)
+    }
+    rest = {i: w for i, w in prev.items() if i not in analysed}
+    kept = {i: k for i, w in rest.items() if (k := _kept_census(mem[i], w, signatures.get((i, w)), now))}
     at_prev = {i: k.census for i, k in kept.items()}
-    read_now = read.window_census(conn, {i: w for i, w in prev.items() if i not in kept})
+    read_now = read.window_census(conn, {i: w for i, w in rest.items() if i not in kept})
     for i, census_read in read_now.items():
-        mem[i].census = _Census(prev[i], signatures.get(i, (0, 0)), census_read, now)
+        mem[i].census = _Census(prev[i], signatures.get((i, prev[i]), (0, 0)), census_read, now)
     at_prev |= read_now
-    first = {i: w for i, w in newest.items() if i not in at_prev and w != prev[i]}
+    first = {i: newest[i] for i, w in rest.items() if i not in at_prev and newest[i] != w}
     at_newest = read.window_census(conn, first)
-    census = {i: {prev[i]: c} for i, c in at_prev.items()} | {i: {newest[i]: c} for i, c in at_newest.items()}
+    census = (
+        {i: {c.window: c.census} for i, c in analysed.items()}
+        | {i: {prev[i]: c} for i, c in at_prev.items()}
+        | {i: {newest[i]: c} for i, c in at_newest.items()}
+    )
     complete = {
-        i: state.complete_window({w: c.ranks for w, c in census.get(i, {}).items()}, w)
+        i: analysed[i].window
+        if i in analysed
+        else state.complete_window({w: c.ranks for w, c in census.get(i, {}).items()}, w)
         for i, w in newest.items()
     }
     profiled_at = {h.id: w for h in heads if (w := tail[h.id].last_profiled_window) is not None}
-    profiled = read.profiled_summary(conn, profiled_at)
+    # The newest profiled window's summary as the analysis stored it, while unchanged.
+    analysed_prof = {
+        i: s.profiled
+        for i, s in stored.items()
+        if s.profiled and s.profiled.window == profiled_at.get(i) and _holds(i, s.profiled, signatures)
+    }
+    profiled = {i: p.summary for i, p in analysed_prof.items()}
+    profiled |= read.profiled_summary(conn, {i: w for i, w in profiled_at.items() if i not in analysed_prof})
     # Per run and quantity: (values, total, quantiles if the database computed them, window).
     dists: dict[int, dict[str, tuple[int, float, read.Quantiles | None, int | None]]] = {}
     none: tuple[int, float, read.Quantiles | None, int | None] = (0, 0.0, None, None)
@@ -290,6 +321,8 @@ def _read_ranks(
     stats = read.order_statistics(conn, {i: q for i, q in wanted.items() if q})
     for i in wanted:  # the census' quantiles kept with it, on SQLite too
         memo = mem[i].census
+        if i in analysed:
+            continue
         if memo is not None and memo.census.quantiles is None and memo.window == complete[i]:
             n, found = memo.census.ranks, stats.get(i, {})
             interpolated = {q: state.interpolate(n, found.get(q, {})) for q in read.CENSUS_QUANTITIES}
@@ -298,11 +331,16 @@ def _read_ranks(
     top_at = {
         i: (key[i], d[key[i]][3]) for i, d in dists.items() if d[key[i]][0] and d[key[i]][3] is not None
     }
-    # By step time (no profiler), the slowest ranks of a kept census are kept with it.
-    top = {i: list(t) for i, (q, w) in top_at.items() if (t := _kept_top(mem[i], q, w)) is not None}
+    # The slowest ranks the analysis stored with the census or profiled summary in use;
+    # by step time (no profiler), those of a kept census are kept with it.
+    top: dict[int, list[tuple[int, float]]] = {}
+    for i, (qty, at) in top_at.items():
+        t = _stored_top(analysed.get(i), analysed_prof.get(i), qty, at, cfg.top_k)
+        if (t := t or _kept_top(mem[i], qty, at)) is not None:
+            top[i] = list(t)
     if cfg.top_k > 0:
-        rest = {i: (q, w) for i, (q, w) in top_at.items() if i not in top and w is not None}
-        top |= read.top_ranks(conn, rest, cfg.top_k)
+        missing = {i: (q, w) for i, (q, w) in top_at.items() if i not in top and w is not None}
+        top |= read.top_ranks(conn, missing, cfg.top_k)
         for i, (q, w) in top_at.items():
             memo = mem[i].census
             if q == "step_time" and memo is not None and memo.window == w and memo.top is None:
@@ -363,6 +401,31 @@ def _kept_top(m: _Memory, quantity: str, window: int | None) -> tuple[tuple[int,
     if quantity != "step_time" or c is None or c.window != window:
         return None
     return c.top
+
+
+def _holds(
+    run_id: int, row: summaries.Census | summaries.Profiled, sigs: Mapping[Window, read.Signature]
+) -> bool:
+    """Whether no rank stored a step of the row's window since the analysis summarised it."""
+    return sigs.get((run_id, row.window)) == row.signature
+
+
+def _stored_top(
+    census: summaries.Census | None,
+    prof: summaries.Profiled | None,
+    quantity: str,
+    window: int | None,
+    k: int,
+) -> tuple[tuple[int, float], ...] | None:
+    """The ``k`` slowest ranks the analysis stored with the census or the profiled summary
+    in use for ``window``, if it stored as many (or every rank)."""
+    if quantity == "step_time" and census is not None and census.window == window:
+        top, ranks = census.top, census.census.ranks
+    elif quantity == "compute" and prof is not None and prof.window == window:
+        top, ranks = prof.top, prof.summary.ranks
+    else:
+        return None
+    return top[:k] if len(top) >= min(k, ranks) else None
 
 
 def _snapshot(

@@ -558,3 +558,27 @@ class AnalysisState(Base):
     #: ``own`` (the run's post-warm-up baseline) or the name of the baseline run used.
     baseline_source: Mapped[str] = mapped_column(String(160))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class WindowSummary(Base):
+    """What ``/metrics`` reports of one window across all of a run's ranks, computed once
+    by the analysis worker when it analyses the window (:mod:`stepwatch_server.exporter.summaries`).
+
+    Without it every scrape of a running job passed over every rank's row of the newest
+    complete window (and of the newest profiled one) to compute the same quantiles again.
+    ``kind`` is ``census`` (step time and data wait, the slowest ranks by step time) or
+    ``profiled`` (the breakdown, compute and collective-wait quantiles, the slowest ranks
+    by compute); each run keeps only its newest row of each kind. ``steps`` and
+    ``rank_steps`` are the window's signature in ``job_steps`` when it was read: a rank
+    that stores a step of the window later changes it, and the exporter then reads the
+    window again instead of this row.
+    """
+
+    __tablename__ = "window_summaries"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    window: Mapped[int] = mapped_column(BigInteger)
+    steps: Mapped[int] = mapped_column(BigInteger)
+    rank_steps: Mapped[int] = mapped_column(BigInteger)
+    summary: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -128,6 +128,11 @@ def _roll_up(
         params,
     )
     rolled = conn.execute(text(f"DELETE FROM rank_windows WHERE {_UNROLLED}"), params).rowcount
+    # What the analysis summarised of these windows no longer matches their rows.
+    conn.execute(
+        text('DELETE FROM window_summaries WHERE run_id = :run AND "window" >= :lo AND "window" < :hi'),
+        params,
+    )
     # A rolled-up row already there (windows that arrived after an earlier prune) merges
     # with the new one by the same rules as ingest.
     written = conn.execute(

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
@@ -41,7 +41,8 @@ from ..analysis.hangs import check_hang, hang_threshold_s
 from ..analysis.peers import StragglerConfig
 from ..analysis.pipeline import Change, RunAnalysis
 from ..analysis.regressions import Baseline, RegressionConfig
-from ..analysis.types import Finding
+from ..analysis.types import Finding, RankWindow
+from ..exporter import summaries
 from ..reads.runs import RunInfo, find_run
 from ..storage.backend import Storage
 from . import captures, inputs
@@ -56,7 +57,7 @@ from .outputs import (
     save_state,
     write_findings,
 )
-from .readiness import ready_windows
+from .readiness import Readiness, ready_windows
 
 log = logging.getLogger("stepwatch_server.analysis")
 
@@ -76,6 +77,8 @@ class WorkerConfig:
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     regressions: RegressionConfig = field(default_factory=RegressionConfig)
     captures: CaptureConfig = field(default_factory=CaptureConfig)
+    #: Slowest ranks stored with a window's summary for ``/metrics`` (its ``top_k``).
+    summary_top: int = 8
 
 
 @dataclass
@@ -208,6 +211,7 @@ class AnalysisWorker:
                 limit=0 if run.window_provisional else cfg.max_windows,
             )
             changes: list[Change] = []
+            summary: list[summaries.Census | summaries.Profiled | summaries.Kind] = []
             if ready.windows:
                 first, last = ready.windows[0], ready.windows[-1]
                 # No snapshot held after each read (``reads_hold_no_snapshot``), so
@@ -231,12 +235,14 @@ class AnalysisWorker:
                         links=links.get(w, ()),
                     )
                 next_window = last + 1
+                summary = self._summaries(conn, run, ready, windows)
                 # Staged per-step timing is only needed until its window is analysed.
                 drop_step_timings(conn, run.id, [r.rank for r in ranks], (last + 1) * ws)
             stamp = datetime.fromtimestamp(now, timezone.utc)
             # Open flags are refreshed (latest step, evidence, cost) only when windows moved.
             refresh = analysis.open_findings() if ready.windows else []
             transitions = write_findings(conn, run.id, changes, refresh, stamp)
+            summaries.store(conn, self.storage.insert, run.id, summary)
             transitions += self._hangs(conn, run, ranks, now, next_window, stamp)
             transitions += captures.on_pass(conn, run, transitions, ranks, cfg.captures, stamp)
             if stored is None or ready.windows or dict(ready.pending) != dict(stored.pending):
@@ -253,6 +259,26 @@ class AnalysisWorker:
         if ready.by_grace:
             log.info("run %s: windows %s analysed without late ranks (grace)", run.name, ready.by_grace)
         return _RunResult(len(ready.windows), False, transitions)
+
+    def _summaries(
+        self, conn: Connection, run: RunInfo, ready: Readiness, windows: Mapping[int, Sequence[RankWindow]]
+    ) -> list[summaries.Census | summaries.Profiled | summaries.Kind]:
+        """What ``/metrics`` reports of the newest window analysed and of the newest
+        profiled one among those, computed once here rather than at every scrape
+        (:mod:`..exporter.summaries`). Not of a window analysed by grace (a late rank's
+        profiler entry would change it unseen by the window's signature): its run's
+        census row is dropped instead, the analysis having passed it."""
+        graced = set(ready.by_grace)
+        ws, k = run.window_steps, self.config.summary_top
+        out: list[summaries.Census | summaries.Profiled | summaries.Kind] = []
+        last = ready.windows[-1]
+        census = summaries.census_of(conn, run.id, last, ws, k) if last not in graced else None
+        out.append(census or "census")
+        whole = [w for w in ready.windows if w not in graced]
+        profiled = [w for w in whole if any(r.compute_s is not None for r in windows.get(w, ()))]
+        if profiled and (prof := summaries.profiled_of(conn, run.id, profiled[-1], ws, k)):
+            out.append(prof)
+        return out
 
     def _analysis(
         self, conn: Connection, run: RunInfo, stored: StoredState | None

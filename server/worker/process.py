@@ -68,6 +68,7 @@ def analysis_apart(settings: Settings) -> bool:
 def worker_config(settings: Settings) -> WorkerConfig:
     return WorkerConfig(
         interval_s=settings.analysis_interval_s,
+        summary_top=settings.metrics_top_k,
         grace_s=settings.analysis_grace_s,
         horizon_s=settings.analysis_horizon_s,
         hang_k=settings.hang_k,

@@ -79,7 +79,11 @@ def test_host_bodies_carry_the_same_windows_one_host_each() -> None:
         ),
         (query, ["--days", "1", "--ranks", "16"], "run overview"),
         (run_listing, ["--runs", "120"], "scrape_s"),
-        (metrics_scrape, ["--ranks", "8,16", "--scrapes", "1", "--rounds", "1"], "live run (a window stored"),
+        (
+            metrics_scrape,
+            ["--ranks", "8,16", "--scrapes", "1", "--rounds", "1"],
+            "live run (a window stored and analysed",
+        ),
         (collective_counting, ["--rounds", "1", "--calls", "20"], "counted/plain"),
         (
             analysis_passes,

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, delete, func, insert, select, update
 
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.backend import open_storage
-from stepwatch_server.storage.models import IngestedBatch, JobStep, RankWindow
+from stepwatch_server.storage.models import IngestedBatch, JobStep, RankWindow, Run, WindowSummary
 from stepwatch_server.storage.retention import prune
 
 from ..payloads import payload
@@ -70,6 +70,15 @@ def test_prune_rolls_up_old_windows_and_keeps_their_sums(db_url: str, engine: En
         overview_before = c.get("/api/v1/runs/test-run").json()
         ranks_before = c.get("/api/v1/runs/test-run/ranks").json()
     sums_before = _per_rank(engine)
+    with engine.begin() as conn:  # what the analysis stored of an old window and a recent one
+        rid = conn.execute(select(Run.id)).scalar_one()
+        conn.execute(delete(WindowSummary))
+        for kind, window in (("census", 3), ("profiled", 45)):
+            conn.execute(
+                insert(WindowSummary).values(
+                    run_id=rid, kind=kind, window=window, steps=1, rank_steps=2, summary={}
+                )
+            )
     with engine.begin() as conn:  # the first rank's batches were received long ago
         conn.execute(
             update(IngestedBatch)
@@ -94,6 +103,9 @@ def test_prune_rolls_up_old_windows_and_keeps_their_sums(db_url: str, engine: En
         assert c.get("/api/v1/runs/test-run/ranks").json() == ranks_before
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(IngestedBatch)).scalar_one() == 2
+        # The rolled-up window's summary no longer matches its rows: gone; the recent one stays.
+        kept = conn.execute(select(WindowSummary.kind, WindowSummary.window)).all()
+        assert [tuple(k) for k in kept] == [("profiled", 45)]
         assert conn.execute(select(func.count()).select_from(JobStep)).scalar_one() == 50
 
     again = prune(open_storage(engine), full_days=2, factor=FACTOR, batch_id_days=7, now=now)

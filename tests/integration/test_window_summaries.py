@@ -1,0 +1,143 @@
+"""The census the analysis stores for /metrics (``exporter/summaries.py``), both backends:
+a scrape that reads it exports what a scrape reading every rank's row exports, it is
+used only while its window is unchanged, and windows analysed by grace get none."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from sqlalchemy import Engine, select
+
+from stepwatch_server.exporter import ExporterConfig, RunStateCollector
+from stepwatch_server.ingest.store import Ingestor
+from stepwatch_server.storage.backend import open_storage
+from stepwatch_server.storage.models import RankWindow, WindowSummary
+from stepwatch_server.worker.loop import AnalysisWorker, WorkerConfig
+
+from ..runstate import feed, fill_breakdown, run_id
+
+RW = RankWindow.__table__
+WS = WindowSummary.__table__
+
+
+@pytest.fixture
+def ingestor(engine: Engine) -> Ingestor:
+    return Ingestor(open_storage(engine), window_seconds=2.0)  # 0.5 s steps -> 4 steps per window
+
+
+def scrape(engine: Engine, **cfg: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of one scrape by a new collector (no memory of earlier scrapes), but
+    the time it took."""
+    reg = CollectorRegistry(auto_describe=True)
+    reg.register(RunStateCollector(engine, ExporterConfig(**cfg)))
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in reg.collect()
+        for s in fam.samples
+        if s.name != "stepwatch_metrics_read_duration_seconds"
+    }
+
+
+def analyse(engine: Engine, **cfg: Any) -> None:
+    AnalysisWorker(open_storage(engine), WorkerConfig(**cfg)).run_once()
+
+
+def summaries(engine: Engine, run: str) -> dict[str, tuple[int, int, int]]:
+    """The run's stored rows: kind -> (window, steps, rank steps)."""
+    with engine.connect() as conn:
+        rows = conn.execute(select(WS).where(WS.c.run_id == run_id(engine, run))).all()
+    return {r.kind: (r.window, r.steps, r.rank_steps) for r in rows}
+
+
+def test_a_scrape_of_the_stored_census_exports_what_reading_every_rank_exports(
+    engine: Engine, ingestor: Ingestor
+) -> None:
+    """40 ranks, step time and data wait varying by rank (ties among them), a profiled
+    window with varied compute and collective wait: every sample, the quantiles, totals,
+    breakdown and slowest ranks by compute and by step time, is the same whether the
+    scrape reads the rows the analysis stored or every rank's row."""
+    times = {r: 0.5 + (r * 7 % 11 - 5) / 256 for r in range(40)}  # 4-step windows (the fixture)
+    for w in range(3):
+        feed(
+            ingestor,
+            run="s",
+            world=40,
+            first=1 + 4 * w,
+            steps=4,
+            step_time=lambda r: times[r],
+            wait=lambda r: (r % 5) / 100,
+        )
+    fill_breakdown(
+        engine, "s", compute=lambda r: 0.3 + (r * 3 % 17) / 97, comm_wait=lambda r: r / 300, window=1
+    )
+    feed(ingestor, run="p", world=40, first=1, steps=12, step_time=lambda r: times[39 - r])  # no profiler
+    analyse(engine, summary_top=3)
+    assert summaries(engine, "s") == {"census": (1, 4, 160), "profiled": (1, 4, 160)}
+    assert set(summaries(engine, "p")) == {"census"}
+    stored = scrape(engine, top_k=3)
+    with engine.begin() as conn:
+        conn.execute(WS.delete())
+    read = scrape(engine, top_k=3)
+    assert stored.keys() == read.keys()
+    assert stored == {k: pytest.approx(v, rel=1e-12, abs=1e-15) for k, v in read.items()}
+    ranks = {dict(k[1])["rank"] for k in stored if k[0] == "stepwatch_rank_compute_seconds"}
+    assert len(ranks) == 3  # the top-K by compute is among what is compared
+
+
+def test_the_stored_census_is_read_instead_of_the_ranks_rows_while_its_window_is_unchanged(
+    engine: Engine, ingestor: Ingestor
+) -> None:
+    """A write behind ingest's back (one rank's row made 20x slower, which no ingest does
+    without storing steps) does not show while the stored census stands; a rank's steps of
+    that window arriving after the analysis (a batch overtaken by a later one) change its
+    signature, and the scrape reads every rank's row again."""
+    for w in range(3):  # rank 3 sends window 1's last two steps only, then window 2
+        feed(ingestor, run="c", world=4, first=1 + 4 * w, steps=4, ranks=range(3))
+    feed(ingestor, run="c", world=4, first=1, steps=4, ranks=[3])
+    feed(ingestor, run="c", world=4, first=7, steps=6, ranks=[3], step_time=lambda r: 0.5)
+    analyse(engine)
+    assert summaries(engine, "c")["census"] == (1, 4, 4 + 4 + 4 + 4 - 2)
+    key = ("stepwatch_run_rank_step_time_seconds_sum", (("run", "c"),))
+    assert scrape(engine)[key] == pytest.approx(4 * 0.5)
+    with engine.begin() as conn:
+        conn.execute(
+            RW.update()
+            .where(RW.c.run_id == run_id(engine, "c"), RW.c.rank == 0, RW.c.window == 1)
+            .values(step_time_sum=RW.c.step_time_sum * 20)
+        )
+    assert scrape(engine)[key] == pytest.approx(4 * 0.5)  # the stored census, not the rows
+    feed(ingestor, run="c", world=4, first=5, steps=2, ranks=[3], step_time=lambda r: 2.0)
+    # Rank 3's window 1 is now (2 x 2.0 + 2 x 0.5) / 4 = 1.25 s; rank 0's is 20 x 0.5.
+    assert scrape(engine)[key] == pytest.approx(20 * 0.5 + 0.5 + 0.5 + 1.25)
+
+
+def test_a_window_analysed_by_grace_is_not_summarised(engine: Engine, ingestor: Ingestor) -> None:
+    """A rank that never sent window 1: the analysis goes ahead without it after the
+    grace and stores no census (the one of window 0 is dropped with it: the analysis has
+    passed it), so the scrape reads the rows, where the rank's steps arrive later."""
+    for w in range(3):
+        feed(ingestor, run="g", world=4, first=1 + 4 * w, steps=4, ranks=range(3))
+    feed(ingestor, run="g", world=4, first=1, steps=4, ranks=[3])
+    analyse(engine, grace_s=0.0)
+    assert summaries(engine, "g") == {}
+    key = ("stepwatch_run_rank_step_time_seconds_count", (("run", "g"),))
+    assert scrape(engine)[key] == 3
+    feed(ingestor, run="g", world=4, first=5, steps=8, ranks=[3], step_time=lambda r: 1.5)
+    assert scrape(engine)[key] == 4
+
+
+def test_a_run_keeps_one_row_of_each_kind_and_the_analysis_takes_its_time(
+    engine: Engine, ingestor: Ingestor
+) -> None:
+    """Windows analysed over several passes replace the run's rows (one per kind), and the
+    scrape uses the newest one."""
+    for w in range(8):
+        feed(ingestor, run="m", world=3, first=1 + 4 * w, steps=4, step_time=lambda r, w=w: 0.5 + w / 100)
+        analyse(engine)
+    assert summaries(engine, "m") == {"census": (6, 4, 12)}
+    key = ("stepwatch_run_rank_step_time_seconds_count", (("run", "m"),))
+    sample = scrape(engine)
+    assert sample[key] == 3
+    assert sample[("stepwatch_run_rank_step_time_seconds_sum", (("run", "m"),))] == pytest.approx(3 * 0.56)
