@@ -47,8 +47,11 @@ def feed(
     ranks: Iterable[int] | None = None,
     tokens: int = 1000,
     padded: int | None = None,
+    profiled: bool = False,
 ) -> None:
-    """One batch of ``steps`` steps from each rank, starting at step ``first``."""
+    """One batch of ``steps`` steps from each rank, starting at step ``first``;
+    ``profiled``: as an agent with a profiler sends it, saying it owes no profiler entry
+    through its last step (``steps.profiles_through``)."""
     for rank in ranks if ranks is not None else range(world):
         store(
             ingestor,
@@ -61,6 +64,7 @@ def feed(
             tokens=[tokens] * steps,
             padded=[padded] * steps if padded is not None else None,
             tags=tags,
+            profiles_through=first + steps - 1 if profiled else None,
         )
 
 

@@ -106,6 +106,9 @@ class _Memory:
     longest_tagged_s: float = 0.0
     #: The complete window's census: read again when its signature changes or it ages.
     census: _Census | None = None
+    #: The complete window last exported: a census the analysis stored of an older one
+    #: is not used, so that the exported window never steps back.
+    exported: int = -1
 
 
 class RunStateCollector(Collector):
@@ -263,7 +266,9 @@ def _read_ranks(
     analysed = {
         i: s.census
         for i, s in stored.items()
-        if s.census and prev[i] - 1 <= s.census.window <= prev[i] and _holds(i, s.census, signatures)
+        if s.census
+        and max(prev[i] - 1, mem[i].exported) <= s.census.window <= prev[i]
+        and _holds(i, s.census, signatures)
     }
     rest = {i: w for i, w in prev.items() if i not in analysed}
     kept = {i: k for i, w in rest.items() if (k := _kept_census(mem[i], w, signatures.get((i, w)), now))}
@@ -285,6 +290,9 @@ def _read_ranks(
         else state.complete_window({w: c.ranks for w, c in census.get(i, {}).items()}, w)
         for i, w in newest.items()
     }
+    for i, w in complete.items():
+        if w is not None:
+            mem[i].exported = max(mem[i].exported, w)
     profiled_at = {h.id: w for h in heads if (w := tail[h.id].last_profiled_window) is not None}
     # The newest profiled window's summary as the analysis stored it, while unchanged.
     analysed_prof = {
@@ -336,7 +344,9 @@ def _read_ranks(
     top: dict[int, list[tuple[int, float]]] = {}
     for i, (qty, at) in top_at.items():
         t = _stored_top(analysed.get(i), analysed_prof.get(i), qty, at, cfg.top_k)
-        if (t := t or _kept_top(mem[i], qty, at)) is not None:
+        if t is None and i not in analysed:  # the memory's census is not the one in use
+            t = _kept_top(mem[i], qty, at)
+        if t is not None:
             top[i] = list(t)
     if cfg.top_k > 0:
         missing = {i: (q, w) for i, (q, w) in top_at.items() if i not in top and w is not None}

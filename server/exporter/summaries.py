@@ -13,10 +13,13 @@ its newest. The scrape then reads at most two rows per run.
 A row stands only while its window is unchanged: it carries the window's signature in
 ``job_steps`` (:func:`read.window_signatures`) read *before* the census, and the exporter
 uses it only while that signature holds. A rank that stores a step of the window after
-the analysis (a window analysed without it, by grace) changes the signature and the
-scrape reads the window itself again. Windows analysed by grace are not summarised:
-their late ranks' profiler entries would not change the signature. ``stepwatch db
-prune`` deletes the rows of the windows it rolls up.
+the analysis (a batch overtaken by a later one: the analysis saw the rank past the
+window's end) changes the signature, and the scrape reads the window itself again.
+A profiler entry changes its window's rows without storing a step, so the profiled
+summary is stored only where readiness waited for every rank's entries (every rank says
+through which step it sent them, ``ranks.profiles_through``), and no row at all is
+stored for a window analysed by grace, without a late rank. ``stepwatch db prune``
+deletes the rows of the windows it rolls up.
 """
 
 from __future__ import annotations

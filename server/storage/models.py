@@ -571,7 +571,8 @@ class WindowSummary(Base):
     by compute); each run keeps only its newest row of each kind. ``steps`` and
     ``rank_steps`` are the window's signature in ``job_steps`` when it was read: a rank
     that stores a step of the window later changes it, and the exporter then reads the
-    window again instead of this row.
+    window again instead of this row. Profiler entries store no step: the worker writes
+    a ``profiled`` row only once every rank's entries for the window are in.
     """
 
     __tablename__ = "window_summaries"

@@ -235,7 +235,7 @@ class AnalysisWorker:
                         links=links.get(w, ()),
                     )
                 next_window = last + 1
-                summary = self._summaries(conn, run, ready, windows)
+                summary = self._summaries(conn, run, ranks, ready, windows)
                 # Staged per-step timing is only needed until its window is analysed.
                 drop_step_timings(conn, run.id, [r.rank for r in ranks], (last + 1) * ws)
             stamp = datetime.fromtimestamp(now, timezone.utc)
@@ -261,7 +261,12 @@ class AnalysisWorker:
         return _RunResult(len(ready.windows), False, transitions)
 
     def _summaries(
-        self, conn: Connection, run: RunInfo, ready: Readiness, windows: Mapping[int, Sequence[RankWindow]]
+        self,
+        conn: Connection,
+        run: RunInfo,
+        ranks: Sequence[inputs.RankRow],
+        ready: Readiness,
+        windows: Mapping[int, Sequence[RankWindow]],
     ) -> list[summaries.Census | summaries.Profiled | summaries.Kind]:
         """What ``/metrics`` reports of the newest window analysed and of the newest
         profiled one among those, computed once here rather than at every scrape
@@ -274,6 +279,12 @@ class AnalysisWorker:
         last = ready.windows[-1]
         census = summaries.census_of(conn, run.id, last, ws, k) if last not in graced else None
         out.append(census or "census")
+        # A profiler entry changes its window's rows without a step stored: the profiled
+        # summary is final only if readiness waited for every rank's entries, which it
+        # does for ranks that say through which step they sent them (an agent with a
+        # profiler); an older agent's entry may still come after the analysis.
+        if any(r.profiles_through is None for r in ranks):
+            return out
         whole = [w for w in ready.windows if w not in graced]
         profiled = [w for w in whole if any(r.compute_s is not None for r in windows.get(w, ()))]
         if profiled and (prof := summaries.profiled_of(conn, run.id, profiled[-1], ws, k)):
