@@ -265,17 +265,25 @@ def window_signatures(
     other writer, ``stepwatch db prune`` rolling up windows days old, after
     ``collector.CENSUS_MAX_AGE_S``), and uses a census the analysis stored
     (``summaries.py``) only while it holds. A window with no step stored is absent."""
-    spans = {(run_id, w): steps_of(w, n) for run_id, w, n in windows}
-    if not spans:
-        return {}
-    parts = [
-        select(JS.c.run_id, literal(w).label("w"), func.count().label("n"), func.sum(JS.c.ranks).label("r"))
-        .where(JS.c.run_id == r, JS.c.step.between(lo, hi))
-        .group_by(JS.c.run_id)
-        for (r, w), (lo, hi) in spans.items()
-    ]
-    q = union_all(*parts) if len(parts) > 1 else parts[0]
-    return {(run_id, int(w)): (int(n), int(ranks or 0)) for run_id, w, n, ranks in conn.execute(q)}
+    out: dict[tuple[int, int], Signature] = {}
+    pending = sorted(set(windows))
+    # One query per window asked of a run (the first, the second, ...: at most three per
+    # run for a scrape), each an index range per run grouped by run, so that the query
+    # grows with the runs as the rest of a scrape does, never one term per window.
+    while pending:
+        spans: dict[int, tuple[int, int, int]] = {}
+        later = []
+        for run_id, w, n in pending:
+            if run_id in spans:
+                later.append((run_id, w, n))
+            else:
+                spans[run_id] = (w, *steps_of(w, n))
+        cond = or_(*(and_(JS.c.run_id == r, JS.c.step.between(lo, hi)) for r, (_, lo, hi) in spans.items()))
+        q = select(JS.c.run_id, func.count(), func.sum(JS.c.ranks)).where(cond).group_by(JS.c.run_id)
+        for run_id, n, ranks in conn.execute(q):
+            out[(run_id, spans[run_id][0])] = (int(n), int(ranks or 0))
+        pending = later
+    return out
 
 
 @dataclass(frozen=True, slots=True)
