@@ -15,7 +15,9 @@ smallest sync (the last arriver waited for nobody) and ``wait`` = sync - transfe
 
 Causes are named for what was measured on the late rank, per step, against its peers'
 median: extra data-loader wait explains it (``data``), extra training-thread CPU explains
-it (``compute``), extra run-queue wait of the training thread explains it
+it on most of the window's steps (``compute``: the median step's and a sign test's, as for
+the lateness; a median just over the threshold on half the steps was a healthy rank
+beside a CPU burner in the demo), extra run-queue wait of the training thread explains it
 (``cpu_contention``: it was runnable but the host's cores were busy with other work, the
 Linux schedstat the agent reads per window), none does (``host_stall``: the host sat
 idle, a sleep, a slow callback, a blocking call). Ranks of one host late together make a
@@ -281,7 +283,8 @@ def late_ranks(a: Aligned, cfg: Config = Config()) -> list[LateRank]:
         runq = float(np.nanmedian(runq_i)) if not np.isnan(runq_i).all() else math.nan
         if data >= cfg.explain * lateness:
             cause: ArrivalCause = "data"
-        elif measured and cpu > max(cfg.min_seconds, cfg.extra_cpu * peer_cpu):
+        elif measured and cpu > max(cfg.min_seconds, cfg.extra_cpu * peer_cpu) and cpu_p <= cfg.max_p:
+            # More work on most steps, by the sign test, not only on the median one.
             cause = "compute"
         elif loader_bound:
             # Waiting on its loader on most steps and no more work than its peers: the
