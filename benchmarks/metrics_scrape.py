@@ -21,8 +21,8 @@ most scrapes of a running job, and the scrape reads the census the analysis stor
 stalled run, or scrapes more frequent than windows: the stored census again). The first
 is the one a running job costs. The analysis here is always caught up and never shares
 the scrape's CPU (its pass comes in between): the steady state. Printed beside them,
-without a budget: the live scrape where no stored census stands (a window analysed by
-grace, the analysis off or behind), which reads every rank's row of the window; the
+without a budget: the live scrape where no stored census stands (the analysis off or
+behind), which reads every rank's row of the window; the
 analysis pass itself, and the part of it that computes the summaries (where that work
 went: once per window instead of once per scrape).
 

@@ -16,8 +16,8 @@ Three reads pass over one window's rows of every rank: the complete window's cen
 and the status count over ``ranks``. The first two are made once per window by the
 analysis worker (``summaries.py``), and a scrape reads what it stored while
 :func:`window_signatures` (``window_steps`` rows of ``job_steps``) says no rank stored a
-step of that window since; where none stands (a window analysed by grace, the analysis
-off), the collector makes them itself and keeps the census between scrapes. The status
+step of that window since; where none stands (the analysis off or behind, a step
+stored since), the collector makes them itself and keeps the census between scrapes. The status
 count remains (4.3 ms at 16,384 ranks in ``benchmarks/metrics_scrape.py``).
 
 Why more than 400 lines: one bounded query per quantity a scrape exports, each with

@@ -15,11 +15,11 @@ A row stands only while its window is unchanged: it carries the window's signatu
 uses it only while that signature holds. A rank that stores a step of the window after
 the analysis (a batch overtaken by a later one: the analysis saw the rank past the
 window's end) changes the signature, and the scrape reads the window itself again.
-A profiler entry changes its window's rows without storing a step, so the profiled
-summary is stored only where readiness waited for every rank's entries (every rank says
-through which step it sent them, ``ranks.profiles_through``), and no row at all is
-stored for a window analysed by grace, without a late rank. ``stepwatch db prune``
-deletes the rows of the windows it rolls up.
+A profiler entry changes its window's rows without storing a step (an update of the
+breakdown columns only, never of the census'), so the profiled summary is stored only
+where readiness waited for every rank's entries (every rank says through which step it
+sent them, ``ranks.profiles_through``), and not for a window analysed by grace, without
+a late rank. ``stepwatch db prune`` deletes the rows of the windows it rolls up.
 """
 
 from __future__ import annotations

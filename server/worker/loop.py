@@ -270,14 +270,14 @@ class AnalysisWorker:
     ) -> list[summaries.Census | summaries.Profiled | summaries.Kind]:
         """What ``/metrics`` reports of the newest window analysed and of the newest
         profiled one among those, computed once here rather than at every scrape
-        (:mod:`..exporter.summaries`). Not of a window analysed by grace (a late rank's
-        profiler entry would change it unseen by the window's signature): its run's
-        census row is dropped instead, the analysis having passed it."""
+        (:mod:`..exporter.summaries`). The census also of a window analysed by grace,
+        without a late rank: the rank's steps, if they come, change its signature (a
+        rank whose agent died leaves every window to the grace). The profiled summary
+        not: a late rank's profiler entry changes no signature."""
         graced = set(ready.by_grace)
         ws, k = run.window_steps, self.config.summary_top
         out: list[summaries.Census | summaries.Profiled | summaries.Kind] = []
-        last = ready.windows[-1]
-        census = summaries.census_of(conn, run.id, last, ws, k) if last not in graced else None
+        census = summaries.census_of(conn, run.id, ready.windows[-1], ws, k)
         out.append(census or "census")
         # A profiler entry changes its window's rows without a step stored: the profiled
         # summary is final only if readiness waited for every rank's entries, which it

@@ -156,19 +156,28 @@ def test_the_stored_census_is_read_instead_of_the_ranks_rows_while_its_window_is
     assert scrape(engine)[key] == pytest.approx(20 * 0.5 + 0.5 + 0.5 + 1.25)
 
 
-def test_a_window_analysed_by_grace_is_not_summarised(engine: Engine, ingestor: Ingestor) -> None:
-    """A rank that never sent window 1: the analysis goes ahead without it after the
-    grace and stores no census (the one of window 0 is dropped with it: the analysis has
-    passed it), so the scrape reads the rows, where the rank's steps arrive later."""
+def test_a_window_analysed_by_grace_keeps_its_census_until_the_late_rank_comes(
+    engine: Engine, ingestor: Ingestor
+) -> None:
+    """A rank that never sent window 1 (its agent died, say): the analysis goes ahead
+    without it after the grace and stores that window's census, of the 3 ranks, and no
+    profiled summary (a late profiler entry would change no signature); once the rank's
+    steps arrive, the signature changes and the scrape reads the rows."""
     for w in range(3):
-        feed(ingestor, run="g", world=4, first=1 + 4 * w, steps=4, ranks=range(3))
-    feed(ingestor, run="g", world=4, first=1, steps=4, ranks=[3])
+        feed(ingestor, run="g", world=4, first=1 + 4 * w, steps=4, ranks=range(3), profiled=True)
+    feed(ingestor, run="g", world=4, first=1, steps=4, ranks=[3], profiled=True)
+    fill_breakdown(engine, "g", compute=lambda r: 0.3, comm_wait=lambda r: 0.0, window=1)
     analyse(engine, grace_s=0.0)
-    assert summaries(engine, "g") == {}
-    key = ("stepwatch_run_rank_step_time_seconds_count", (("run", "g"),))
-    assert scrape(engine)[key] == 3
-    feed(ingestor, run="g", world=4, first=5, steps=8, ranks=[3], step_time=lambda r: 1.5)
-    assert scrape(engine)[key] == 4
+    assert summaries(engine, "g") == {"census": (1, 4, 12)}  # window 1 went by grace
+    count = ("stepwatch_run_rank_step_time_seconds_count", (("run", "g"),))
+    total = ("stepwatch_run_rank_step_time_seconds_sum", (("run", "g"),))
+    with engine.begin() as conn:  # rank 0's rows emptied behind ingest's back: the rows tell
+        conn.execute(RW.update().where(RW.c.run_id == run_id(engine, "g"), RW.c.rank == 0).values(n_steps=0))
+    sample = scrape(engine)
+    assert (sample[count], sample[total]) == (3, pytest.approx(3 * 0.5))  # the stored census
+    feed(ingestor, run="g", world=4, first=5, steps=8, ranks=[3], step_time=lambda r: 1.5, profiled=True)
+    sample = scrape(engine)  # the rows: rank 0's step time now 0, rank 3's 1.5 s
+    assert (sample[count], sample[total]) == (4, pytest.approx(0.5 + 0.5 + 1.5))
 
 
 def test_a_run_keeps_one_row_of_each_kind_and_the_analysis_takes_its_time(
