@@ -1,6 +1,7 @@
 """The census the analysis stores for /metrics (``exporter/summaries.py``), both backends:
 a scrape that reads it exports what a scrape reading every rank's row exports, it is
-used only while its window is unchanged, and windows analysed by grace get none."""
+used only while its window is unchanged and never takes the exported window back, and a
+window analysed by grace keeps its census but gets no profiled summary."""
 
 from __future__ import annotations
 
@@ -180,9 +181,7 @@ def test_a_window_analysed_by_grace_keeps_its_census_until_the_late_rank_comes(
     assert (sample[count], sample[total]) == (4, pytest.approx(0.5 + 0.5 + 1.5))
 
 
-def test_a_run_keeps_one_row_of_each_kind_and_the_analysis_takes_its_time(
-    engine: Engine, ingestor: Ingestor
-) -> None:
+def test_a_run_keeps_its_newest_row_of_each_kind(engine: Engine, ingestor: Ingestor) -> None:
     """Windows analysed over several passes replace the run's rows (one per kind), and the
     scrape uses the newest one."""
     for w in range(8):
