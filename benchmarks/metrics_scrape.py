@@ -22,9 +22,9 @@ stalled run, or scrapes more frequent than windows: the stored census again). Th
 is the one a running job costs. The analysis here is always caught up and never shares
 the scrape's CPU (its pass comes in between): the steady state. Printed beside them,
 without a budget: the live scrape where no stored census stands (the analysis off or
-behind), which reads every rank's row of the window; the
-analysis pass itself, and the part of it that computes the summaries (where that work
-went: once per window instead of once per scrape).
+behind), which reads every rank's row of the window; the analysis pass itself, and the
+part of it that computes the summaries (where that work went: once per window instead
+of once per scrape).
 
 Default database: a fresh PostgreSQL database (production); ``--database-url`` for
 another one, e.g. ``sqlite:///tmp/x.db``.
@@ -142,8 +142,8 @@ class Times:
 
 
 def scrape_times(app: object, n: int, advance: Callable[[bool], float]) -> Times:
-    """Median seconds of ``n`` scrapes of a finished-looking run, which keep the complete
-    window's census (no step of it is stored in between: ``exporter/collector.py``), and
+    """Median seconds of ``n`` scrapes of a run that stores nothing in between, which read
+    the complete window's stored census (``exporter/summaries.py``), and
     of ``n`` scrapes of a live one: before each, ``advance(True)`` stores the run's next
     window for every rank and makes the analysis pass that summarises the window before
     it (returning the pass' seconds), as at most scrapes of a running job (10 s windows,
