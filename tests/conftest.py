@@ -1,13 +1,17 @@
-"""Shared fixtures: a real database of each backend, migrated to head."""
+"""Shared fixtures: a real database of each backend, migrated to head; and pytest's log
+capture made safe against threads that create loggers (end of file)."""
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import pytest
+from _pytest import logging as _pytest_logging
 from sqlalchemy import Engine
 
 from stepwatch_server.storage import migrate
@@ -131,3 +135,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         dealt += mine + rest[:take]
         rest = rest[take:]
     items[:] = dealt + rest
+
+
+# -- pytest's log capture, made safe against threads that create loggers -----------------
+# pytest's ``catching_logs.__enter__`` (each test's setup, call and teardown) iterates
+# ``logging``'s logger dictionary without ``logging``'s lock. A thread that creates a logger
+# at that moment (a module imported lazily by a background thread an earlier test left
+# running) made it raise "dictionary changed size during iteration" at the setup or
+# teardown of an unrelated test: twice in fresh CI runs, both times
+# ``tests/unit/test_env.py::test_bad_layout_raises_at_init``. ``logging`` inserts new
+# loggers under its module lock (re-entrant), so entering under it too closes the race.
+# ``tests/unit/test_log_capture_race.py`` shows it.
+_pytest_catching_logs_enter = _pytest_logging.catching_logs.__enter__
+
+
+def _catching_logs_enter_under_logging_lock(self: Any) -> Any:
+    with logging._lock:  # type: ignore[attr-defined]
+        return _pytest_catching_logs_enter(self)
+
+
+_pytest_logging.catching_logs.__enter__ = _catching_logs_enter_under_logging_lock  # type: ignore[method-assign]
