@@ -34,6 +34,8 @@ def _text(value: Any) -> str:
         return "\\N"
     if isinstance(value, datetime):
         return value.isoformat()
+    if isinstance(value, bytes):  # bytea in hex, its backslash escaped for COPY's text format
+        return "\\\\x" + value.hex()
     if isinstance(value, dict):
         value = json.dumps(value, separators=(",", ":"))
     if isinstance(value, (float, np.floating)):

@@ -231,8 +231,9 @@ def report(f: Mapping[str, Any]) -> list[str]:
     )
     per_window = w["step_timings"][0] / max(w["rank_windows"][0], 1)
     lines.append(
-        f"  staged until analysed (deleted then): step_timings {w['step_timings'][0]} rows of "
-        f"{w['step_timings'][1]:.0f} B ({per_window:.0f} per rank-window: "
+        f"  staged until analysed (deleted then): step_timings {w['step_timings'][0]} rows "
+        f"(one per rank and batch, its steps packed) of {w['step_timings'][1]:.0f} B "
+        f"({per_window:.1f} per rank-window: "
         f"{per_window * w['step_timings'][1]:,.0f} B); link_samples {w['link_samples'][0]} rows of "
         f"{w['link_samples'][1]:.0f} B"
     )

@@ -26,7 +26,7 @@ import numpy.typing as npt
 from stepwatch import wire
 
 from ..schemas.ingest import IngestPayload, Tag
-from ..storage import columns
+from ..storage import columns, packed
 from ..storage.columns import Columns, Rows
 
 
@@ -108,53 +108,56 @@ def _link_samples(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> 
     }
 
 
-def peer_wait(sync_s: float | None, broadcast_s: float | None) -> float | None:
-    """A step's wait for its peers, as staged (``step_timings.sync_s``): the wait at its
-    last gradient bucket's all-reduce (``comm.sync_s``) plus its wait in DDP's buffer
-    broadcast before the forward (``comm.broadcast_s``). A rank held in the broadcast by a
-    late peer reaches the all-reduce late by as much, with a short sync; counted as the
-    waiting it was, it is not taken for the rank the others waited for. None: the step
-    had no gradient collective (its arrival is unknown)."""
-    if sync_s is None:
-        return None
-    return sync_s + broadcast_s if broadcast_s is not None else sync_s
+def peer_wait(
+    sync_s: npt.NDArray[np.float64], broadcast_s: npt.NDArray[np.float64] | None
+) -> npt.NDArray[np.float64]:
+    """Each step's wait for its peers, as staged (``step_timings.sync_s``; NaN: unknown):
+    the wait at its last gradient bucket's all-reduce (``comm.sync_s``) plus its wait in
+    DDP's buffer broadcast before the forward (``comm.broadcast_s``, NaN or absent: none
+    measured, counted 0). A rank held in the broadcast by a late peer reaches the
+    all-reduce late by as much, with a short sync; counted as the waiting it was, it is not
+    taken for the rank the others waited for. NaN where the step had no gradient
+    collective (its arrival is unknown)."""
+    if broadcast_s is None:
+        return sync_s
+    return sync_s + np.where(np.isnan(broadcast_s), 0.0, broadcast_s)
 
 
 def _step_timings(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:
-    """One ``step_timings`` row per (run, rank, step) of the batches with a ``comm``
-    section; a step two batches of the group both carry keeps the later one (LAST). The
-    window's run-queue wait is shared among its steps in proportion to their time (a
-    longer step, a checkpoint's, had longer to wait). A step's wait in DDP's buffer
-    broadcast is added to its sync: both are time spent waiting for peers in the step's
+    """One ``step_timings`` row per (run, rank, batch) of the batches with a ``comm``
+    section, its steps packed (``storage/packed.py``); a batch of the group that starts at
+    the same step as an earlier one of its rank replaces it (LAST). The window's run-queue
+    wait is shared among its steps in proportion to their time (a longer step, a
+    checkpoint's, had longer to wait). A step's wait in DDP's buffer broadcast is added to
+    its sync (:func:`peer_wait`): both are time spent waiting for peers in the step's
     collectives, and a rank held in the broadcast by a late peer is not late itself."""
-    rows: dict[tuple[int, int, int], tuple[float, float, float | None, float | None, float | None]] = {}
+    rows: dict[tuple[int, int, int], tuple[int, float, bytes, bytes, bytes, bytes, bytes]] = {}
     for p, run_id in zip(payloads, run_ids, strict=True):
         s, c = p.steps, p.comm
         assert c is not None
+        t = np.array(s.time_s, dtype=np.float64)
+        # Python's sum, in step order (as the per-step staging shared it).
         total = sum(s.time_s)
-        per_s = c.runq_s / total if c.runq_s is not None and total > 0 else None
-        held = c.broadcast_s or [None] * len(s.time_s)
-        for j, (t, w, sync, cpu) in enumerate(zip(s.time_s, s.data_wait_s, c.sync_s, c.cpu_s, strict=True)):
-            runq = per_s * t if per_s is not None else None
-            rows[(run_id, p.rank.rank, s.first + j)] = (t, w, peer_wait(sync, held[j]), cpu, runq)
+        runq = c.runq_s / total * t if c.runq_s is not None and total > 0 else np.full(len(t), np.nan)
+        held = None if c.broadcast_s is None else packed.from_optional(c.broadcast_s)
+        rows[(run_id, p.rank.rank, s.first)] = (
+            s.first + len(t) - 1,
+            p.sent_at,
+            packed.pack(t),
+            packed.pack(np.array(s.data_wait_s, dtype=np.float64)),
+            packed.pack(peer_wait(packed.from_optional(c.sync_s), held)),
+            packed.pack(packed.from_optional(c.cpu_s)),
+            packed.pack(runq),
+        )
     keys = sorted(rows)
     values = [rows[k] for k in keys]
-
-    def nullable(i: int) -> np.ma.MaskedArray[Any, Any]:
-        raw = [v[i] for v in values]
-        return np.ma.array(
-            [0.0 if x is None else x for x in raw], mask=[x is None for x in raw], dtype=np.float64
-        )
-
     return {
         "run_id": np.array([k[0] for k in keys], dtype=np.int64),
         "rank": np.array([k[1] for k in keys], dtype=np.int64),
-        "step": np.array([k[2] for k in keys], dtype=np.int64),
-        "step_time_s": np.array([v[0] for v in values], dtype=np.float64),
-        "data_wait_s": np.array([v[1] for v in values], dtype=np.float64),
-        "sync_s": nullable(2),
-        "cpu_s": nullable(3),
-        "runq_s": nullable(4),
+        "first_step": np.array([k[2] for k in keys], dtype=np.int64),
+        "last_step": np.array([v[0] for v in values], dtype=np.int64),
+        "sent_at": np.array([v[1] for v in values], dtype=np.float64),
+        **{name: [v[2 + i] for v in values] for i, name in enumerate(columns.STEP_TIMING_VALUES)},
     }
 
 

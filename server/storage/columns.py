@@ -138,15 +138,20 @@ JOB_STEPS = Summed(
     ),
 )
 
-#: Staged per-step collective timing: one rank reports a step once; a step sent again
-#: under a fresh batch id (a restarted agent) replaces what it said.
+#: Staged collective timing, a row per rank and batch (its steps packed): a batch sent
+#: again from the same step under a fresh batch id (a restarted agent) replaces it; one
+#: from another step is a row of its own, and the reader gives a step carried twice to
+#: the later sent (``worker/inputs.py``).
 STEP_TIMINGS = Summed(
     StepTiming.__table__,  # type: ignore[arg-type]
     (
-        *_cols(Rule.KEY, "run_id", "rank", "step"),
-        *_cols(Rule.LAST, "step_time_s", "data_wait_s", "sync_s", "cpu_s", "runq_s"),
+        *_cols(Rule.KEY, "run_id", "rank", "first_step"),
+        *_cols(Rule.LAST, "last_step", "sent_at", "step_time_s", "data_wait_s", "sync_s", "cpu_s", "runq_s"),
     ),
 )
+#: The packed per-step columns of ``step_timings`` (``packed.py``), in the order the
+#: analysis reads them.
+STEP_TIMING_VALUES = ("step_time_s", "data_wait_s", "sync_s", "cpu_s", "runq_s")
 
 #: Each rank's latest collective counters per process group: counters only grow (a
 #: batch that arrives late cannot take them back), the rest is what the rank said last.

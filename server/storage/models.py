@@ -346,27 +346,37 @@ class JobStepBucket(Base):
 
 class StepTiming(Base):
     """Staging of the always-on collective timing (the agent's ``comm`` section), one row
-    per rank and step, until the worker has analysed the step's window: the late-arrival
+    per rank and batch, its steps packed (``packed.py``: one float64 per step, NaN where
+    unknown), until the worker has analysed the windows of its steps: the late-arrival
     detectors pair ranks step by step, which a window's sums cannot do. The worker deletes
-    the rows of every window it analysed, so the table holds a few windows per rank."""
+    the rows whose last step it has analysed, so the table holds a few batches per rank.
+    A row per rank and step was most of ingest's rows with a DDP model (migration 0021)."""
 
     __tablename__ = "step_timings"
+    #: A 64-step batch is about 2.6 KB: kept in the row up to 8 KB (PostgreSQL moves a
+    #: row over 2 KB into TOAST by default, a second table and index written per row).
+    __table_args__ = ({"postgresql_with": {"toast_tuple_target": 8160}},)
 
     #: No foreign key, as in ``link_samples``: checked per inserted row, it made writing
     #: the staged rows three times slower (migration 0018); ingest writes them only in the
     #: transaction that claims a batch of an existing run.
     run_id: Mapped[int] = mapped_column(BigId, primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    step_time_s: Mapped[float] = mapped_column(Float)
-    data_wait_s: Mapped[float] = mapped_column(Float)
+    first_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    #: The agent's ``sent_at``: where two of a rank's batches carry a step (an agent
+    #: restarted from a checkpoint sends steps again under new batch ids), the one sent
+    #: later holds it.
+    sent_at: Mapped[float] = mapped_column(Float)
+    step_time_s: Mapped[bytes] = mapped_column(LargeBinary)
+    data_wait_s: Mapped[bytes] = mapped_column(LargeBinary)
     #: End minus arrival of the step's last bucket, plus the step's wait in DDP's buffer
-    #: broadcast (``comm.broadcast_s``): the step's wait for peers (null: no collective).
-    sync_s: Mapped[float | None] = mapped_column(Float, nullable=True)
-    #: Training-thread CPU time of the step (null: not measured).
-    cpu_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: broadcast (``comm.broadcast_s``): the step's wait for peers (NaN: no collective).
+    sync_s: Mapped[bytes] = mapped_column(LargeBinary)
+    #: Training-thread CPU time of the step (NaN: not measured).
+    cpu_s: Mapped[bytes] = mapped_column(LargeBinary)
     #: Training-thread run-queue wait: the window's, shared in proportion to step time.
-    runq_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    runq_s: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class RankGroup(Base):

@@ -17,8 +17,8 @@ import numpy.typing as npt
 from psycopg import pq
 from psycopg.adapt import AdaptersMap, Dumper
 
-FLOAT8, INT8 = 701, 20
-_ARRAY_OID = {FLOAT8: 1022, INT8: 1016}
+FLOAT8, INT8, BYTEA = 701, 20, 17
+_ARRAY_OID = {FLOAT8: 1022, INT8: 1016, BYTEA: 1001}
 _ELEMENT = {FLOAT8: ">f8", INT8: ">i8"}
 _NULL, _EIGHT = struct.pack(">i", -1), struct.pack(">i", 8)
 
@@ -29,6 +29,10 @@ class Float8Array(bytes):
 
 class Int8Array(bytes):
     """An int8[] parameter already in binary form."""
+
+
+class ByteaArray(bytes):
+    """A bytea[] parameter already in binary form."""
 
 
 class _Float8ArrayDumper(Dumper):
@@ -43,9 +47,22 @@ class _Int8ArrayDumper(_Float8ArrayDumper):
     oid = _ARRAY_OID[INT8]
 
 
+class _ByteaArrayDumper(_Float8ArrayDumper):
+    oid = _ARRAY_OID[BYTEA]
+
+
 def register(adapters: AdaptersMap) -> None:
     adapters.register_dumper(Float8Array, _Float8ArrayDumper)
     adapters.register_dumper(Int8Array, _Int8ArrayDumper)
+    adapters.register_dumper(ByteaArray, _ByteaArrayDumper)
+
+
+def encode_bytes(values: list[bytes]) -> ByteaArray:
+    """Byte strings (packed steps, ``packed.py``) as a binary bytea[] parameter: each
+    length-prefixed, as they are. psycopg's own list adaptation dumped them element by
+    element in Python (with the comm section on, a tenth of the collector's time)."""
+    header = struct.pack(">iiiii", 1, 0, BYTEA, len(values), 1)
+    return ByteaArray(header + b"".join(struct.pack(">i", len(v)) + v for v in values))
 
 
 def encode(values: npt.ArrayLike) -> Float8Array | Int8Array:

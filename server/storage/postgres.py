@@ -6,8 +6,9 @@ rules (``columns.py``) and the models' types; they are fixed driver SQL
 invalidates a dead connection). Each column
 travels as one array parameter and ``unnest`` turns the arrays back into rows, so a
 table costs one round trip whatever the group's size: numeric columns as binary arrays
-built from numpy (``pg_arrays.py``), the few others as literals (psycopg would adapt
-a list element by element in Python). Rows arrive folded (one per key,
+built from numpy (``pg_arrays.py``), packed steps (``packed.py``) as binary ``bytea[]``
+the same way, the few others as literals
+(psycopg would adapt a list element by element in Python). Rows arrive folded (one per key,
 ``ingest/fold.py``) and sorted by key, and the tables are written in a fixed order (claims,
 ranks, rank windows, job steps), so two collectors writing the same steps wait for each
 other but cannot deadlock.
@@ -47,6 +48,7 @@ from sqlalchemy import (
     Engine,
     Float,
     Integer,
+    LargeBinary,
     SmallInteger,
     String,
     Table,
@@ -220,6 +222,7 @@ def _pg_type(sql_type: TypeEngine[Any]) -> str:
         (DateTime, "float8"),
         (JSON, "json"),
         (String, "text"),
+        (LargeBinary, "bytea"),
     ):
         if isinstance(sql_type, kind):
             return name
@@ -236,6 +239,8 @@ def _params(table: Summed, cols: Columns) -> dict[str, Any]:
             params[name] = _text_literal(values)
         elif isinstance(kind, DateTime):
             params[name] = _literal([d.timestamp() for d in values])
+        elif isinstance(kind, LargeBinary):  # packed steps (``packed.py``)
+            params[name] = pg_arrays.encode_bytes(values)
         elif isinstance(values, np.ndarray):
             params[name] = pg_arrays.encode(values)
         else:

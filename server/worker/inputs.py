@@ -20,6 +20,8 @@ from operator import itemgetter
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+import numpy as np
+import numpy.typing as npt
 from sqlalchemy import (
     ARRAY,
     ColumnElement,
@@ -33,7 +35,6 @@ from sqlalchemy import (
     literal,
     select,
 )
-from sqlalchemy.dialects.postgresql import aggregate_order_by
 
 from stepwatch import wire
 
@@ -44,8 +45,9 @@ from ..analysis.robust import median
 from ..analysis.stuck_collectives import GroupCounters
 from ..analysis.types import RankWindow
 from ..reads.runs import RunInfo, run_info
+from ..storage import packed
 from ..storage.backend import is_postgres
-from ..storage.columns import window_of
+from ..storage.columns import STEP_TIMING_VALUES, window_of
 from ..storage.models import IngestedBatch, Rank, RankGroup, Run, StepTiming, unix
 from ..storage.models import JobStep as JobStepRow
 from ..storage.models import LinkSample as LinkSampleRow
@@ -370,9 +372,6 @@ def job_steps(conn: Connection, run: RunInfo, first: int, last: int) -> dict[int
     return steps
 
 
-_TIMING_COLUMNS = ("step_time_s", "data_wait_s", "sync_s", "cpu_s", "runq_s")
-
-
 def step_timings(
     conn: Connection, run: RunInfo, ranks: Sequence[RankRow], first: int, last: int
 ) -> dict[int, list[RankSteps]]:
@@ -411,32 +410,50 @@ def step_timings(
 def _staged_series(
     conn: Connection, run_id: int, ids: Sequence[int], lo: int, hi: int
 ) -> Iterator[tuple[int, list[int], list[list[Any]]]]:
-    """Each rank's staged steps ``lo..hi`` in step order, with the :data:`_TIMING_COLUMNS`
-    of those steps, in rank order. On PostgreSQL a rank's steps come as one row of arrays
-    (``array_agg``, turned into lists by the driver), not one row per step: a pass
-    analysing new windows of 4,096 ranks with the comm section took 631-646 us of the
-    worker's CPU per rank-window with a row per step, 387-394 us with the arrays
-    (PostgreSQL's own 89-95 us and 128-132 us; ``python -m benchmarks.analysis_passes``).
-    SQLite keeps a row per step."""
-    names = ("step", *_TIMING_COLUMNS)
+    """Each rank's staged steps ``lo..hi`` in step order, with the
+    :data:`~..storage.columns.STEP_TIMING_VALUES` of those steps (None where unknown), in
+    rank order: the rank's batches (rows, their steps packed) that hold any of those steps.
+    A row per batch, not per step: reading a 4,096-rank window was a row per rank and step
+    (on PostgreSQL aggregated into arrays per rank by the server, ``array_agg``)."""
     for i in range(0, len(ids), RANK_CHUNK):
-        where = (
-            ST.c.run_id == run_id,
-            staged_ranks(conn, ST.c.rank, ids[i : i + RANK_CHUNK]),
-            ST.c.step.between(lo, hi),
-        )
-        if is_postgres(conn):
-            arrays = (func.array_agg(aggregate_order_by(ST.c[k], ST.c.step)) for k in names)
-            q = select(ST.c.rank, *arrays).where(*where).group_by(ST.c.rank).order_by(ST.c.rank)
-            for rank, steps, *cols in conn.execute(q):
-                yield rank, steps, cols
-            continue
         rows = conn.execute(
-            select(ST.c.rank, *(ST.c[k] for k in names)).where(*where).order_by(ST.c.rank, ST.c.step)
+            select(ST.c.rank, ST.c.first_step, ST.c.sent_at, *(ST.c[k] for k in STEP_TIMING_VALUES))
+            .where(
+                ST.c.run_id == run_id,
+                staged_ranks(conn, ST.c.rank, ids[i : i + RANK_CHUNK]),
+                ST.c.first_step <= hi,
+                ST.c.last_step >= lo,
+            )
+            .order_by(ST.c.rank, ST.c.first_step)
         )
-        for rank, group in groupby(rows, key=itemgetter(0)):
-            steps, *cols = (list(c) for c in zip(*(r[1:] for r in group), strict=True))
+        for rank, batches in groupby(rows, key=itemgetter(0)):
+            steps, cols = _unpacked([b[1:] for b in batches], lo, hi)
             yield rank, steps, cols
+
+
+def _unpacked(batches: Sequence[Sequence[Any]], lo: int, hi: int) -> tuple[list[int], list[list[Any]]]:
+    """One rank's batches ``(first_step, sent_at, *packed columns)``, in step order, as its
+    steps ``lo..hi`` and their values (None where unknown). Where two batches carry a step
+    (an agent restarted from a checkpoint sends steps again under new batch ids) the one
+    sent later holds it, as a row per step merged LAST held it."""
+    n_cols = len(STEP_TIMING_VALUES)
+    spans: list[tuple[int, float, list[npt.NDArray[np.float64]]]] = []
+    for first, sent_at, *blobs in batches:
+        values = [packed.unpack(b) for b in blobs]
+        a, b = max(first, lo), min(first + len(values[0]) - 1, hi)
+        spans.append((a, sent_at, [v[a - first : b - first + 1] for v in values]))
+    ends = [a + len(vs[0]) - 1 for a, _, vs in spans]
+    if all(spans[k + 1][0] > ends[k] for k in range(len(spans) - 1)):  # no step twice (nearly always)
+        steps = [step for (a, _, vs), end in zip(spans, ends, strict=True) for step in range(a, end + 1)]
+        cols = [np.concatenate([vs[k] for _, _, vs in spans]) for k in range(n_cols)]
+    else:
+        held: dict[int, list[float]] = {}
+        for a, _, vs in sorted(spans, key=itemgetter(1)):  # the later sent overwrites
+            for j, row in enumerate(zip(*(v.tolist() for v in vs), strict=True)):
+                held[a + j] = list(row)
+        steps = sorted(held)
+        cols = [np.array([held[s][k] for s in steps], dtype=np.float64) for k in range(n_cols)]
+    return steps, [cols[0].tolist(), cols[1].tolist(), *(packed.to_optional(c) for c in cols[2:])]
 
 
 def _rank_steps(rank: int, host: str, steps: list[int], cols: list[list[Any]]) -> RankSteps:

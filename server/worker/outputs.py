@@ -295,18 +295,20 @@ def utcnow_from(unix_s: float) -> datetime:
 
 
 def drop_step_timings(conn: Connection, run_id: int, ranks: Sequence[int], through_step: int) -> int:
-    """Delete the staged timing (``step_timings`` and ``link_samples``) of every step up
-    to ``through_step`` (the last step of the last window analysed), late rows of earlier
-    windows included; a seek per chunk of ranks. Returns the rows deleted."""
+    """Delete the staged timing (``step_timings`` and ``link_samples``) whose last step is
+    at most ``through_step`` (the last step of the last window analysed), late rows of
+    earlier windows included; a seek per chunk of ranks. Returns the rows deleted."""
     deleted = 0
     ids = sorted(set(ranks))
-    for model in (StepTiming, LinkSample):
+    # A batch's row goes with its last step: one that reaches into the next window is read
+    # again for that window's steps.
+    for model, last in ((StepTiming, StepTiming.last_step), (LinkSample, LinkSample.step)):
         for i in range(0, len(ids), RANK_CHUNK):
             result = conn.execute(
                 delete(model).where(
                     model.run_id == run_id,
                     staged_ranks(conn, model.rank, ids[i : i + RANK_CHUNK]),
-                    model.step <= through_step,
+                    last <= through_step,
                 )
             )
             deleted += result.rowcount or 0

@@ -149,10 +149,14 @@ def test_binary_array_parameters_round_trip(pg_admin: str) -> None:
                 pg_arrays.encode(np.ma.masked_all(3, dtype=int)),
             ],
         ).fetchone()
+        blobs = [b"", b"\x00\xff\\", floats.tobytes(), bytes(range(256)) * 40]
+        (back,) = conn.execute("SELECT %s::bytea[]", [pg_arrays.encode_bytes(blobs)]).fetchone() or (None,)
+        (empty,) = conn.execute("SELECT %s::bytea[]", [pg_arrays.encode_bytes([])]).fetchone() or (None,)
     assert row is not None
     assert row[0] == floats.tolist()  # bit for bit
     assert row[1] == [1, None, 2**62, None, 1024]
     assert row[2] == [None, None, None]
+    assert back == blobs and empty == []
 
 
 def _fleet(ranks: int, windows: int, n: int) -> list[IngestPayload]:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, select, text
 
-from stepwatch_server.storage import migrate
+from stepwatch_server.storage import migrate, packed
 from stepwatch_server.storage.engine import make_engine
-from stepwatch_server.storage.models import Base
+from stepwatch_server.storage.models import Base, StepTiming
 
 TABLES = {
     "runs",
@@ -56,3 +58,59 @@ def test_packaged_script_location_is_the_migrations_folder() -> None:
 
     root = Path(__file__).resolve().parents[2]
     assert Path(migrate.SCRIPT_LOCATION) == root / "migrations"
+
+
+def test_staged_timing_is_carried_over_packed_and_back(empty_db_url: str) -> None:
+    """Migration 0021 packs the rows per step staged before it into rows of a rank's
+    consecutive steps, and its downgrade gives back the same rows per step, NULLs and
+    every float bit included."""
+    migrate.upgrade(empty_db_url, "0020")
+    engine = make_engine(empty_db_url)
+    cols = ("step_time_s", "data_wait_s", "sync_s", "cpu_s", "runq_s")
+    rows = [
+        # run 1, rank 0: steps 1-3 and 7-8 (a gap); rank 1: step 2 alone; run 2, rank 0: 5-6
+        (1, 0, 1, 0.1, 0.0, None, 0.25, 1e-9),
+        (1, 0, 2, 0.1 + 0.2, 1e-300, 0.5, None, None),
+        (1, 0, 3, 3.0, 0.0, 0.0, 0.0, 0.0),
+        (1, 0, 7, 7.0, 0.5, 1.5, 2.5, None),
+        (1, 0, 8, 8.0, 0.5, None, None, None),
+        (1, 1, 2, 2.0, 0.0, 0.125, 0.25, 0.375),
+        (2, 0, 5, 5.0, 0.0, None, 1.0, None),
+        (2, 0, 6, 6.0, 0.0, 2.0, None, 0.5),
+    ]
+    names = ("run_id", "rank", "step", *cols)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(f"INSERT INTO step_timings ({', '.join(names)}) VALUES (:{', :'.join(names)})"),
+                [dict(zip(names, r, strict=True)) for r in rows],
+            )
+        migrate.upgrade(empty_db_url)
+        with engine.connect() as conn:
+            got = conn.execute(
+                select(StepTiming.__table__).order_by(
+                    StepTiming.run_id, StepTiming.rank, StepTiming.first_step
+                )
+            ).all()
+        assert [(r.run_id, r.rank, r.first_step, r.last_step) for r in got] == [
+            (1, 0, 1, 3),
+            (1, 0, 7, 8),
+            (1, 1, 2, 2),
+            (2, 0, 5, 6),
+        ]
+        unpacked = [
+            (r.run_id, r.rank, r.first_step + j, *(None if math.isnan(v) else v for v in values))
+            for r in got
+            for j, values in enumerate(
+                zip(*(packed.unpack(getattr(r, c)).tolist() for c in cols), strict=True)
+            )
+        ]
+        assert unpacked == rows
+        migrate.downgrade(empty_db_url, "0020")
+        with engine.connect() as conn:
+            back = conn.execute(
+                text(f"SELECT {', '.join(names)} FROM step_timings ORDER BY run_id, rank, step")
+            ).all()
+        assert [tuple(r) for r in back] == rows
+    finally:
+        engine.dispose()

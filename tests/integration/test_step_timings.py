@@ -1,13 +1,14 @@
 """The always-on collective timing through the collector: ingest stages it per (run,
-rank, step), the worker turns it into late-arrival straggler flags and deletes what it
+rank, batch), its steps packed, the worker turns it into late-arrival straggler flags and deletes what it
 analysed. Real database (SQLite and PostgreSQL), batches through the real API in process,
 worker passes run by the test."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from fastapi.testclient import TestClient
@@ -15,7 +16,9 @@ from sqlalchemy import Engine, func, select
 
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage import packed
 from stepwatch_server.storage.backend import open_storage
+from stepwatch_server.storage.columns import STEP_TIMING_VALUES
 from stepwatch_server.storage.models import LinkSample, StepTiming
 from stepwatch_server.worker import AnalysisWorker, WorkerConfig
 
@@ -92,11 +95,33 @@ def worker(engine: Engine) -> AnalysisWorker:
     return AnalysisWorker(open_storage(engine), WorkerConfig(), clock=time.time)
 
 
-def staged(engine: Engine) -> list[StepTiming]:
+class Staged(NamedTuple):
+    """One staged step, unpacked from its batch's row."""
+
+    rank: int
+    step: int
+    step_time_s: float
+    data_wait_s: float
+    sync_s: float | None
+    cpu_s: float | None
+    runq_s: float | None
+
+
+def staged(engine: Engine) -> list[Staged]:
+    """Every staged step, from the rows (one per rank and batch, ``packed.py``) as stored."""
+    st = StepTiming.__table__
     with engine.connect() as conn:
-        return list(
-            conn.execute(select(StepTiming).order_by(StepTiming.rank, StepTiming.step)).all()  # type: ignore[arg-type]
-        )
+        rows = conn.execute(select(st).order_by(st.c.rank, st.c.first_step)).all()
+    out = []
+    for r in rows:
+        cols = [packed.unpack(getattr(r, k)) for k in STEP_TIMING_VALUES]
+        assert all(len(c) == r.last_step - r.first_step + 1 for c in cols), r
+        for j in range(len(cols[0])):
+            v = [float(c[j]) for c in cols]
+            out.append(
+                Staged(r.rank, r.first_step + j, v[0], v[1], *(None if math.isnan(x) else x for x in v[2:]))
+            )
+    return out
 
 
 def test_ingest_stages_each_rank_step_once_with_its_values(client: TestClient, engine: Engine) -> None:
@@ -274,8 +299,8 @@ def test_ranks_arriving_together_raise_nothing(client: TestClient, engine: Engin
     assert report.windows == 5 and report.transitions == []
     assert client.get("/api/v1/runs/test-run/events").json() == []
     assert len(staged(engine)) == W * STEPS
-    with engine.connect() as conn:
-        assert conn.execute(select(func.count()).select_from(StepTiming)).scalar() == W * STEPS
+    with engine.connect() as conn:  # one row per rank and batch: the newest window's
+        assert conn.execute(select(func.count()).select_from(StepTiming)).scalar() == W
 
 
 # -- links: the agent's per-connection timing ----------------------------------------

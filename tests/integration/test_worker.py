@@ -23,7 +23,9 @@ from stepwatch_server.analysis.types import RankWindow as RankWindowIn
 from stepwatch_server.app import create_app
 from stepwatch_server.reads.runs import run_info
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage import packed
 from stepwatch_server.storage.backend import open_storage
+from stepwatch_server.storage.columns import STEP_TIMING_VALUES
 from stepwatch_server.storage.engine import make_engine
 from stepwatch_server.storage.models import JobStep, Rank, RankWindow, Run, StepTiming
 from stepwatch_server.worker import AnalysisWorker, WorkerConfig, inputs, outputs
@@ -422,23 +424,19 @@ def test_a_chunk_of_ranks_reads_and_drops_those_ranks_whether_or_not_they_are_co
             assert all(sorted(w.rank for w in ws) == chosen for ws in got.values()), (chosen, got)
         conn.execute(
             timings.insert(),
-            [
-                {"run_id": run.id, "rank": r, "step": s, "step_time_s": 0.5, "data_wait_s": 0.0}
-                for r in range(5)
-                for s in (1, 2)
-            ],
+            [staged_row(run.id, r, 1, [(0.5, 0.0, None, None, None)] * 2) for r in range(5)],
         )
         gap = [r for r in rows if r.rank in (0, 1, 3, 4)]
         assert sorted(s.rank for s in inputs.step_timings(conn, run, gap, 0, 0)[0]) == [0, 1, 3, 4]
-        assert outputs.drop_step_timings(conn, run.id, [4, 0, 1, 3, 1], through_step=2) == 8
+        assert outputs.drop_step_timings(conn, run.id, [4, 0, 1, 3, 1], through_step=2) == 4
         assert conn.execute(select(timings.c.rank).distinct()).scalars().all() == [2]
 
 
 def test_staged_timing_reads_back_per_window_and_rank_with_its_gaps_and_without_tagged_steps(
     client: TestClient, engine: Engine
 ) -> None:
-    """``inputs.step_timings`` (on PostgreSQL one row of arrays per rank, on SQLite a row
-    per step) against the rule written out step by step: per window, one entry per rank
+    """``inputs.step_timings`` (rows of a rank's consecutive steps, packed) against the
+    rule written out step by step: per window, one entry per rank
     in rank order, its steps from the first it reported to the last, the ones it did not
     report unmeasured (0 s, None), the tagged steps left out, a rank not asked for absent."""
     send_windows(client, range(0, 2), ranks=range(5), world=5)  # steps 1-16, windows 0 and 1
@@ -457,14 +455,17 @@ def test_staged_timing_reads_back_per_window_and_rank_with_its_gaps_and_without_
             .where(JobStep.__table__.c.step.in_(tagged), JobStep.__table__.c.run_id == run.id)
             .values(tag=1)
         )
-        names = ("step_time_s", "data_wait_s", "sync_s", "cpu_s", "runq_s")
-        conn.execute(
-            StepTiming.__table__.insert(),
-            [
-                {"run_id": run.id, "rank": r, "step": s, **dict(zip(names, v, strict=True))}
-                for (r, s), v in staged.items()
-            ],
-        )
+        # As batches would stage them: each rank's consecutive steps in rows of 1-5 steps.
+        rows: list[dict[str, Any]] = []
+        for r in range(5):
+            steps = sorted(s for rank, s in staged if rank == r)
+            while steps:
+                n = 1
+                while n < min(len(steps), rng.randint(1, 5)) and steps[n] == steps[0] + n:
+                    n += 1
+                rows.append(staged_row(run.id, r, steps[0], [staged[r, s] for s in steps[:n]]))
+                steps = steps[n:]
+        conn.execute(StepTiming.__table__.insert(), rows)
         asked = [r for r in inputs.rank_rows(conn, run.id) if r.rank != 2]
         got = inputs.step_timings(conn, run, asked, 0, 1)
     expected: dict[int, list[RankSteps]] = {}
@@ -485,6 +486,73 @@ def test_staged_timing_reads_back_per_window_and_rank_with_its_gaps_and_without_
             expected.setdefault(w, []).append(RankSteps(r.rank, r.host, steps[0], *cols))
     assert got == expected
     assert any(len(e.step_time_s) > 1 and 0.0 in e.step_time_s for es in got.values() for e in es)  # gaps
+
+
+def staged_row(
+    run_id: int, rank: int, first: int, steps: list[tuple[Any, ...]], sent_at: float = 0.0
+) -> dict[str, Any]:
+    """A ``step_timings`` row holding ``steps`` (each its five values, None: unknown) from
+    step ``first``, packed as ingest packs a batch's."""
+    cols = list(zip(*steps, strict=True))
+    return {
+        "run_id": run_id,
+        "rank": rank,
+        "first_step": first,
+        "last_step": first + len(steps) - 1,
+        "sent_at": sent_at,
+        **{k: packed.pack(packed.from_optional(c)) for k, c in zip(STEP_TIMING_VALUES, cols, strict=True)},
+    }
+
+
+def test_a_step_two_batches_carry_is_the_later_sents_and_a_batch_is_dropped_with_its_last_step(
+    client: TestClient, engine: Engine
+) -> None:
+    """An agent restarted from a checkpoint sends steps again under new batch ids, from
+    another step than before: the reader gives each step carried twice to the batch sent
+    later, whichever starts later. A batch that reaches into the next window is read for
+    both windows' steps and dropped only once the window of its last step is analysed."""
+    send_windows(client, range(0, 1), ranks=range(2), world=2)  # the run (8-step windows)
+    with engine.begin() as conn:
+        run = run_info(conn.execute(select(Run.__table__)).one())
+        assert run.window_steps == STEPS == 8
+        ranks = inputs.rank_rows(conn, run.id)
+        conn.execute(StepTiming.__table__.delete())
+
+        def values(tag: float, steps: range) -> list[tuple[Any, ...]]:
+            return [(tag + s / 100, 0.0, tag if s % 2 else None, None, tag) for s in steps]
+
+        conn.execute(
+            StepTiming.__table__.insert(),
+            [
+                staged_row(run.id, 0, 1, values(1.0, range(1, 7)), sent_at=10.0),  # steps 1-6
+                staged_row(run.id, 0, 7, values(1.0, range(7, 13)), sent_at=20.0),  # 7-12: windows 0 and 1
+                staged_row(run.id, 0, 4, values(2.0, range(4, 10)), sent_at=30.0),  # resent 4-9, after both
+                staged_row(run.id, 1, 3, values(3.0, range(3, 11)), sent_at=5.0),  # 3-10
+                staged_row(run.id, 1, 9, values(4.0, range(9, 12)), sent_at=1.0),  # 9-11, sent before 3-10
+            ],
+        )
+        got = inputs.step_timings(conn, run, ranks, 0, 1)
+        later = {0: {s: 2.0 if 4 <= s <= 9 else 1.0 for s in range(1, 13)}}
+        later[1] = {s: 4.0 if s == 11 else 3.0 for s in range(3, 12)}
+        for w, window in got.items():
+            for rs in window:
+                steps = range(rs.first_step, rs.first_step + len(rs.step_time_s))
+                tags = [later[rs.rank][s] for s in steps]
+                assert list(rs.step_time_s) == [t + s / 100 for t, s in zip(tags, steps, strict=True)], (
+                    w,
+                    rs,
+                )
+                assert list(rs.sync_s) == [t if s % 2 else None for t, s in zip(tags, steps, strict=True)]
+                assert list(rs.cpu_s) == [None] * len(steps) and list(rs.runq_s) == tags
+        assert {w: [(rs.rank, rs.first_step, len(rs.step_time_s)) for rs in ws] for w, ws in got.items()} == {
+            0: [(0, 1, 8), (1, 3, 6)],
+            1: [(0, 9, 4), (1, 9, 3)],
+        }
+        # Window 0 analysed: the batches ending in it go, those reaching into window 1 stay.
+        assert outputs.drop_step_timings(conn, run.id, [0, 1], through_step=8) == 1
+        left = conn.execute(select(StepTiming.__table__.c.rank, StepTiming.__table__.c.first_step)).all()
+        assert sorted(left) == [(0, 4), (0, 7), (1, 3), (1, 9)]
+        assert [len(rs.step_time_s) for rs in inputs.step_timings(conn, run, ranks, 1, 1)[1]] == [4, 3]
 
 
 def test_the_rank_read_of_each_pass_matches_the_stored_rows_and_follows_their_changes(

@@ -29,6 +29,7 @@ from stepwatch_server.analysis.arrivals import (
 )
 from stepwatch_server.analysis.late_arrivals import ArrivalDetector
 from stepwatch_server.ingest.fold import peer_wait
+from stepwatch_server.storage.packed import from_optional, to_optional
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "realtrain"
 
@@ -207,8 +208,10 @@ def _recorded(name: str, folder: Path = FIXTURES) -> list[RankSteps]:
     d = json.loads((folder / f"{name}.json").read_text())
 
     def staged(b: dict[str, Any]) -> list[float | None]:
-        held = b.get("broadcast_s") or [None] * len(b["sync_s"])
-        return [peer_wait(s, h) for s, h in zip(b["sync_s"], held, strict=True)]
+        held = b.get("broadcast_s")
+        return to_optional(
+            peer_wait(from_optional(b["sync_s"]), None if held is None else from_optional(held))
+        )
 
     return [
         concat(
