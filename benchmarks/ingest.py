@@ -69,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_host = args.ranks_per_host
     # "-comm": the same per-host windows, each with the comm section a DDP rank sends
     # (``sw.watch(ddp)``, the default with a DDP model): more to validate, and one staged
-    # ``step_timings`` row per rank-step, which the COPY of the same rows holds too.
+    # ``step_timings`` row per rank and batch (its steps packed), which the COPY of the
+    # same rows holds too.
     kinds = ("null", "pg", "null-host", "pg-host", "null-host-comm", "pg-host-comm")
 
     enc_s = loadgen.encoding_cost(loadgen.Fleet("enc", args.ranks, n), samples=2000)

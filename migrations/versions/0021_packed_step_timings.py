@@ -5,8 +5,9 @@ default with a DDP model) most of ingest's rows, each inserted, indexed and dele
 analysed. The collector's PostgreSQL spent 438 us per 64-step rank-window with it against
 88 us with no staging at all (``python -m benchmarks.ingest``, per host). A batch's steps
 are now one row, each column one float64 per step, little-endian, NaN where a row per step
-held NULL (``storage/packed.py``); ``last_step`` bounds the reads and deletes, ``sent_at``
-orders two batches that carry the same step. Staged rows are carried over both ways: a
+held NULL (``storage/packed.py``); ``last_step`` bounds the reads and deletes. Two batches
+carrying the same step are two rows (the key holds the agent's ``sent_at``), and the
+reader gives the step to the later sent. Staged rows are carried over both ways: a
 rank's consecutive steps become one row (``sent_at`` 0: rows per step never overlap).
 
 Revision ID: 0021
@@ -128,10 +129,10 @@ def upgrade() -> None:
         sa.Column("run_id", BigId, nullable=False),
         sa.Column("rank", sa.Integer(), nullable=False),
         sa.Column("first_step", sa.BigInteger(), nullable=False),
-        sa.Column("last_step", sa.BigInteger(), nullable=False),
         sa.Column("sent_at", sa.Float(), nullable=False),
+        sa.Column("last_step", sa.BigInteger(), nullable=False),
         *(sa.Column(v, sa.LargeBinary(), nullable=False) for v in VALUES),
-        sa.PrimaryKeyConstraint("run_id", "rank", "first_step", name=op.f("pk_step_timings")),
+        sa.PrimaryKeyConstraint("run_id", "rank", "first_step", "sent_at", name=op.f("pk_step_timings")),
         postgresql_with={"toast_tuple_target": 8160},
     )
     _inserted(_packed_table("step_timings"), _packed_rows())

@@ -125,13 +125,13 @@ def peer_wait(
 
 def _step_timings(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> Columns:
     """One ``step_timings`` row per (run, rank, batch) of the batches with a ``comm``
-    section, its steps packed (``storage/packed.py``); a batch of the group that starts at
-    the same step as an earlier one of its rank replaces it (LAST). The window's run-queue
+    section, its steps packed (``storage/packed.py``), keyed by its first step and
+    ``sent_at`` (``columns.STEP_TIMINGS``). The window's run-queue
     wait is shared among its steps in proportion to their time (a longer step, a
     checkpoint's, had longer to wait). A step's wait in DDP's buffer broadcast is added to
     its sync (:func:`peer_wait`): both are time spent waiting for peers in the step's
     collectives, and a rank held in the broadcast by a late peer is not late itself."""
-    rows: dict[tuple[int, int, int], tuple[int, float, bytes, bytes, bytes, bytes, bytes]] = {}
+    rows: dict[tuple[int, int, int, float], tuple[int, bytes, bytes, bytes, bytes, bytes]] = {}
     for p, run_id in zip(payloads, run_ids, strict=True):
         s, c = p.steps, p.comm
         assert c is not None
@@ -140,9 +140,8 @@ def _step_timings(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> 
         total = sum(s.time_s)
         runq = c.runq_s / total * t if c.runq_s is not None and total > 0 else np.full(len(t), np.nan)
         held = None if c.broadcast_s is None else packed.from_optional(c.broadcast_s)
-        rows[(run_id, p.rank.rank, s.first)] = (
+        rows[(run_id, p.rank.rank, s.first, p.sent_at)] = (
             s.first + len(t) - 1,
-            p.sent_at,
             packed.pack(t),
             packed.pack(np.array(s.data_wait_s, dtype=np.float64)),
             packed.pack(peer_wait(packed.from_optional(c.sync_s), held)),
@@ -155,9 +154,9 @@ def _step_timings(payloads: Sequence[IngestPayload], run_ids: Sequence[int]) -> 
         "run_id": np.array([k[0] for k in keys], dtype=np.int64),
         "rank": np.array([k[1] for k in keys], dtype=np.int64),
         "first_step": np.array([k[2] for k in keys], dtype=np.int64),
+        "sent_at": np.array([k[3] for k in keys], dtype=np.float64),
         "last_step": np.array([v[0] for v in values], dtype=np.int64),
-        "sent_at": np.array([v[1] for v in values], dtype=np.float64),
-        **{name: [v[2 + i] for v in values] for i, name in enumerate(columns.STEP_TIMING_VALUES)},
+        **{name: [v[1 + i] for v in values] for i, name in enumerate(columns.STEP_TIMING_VALUES)},
     }
 
 

@@ -138,15 +138,16 @@ JOB_STEPS = Summed(
     ),
 )
 
-#: Staged collective timing, a row per rank and batch (its steps packed): a batch sent
-#: again from the same step under a fresh batch id (a restarted agent) replaces it; one
-#: from another step is a row of its own, and the reader gives a step carried twice to
-#: the later sent (``worker/inputs.py``).
+#: Staged collective timing, a row per rank and batch (its steps packed), keyed by the
+#: batch's first step and ``sent_at``: two batches carrying a step (a restarted agent
+#: sends steps again under fresh batch ids) are two rows, and the reader gives the step to
+#: the later sent (``worker/inputs.py``). Rows merge only for a batch sent twice at the same
+#: instant from the same step (not a retry: a retried batch id is never staged again).
 STEP_TIMINGS = Summed(
     StepTiming.__table__,  # type: ignore[arg-type]
     (
-        *_cols(Rule.KEY, "run_id", "rank", "first_step"),
-        *_cols(Rule.LAST, "last_step", "sent_at", "step_time_s", "data_wait_s", "sync_s", "cpu_s", "runq_s"),
+        *_cols(Rule.KEY, "run_id", "rank", "first_step", "sent_at"),
+        *_cols(Rule.LAST, "last_step", "step_time_s", "data_wait_s", "sync_s", "cpu_s", "runq_s"),
     ),
 )
 #: The packed per-step columns of ``step_timings`` (``packed.py``), in the order the

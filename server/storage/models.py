@@ -363,11 +363,12 @@ class StepTiming(Base):
     run_id: Mapped[int] = mapped_column(BigId, primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     first_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    last_step: Mapped[int] = mapped_column(BigInteger)
     #: The agent's ``sent_at``: where two of a rank's batches carry a step (an agent
     #: restarted from a checkpoint sends steps again under new batch ids), the one sent
-    #: later holds it.
-    sent_at: Mapped[float] = mapped_column(Float)
+    #: later holds it (the agent's clock, not the order of arrival: a stale batch whose
+    #: retries came through late does not overwrite the fresh one).
+    sent_at: Mapped[float] = mapped_column(Float, primary_key=True)
+    last_step: Mapped[int] = mapped_column(BigInteger)
     step_time_s: Mapped[bytes] = mapped_column(LargeBinary)
     data_wait_s: Mapped[bytes] = mapped_column(LargeBinary)
     #: End minus arrival of the step's last bucket, plus the step's wait in DDP's buffer
@@ -407,7 +408,7 @@ class LinkSample(Base):
     """Staging of the per-connection link timing (the ``comm`` section's ``links``), one
     row per rank, batch (its last step) and connection, until the worker has analysed
     the window: the link detector joins both ends of each connection across ranks. The
-    worker deletes the rows with the window's ``step_timings``."""
+    worker deletes the rows of the windows it analysed (``worker/outputs.py``)."""
 
     __tablename__ = "link_samples"
 

@@ -435,7 +435,7 @@ def _unpacked(batches: Sequence[Sequence[Any]], lo: int, hi: int) -> tuple[list[
     """One rank's batches ``(first_step, sent_at, *packed columns)``, in step order, as its
     steps ``lo..hi`` and their values (None where unknown). Where two batches carry a step
     (an agent restarted from a checkpoint sends steps again under new batch ids) the one
-    sent later holds it, as a row per step merged LAST held it."""
+    sent later holds it (``columns.STEP_TIMINGS``)."""
     n_cols = len(STEP_TIMING_VALUES)
     spans: list[tuple[int, float, list[npt.NDArray[np.float64]]]] = []
     for first, sent_at, *blobs in batches:

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, select
 
 from stepwatch_server.ingest.store import Ingestor, pace_is_known
+from stepwatch_server.reads.runs import run_info
 from stepwatch_server.schemas.ingest import IngestPayload
 from stepwatch_server.storage import migrate, rollups
 from stepwatch_server.storage.backend import Storage, open_storage
@@ -36,10 +37,12 @@ from stepwatch_server.storage.columns import (
     RANKS,
     STEP_TIMINGS,
     Summed,
+    window_of,
 )
 from stepwatch_server.storage.engine import make_engine
 from stepwatch_server.storage.models import Run, unix
 from stepwatch_server.storage.retention import prune
+from stepwatch_server.worker import inputs
 
 from .. import pg
 from ..payloads import payload, profile_entry
@@ -255,3 +258,58 @@ def test_every_column_of_the_summed_tables_has_a_rule() -> None:
     for table in tables:
         assert {c.name for c in table.table.columns} == {c.name for c in table.columns}, table.name
         assert set(table.keys) == {c.name for c in table.table.primary_key}, table.name
+
+
+def test_staged_steps_two_batches_carry_are_the_later_sents_on_both_backends(
+    storages: tuple[Storage, Storage],
+) -> None:
+    """A rank's batches carrying the same steps (an agent restarted from a checkpoint, a
+    stale batch retried late): random spans (many from the same first step, of other
+    lengths), sent in a random order of ``sent_at``, stored in random groups on each
+    backend. Each step must read back as the batch sent last among those carrying it,
+    whether they merged in one group (the fold), in the database (the upsert of the same
+    first step) or in the reader (rows from different first steps)."""
+    rnd = random.Random(11)
+    for trial in range(6):
+        name = f"overlap-{trial}"
+        spans = [(rnd.choice((1, 1, 5, 9)), rnd.randint(1, 12)) for _ in range(10)]
+        order = list(range(len(spans)))
+        rnd.shuffle(order)  # sent_at order differs from storing order
+        batches = []
+        for i, (first, n) in enumerate(spans):
+            tag = float(i + 1)
+            comm = {
+                "version": 1,
+                "arrive_s": [None] * n,
+                "end_s": [None] * n,
+                "sync_s": [tag / 8 if (first + j) % 3 else None for j in range(n)],
+                "cpu_s": [tag / 16] * n,
+            }
+            b = payload(run=name, first=first, times=[tag + j / 64 for j in range(n)], comm=comm, wall_end=T0)
+            b["sent_at"] = T0 + order[i]
+            batches.append(b)
+        expected: dict[int, tuple[float, float | None]] = {}
+        for i in sorted(range(len(spans)), key=lambda i: order[i]):  # in sent order: the last wins
+            first, n = spans[i]
+            for j in range(n):
+                step = first + j
+                expected[step] = (i + 1 + j / 64, (i + 1) / 8 if step % 3 else None)
+        for storage in storages:
+            ingestor = Ingestor(storage, window_steps=4)
+            rest = list(batches)
+            rnd.shuffle(rest)
+            while rest:
+                k = rnd.randint(1, 3)
+                assert all(ingestor.store_many([IngestPayload.model_validate(b) for b in rest[:k]]))
+                rest = rest[k:]
+            with storage.engine.connect() as conn:
+                run = run_info(conn.execute(select(Run.__table__).where(Run.name == name)).one())
+                ranks = inputs.rank_rows(conn, run.id)
+                got = inputs.step_timings(conn, run, ranks, 0, window_of(max(expected), 4))
+            read = {
+                rs.first_step + j: (t, sync)
+                for window in got.values()
+                for rs in window
+                for j, (t, sync) in enumerate(zip(rs.step_time_s, rs.sync_s, strict=True))
+            }
+            assert read == expected, (storage.engine.url, spans, order)
