@@ -80,13 +80,15 @@ class Aligned:
     runq: Matrix
 
 
-def _col(values: Sequence[float | None], first: int, steps: Sequence[int]) -> NDArray[np.float64]:
+def _col(values: Sequence[float | None], first: int, steps: NDArray[np.int64]) -> NDArray[np.float64]:
+    """A rank's values at ``steps`` (its first value is step ``first``), NaN where it has
+    none. Vectorised: a Python loop over every rank and step of a window was most of a
+    4,096-rank pass's line-up."""
+    have = np.asarray(values, dtype=np.float64)  # None -> NaN
+    j = steps - first
+    ok = (j >= 0) & (j < len(have))
     out = np.full(len(steps), np.nan)
-    for k, s in enumerate(steps):
-        j = s - first
-        if 0 <= j < len(values):
-            v = values[j]
-            out[k] = np.nan if v is None else float(v)
+    out[ok] = have[j[ok]]
     return out
 
 
@@ -103,19 +105,21 @@ def line_up(ranks: Sequence[RankSteps]) -> Aligned:
     for r in ordered[1:]:
         common &= set(range(r.first_step, r.first_step + len(r.sync_s)))
     steps = sorted(common)
+    at = np.array(steps, dtype=np.int64)
     sync = (
-        np.column_stack([_col(r.sync_s, r.first_step, steps) for r in ordered])
+        np.column_stack([_col(r.sync_s, r.first_step, at) for r in ordered])
         if steps
         else np.empty((0, len(ordered)))
     )
     keep: NDArray[np.bool_] = np.asarray(~np.isnan(sync).any(axis=1), dtype=bool)
     sync = sync[keep]
     kept = tuple(s for s, k in zip(steps, keep.tolist(), strict=True) if k)
+    kept_at = at[keep]
 
     def cols(name: str) -> Matrix:
         if not kept:
             return np.empty((0, len(ordered)))
-        return np.column_stack([_col(getattr(r, name), r.first_step, kept) for r in ordered])
+        return np.column_stack([_col(getattr(r, name), r.first_step, kept_at) for r in ordered])
 
     transfer = sync.min(axis=1, keepdims=True) if len(kept) else np.empty((0, 1))
     return Aligned(
