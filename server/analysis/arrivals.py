@@ -39,6 +39,9 @@ from numpy.typing import NDArray
 
 ArrivalCause = Literal["compute", "host_stall", "data", "host", "cpu_contention"]
 Matrix = NDArray[np.float64]
+#: A rank's values per step: a list (None where not measured) or, as the worker reads
+#: them from the staged rows, float64 (NaN where not measured).
+Values = Sequence[float | None] | NDArray[np.float64]
 
 #: Exact leave-one-out medians up to this many ranks; above it the group median (the
 #: difference is below one rank's weight, 1/n).
@@ -47,22 +50,22 @@ EXACT_LOO_RANKS = 64
 
 @dataclass(frozen=True, slots=True)
 class RankSteps:
-    """One rank's per-step timing in one window (seconds; NaN where not measured).
+    """One rank's per-step timing in one window (seconds; None or NaN where not measured).
 
     ``sync_s``: end of the last bucket's collective minus its arrival; ``cpu_s``:
     training-thread CPU time of the step; ``data_wait_s``: host blocked in the loader;
-    ``runq_s``: training-thread run-queue wait, its window's shared by step time (empty
-    or ``None``: not measured).
+    ``runq_s``: training-thread run-queue wait, its window's shared by step time (empty,
+    ``None`` or NaN: not measured).
     """
 
     rank: int
     host: str
     first_step: int
-    step_time_s: Sequence[float]
-    data_wait_s: Sequence[float]
-    sync_s: Sequence[float | None]
-    cpu_s: Sequence[float | None]
-    runq_s: Sequence[float | None] = ()
+    step_time_s: Values
+    data_wait_s: Values
+    sync_s: Values
+    cpu_s: Values
+    runq_s: Values = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +83,11 @@ class Aligned:
     runq: Matrix
 
 
-def _col(values: Sequence[float | None], first: int, steps: NDArray[np.int64]) -> NDArray[np.float64]:
+def _col(values: Values, first: int, steps: NDArray[np.int64]) -> NDArray[np.float64]:
     """A rank's values at ``steps`` (its first value is step ``first``), NaN where it has
     none. Vectorised: a Python loop over every rank and step of a window was most of a
     4,096-rank pass's line-up."""
-    have = np.asarray(values, dtype=np.float64)  # None -> NaN
+    have = np.asarray(values, dtype=np.float64)  # None -> NaN; the worker's arrays as they are
     j = steps - first
     ok = (j >= 0) & (j < len(have))
     out = np.full(len(steps), np.nan)

@@ -240,8 +240,13 @@ def timing_means(timing: Sequence[Sequence[RankSteps]], excluded: Set[int] = fro
                 sync = r.sync_s[j] if j < len(r.sync_s) else None
                 if sync is None or not math.isfinite(sync) or not t > 0 or r.first_step + j in excluded:
                     continue
-                data = r.data_wait_s[j] if j < len(r.data_wait_s) else 0.0
-                add(t, data if math.isfinite(data) else 0.0, sync, r.cpu_s[j] if j < len(r.cpu_s) else None)
+                wait = r.data_wait_s[j] if j < len(r.data_wait_s) else None
+                add(
+                    t,
+                    wait if wait is not None and math.isfinite(wait) else 0.0,
+                    sync,
+                    r.cpu_s[j] if j < len(r.cpu_s) else None,
+                )
     # A step far longer than the window's median (a rank descheduled or stopped for
     # seconds) would own the means: one 50 s step moves a 16-step window's compute by 3 s,
     # and the baseline's for a whole run. The regression detector reads medians for the

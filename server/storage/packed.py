@@ -35,7 +35,3 @@ def from_optional(values: Sequence[float | None]) -> npt.NDArray[np.float64]:
     """A per-step list with None for unknown values, as float64 with NaN for None."""
     return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
 
-
-def to_optional(values: npt.NDArray[np.float64]) -> list[float | None]:
-    """Float64 values with NaN for unknown ones as a list with None for NaN."""
-    return [None if v != v else v for v in values.tolist()]

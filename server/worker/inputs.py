@@ -395,7 +395,7 @@ def step_timings(
     for rank, steps, cols in _staged_series(conn, run.id, sorted(hosts), lo, hi):
         if tagged and not tagged.isdisjoint(steps):
             keep = [j for j, step in enumerate(steps) if step not in tagged]
-            steps, cols = [steps[j] for j in keep], [[c[j] for j in keep] for c in cols]
+            steps, cols = [steps[j] for j in keep], [c[keep] for c in cols]
         j = 0
         while j < len(steps):  # the steps of one window at a time (they are sorted)
             w = window_of(steps[j], ws)
@@ -409,9 +409,9 @@ def step_timings(
 
 def _staged_series(
     conn: Connection, run_id: int, ids: Sequence[int], lo: int, hi: int
-) -> Iterator[tuple[int, list[int], list[list[Any]]]]:
+) -> Iterator[tuple[int, list[int], list[npt.NDArray[np.float64]]]]:
     """Each rank's staged steps ``lo..hi`` in step order, with the
-    :data:`~..storage.columns.STEP_TIMING_VALUES` of those steps (None where unknown), in
+    :data:`~..storage.columns.STEP_TIMING_VALUES` of those steps (NaN where unknown), in
     rank order: the rank's batches (rows, their steps packed) that hold any of those steps.
     A row per batch, not per step: reading a 4,096-rank window was a row per rank and step
     (on PostgreSQL aggregated into arrays per rank by the server, ``array_agg``)."""
@@ -431,9 +431,12 @@ def _staged_series(
             yield rank, steps, cols
 
 
-def _unpacked(batches: Sequence[Sequence[Any]], lo: int, hi: int) -> tuple[list[int], list[list[Any]]]:
+def _unpacked(
+    batches: Sequence[Sequence[Any]], lo: int, hi: int
+) -> tuple[list[int], list[npt.NDArray[np.float64]]]:
     """One rank's batches ``(first_step, sent_at, *packed columns)``, in step order, as its
-    steps ``lo..hi`` and their values (None where unknown). Where two batches carry a step
+    steps ``lo..hi`` and their values (float64, NaN where unknown: what the arrivals' line-up
+    reads, without a list of Python floats and Nones in between). Where two batches carry a step
     (an agent restarted from a checkpoint sends steps again under new batch ids) the one
     sent later holds it (``columns.STEP_TIMINGS``)."""
     n_cols = len(STEP_TIMING_VALUES)
@@ -453,24 +456,22 @@ def _unpacked(batches: Sequence[Sequence[Any]], lo: int, hi: int) -> tuple[list[
                 held[a + j] = list(row)
         steps = sorted(held)
         cols = [np.array([held[s][k] for s in steps], dtype=np.float64) for k in range(n_cols)]
-    return steps, [cols[0].tolist(), cols[1].tolist(), *(packed.to_optional(c) for c in cols[2:])]
+    return steps, cols
 
 
-def _rank_steps(rank: int, host: str, steps: list[int], cols: list[list[Any]]) -> RankSteps:
+def _rank_steps(rank: int, host: str, steps: list[int], cols: list[npt.NDArray[np.float64]]) -> RankSteps:
     """One rank's steps of one window as :class:`RankSteps`; steps a rank did not report
-    stay unmeasured (None, step time and data wait 0), so steps keep their places."""
+    stay unmeasured (NaN, step time and data wait 0), so steps keep their places."""
     first_step, n = steps[0], steps[-1] - steps[0] + 1
     if n == len(steps):  # every step reported (nearly always): the columns as they are
         return RankSteps(rank, host, first_step, *cols)
-    step_time: list[float] = [0.0] * n
-    wait: list[float] = [0.0] * n
-    sync: list[float | None] = [None] * n
-    cpu: list[float | None] = [None] * n
-    runq: list[float | None] = [None] * n
-    for k, step in enumerate(steps):
-        j = step - first_step
-        step_time[j], wait[j], sync[j], cpu[j], runq[j] = (c[k] for c in cols)
-    return RankSteps(rank, host, first_step, step_time, wait, sync, cpu, runq)
+    at = np.array(steps, dtype=np.int64) - first_step
+    filled = []
+    for k, c in enumerate(cols):
+        full = np.zeros(n) if k < 2 else np.full(n, np.nan)  # step time, data wait: 0
+        full[at] = c
+        filled.append(full)
+    return RankSteps(rank, host, first_step, *filled)
 
 
 def link_samples(

@@ -11,6 +11,7 @@ order are exact; means (divisions) are compared to 1e-9.
 
 from __future__ import annotations
 
+import math
 import random
 import uuid
 from collections.abc import Iterator
@@ -307,7 +308,7 @@ def test_staged_steps_two_batches_carry_are_the_later_sents_on_both_backends(
                 ranks = inputs.rank_rows(conn, run.id)
                 got = inputs.step_timings(conn, run, ranks, 0, window_of(max(expected), 4))
             read = {
-                rs.first_step + j: (t, sync)
+                rs.first_step + j: (float(t), None if math.isnan(sync) else float(sync))
                 for window in got.values()
                 for rs in window
                 for j, (t, sync) in enumerate(zip(rs.step_time_s, rs.sync_s, strict=True))

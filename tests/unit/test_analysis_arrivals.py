@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numpy.typing import NDArray
 
 from stepwatch_server.analysis.arrivals import (
     Config,
@@ -29,7 +30,7 @@ from stepwatch_server.analysis.arrivals import (
 )
 from stepwatch_server.analysis.late_arrivals import ArrivalDetector
 from stepwatch_server.ingest.fold import peer_wait
-from stepwatch_server.storage.packed import from_optional, to_optional
+from stepwatch_server.storage.packed import from_optional
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "realtrain"
 
@@ -207,11 +208,9 @@ def _recorded(name: str, folder: Path = FIXTURES) -> list[RankSteps]:
     wait in DDP's buffer broadcast, where the recording has it)."""
     d = json.loads((folder / f"{name}.json").read_text())
 
-    def staged(b: dict[str, Any]) -> list[float | None]:
+    def staged(b: dict[str, Any]) -> NDArray[np.float64]:
         held = b.get("broadcast_s")
-        return to_optional(
-            peer_wait(from_optional(b["sync_s"]), None if held is None else from_optional(held))
-        )
+        return peer_wait(from_optional(b["sync_s"]), None if held is None else from_optional(held))
 
     return [
         concat(
