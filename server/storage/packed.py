@@ -34,4 +34,3 @@ def unpack(blob: bytes) -> npt.NDArray[np.float64]:
 def from_optional(values: Sequence[float | None]) -> npt.NDArray[np.float64]:
     """A per-step list with None for unknown values, as float64 with NaN for None."""
     return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
-
