@@ -461,8 +461,8 @@ def test_staged_timing_reads_back_per_window_and_rank_with_its_gaps_and_without_
         for r in range(5):
             steps = sorted(s for rank, s in staged if rank == r)
             while steps:
-                n = 1
-                while n < min(len(steps), rng.randint(1, 5)) and steps[n] == steps[0] + n:
+                n, most = 1, min(len(steps), rng.randint(1, 5))
+                while n < most and steps[n] == steps[0] + n:
                     n += 1
                 rows.append(staged_row(run.id, r, steps[0], [staged[r, s] for s in steps[:n]]))
                 steps = steps[n:]
