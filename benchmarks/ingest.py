@@ -6,11 +6,14 @@ web stack, same payloads, same run), POST latency at the budget rate, the size o
 building one payload.
 
     python -m benchmarks.ingest [--ranks 4096] [--steps-per-window 64] [--workers 2]
-                                [--ranks-per-host 8]
+                                [--ranks-per-host 8] [--per-bucket]
 
 Each window is posted as the agent posts it without the collective timing, and (per
 host) with the ``comm`` section a DDP rank sends by default (``"-comm"`` phases, against
-COPY of their own rows, which include the staged ``step_timings``). Two ways of posting
+COPY of their own rows, which include the staged ``step_timings``): ``sw.watch(ddp)``
+times DDP's built-in reduction once per step and sends no per-collective sketch;
+``--per-bucket`` sends instead what ``sw.watch(ddp, per_bucket=True)`` sends (every
+bucket timed, a duration sketch of the window's all-reduces, validated and not stored). Two ways of posting
 the same windows are measured: one POST per rank and window, as
 the agent sends today (``wire.INGEST_PATH``), and one POST per host and window carrying
 its ranks' windows (per-host batching, ``wire.HOST_BATCH_PATH``: the same payloads, the
@@ -64,6 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=128)
     p.add_argument("--ranks-per-host", type=int, default=8)
+    p.add_argument(
+        "--per-bucket", action="store_true", help="the comm section of sw.watch(ddp, per_bucket=True)"
+    )
     args = p.parse_args(argv)
     n = args.steps_per_window
     per_host = args.ranks_per_host
@@ -77,7 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     phases = []
     for i in range(args.rounds):
         for kind in kinds:
-            fleet = loadgen.Fleet(f"bench-{kind}-{i}", args.ranks, n, seed=i, comm=kind.endswith("comm"))
+            comm = kind.endswith("comm")
+            fleet = loadgen.Fleet(
+                f"bench-{kind}-{i}", args.ranks, n, seed=i, comm=comm, per_bucket=comm and args.per_bucket
+            )
             host = "host" in kind
             bodies = fleet.host_payloads(args.windows, per_host) if host else fleet.payloads(args.windows)
             phases.append((kind, fleet.run, list(bodies)))
@@ -187,8 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{rate('null-host') / copy_rate:.3f} per host (the ceiling without any storage)"
     )
     comm_rate = rate("pg-host-comm")
+    sent = "sw.watch(ddp, per_bucket=True)" if args.per_bucket else "sw.watch(ddp), the default"
     print(
-        f"  with the comm section a DDP rank sends, per host: COPY of the same rows (step_timings too) "
+        f"  with the comm section of {sent}, per host: COPY of the same rows (step_timings too) "
         f"{comm_copy_rate:,.0f} rank-steps/s; PostgreSQL / COPY {comm_rate / comm_copy_rate:.3f}, "
         f"no-op / COPY {rate('null-host-comm') / comm_copy_rate:.3f}, PostgreSQL / no-op "
         f"{comm_rate / rate('null-host-comm'):.2f}"

@@ -49,9 +49,12 @@ class Fleet:
     tokens_per_step: int = 4096 * 8
     seed: int = 0
     #: Each window also carries the ``comm`` section a DDP rank sends (``sw.watch(ddp)``,
-    #: the default with a DDP model): per-step arrival, sync and CPU, a duration sketch,
-    #: the group counters, the run-queue wait and two connections' link timing.
+    #: the default with a DDP model): per-step arrival, sync and CPU, the group counters,
+    #: the run-queue wait and two connections' link timing.
     comm: bool = False
+    #: The comm section of ``sw.watch(ddp, per_bucket=True)`` (opt-in): every gradient
+    #: bucket timed by the comm hook, and a duration sketch of its all-reduces per window.
+    per_bucket: bool = False
     _rank_dicts: list[dict[str, object]] = field(default_factory=list, init=False)
     _comm_template: dict[str, Any] = field(default_factory=dict, init=False)
 
@@ -71,7 +74,7 @@ class Fleet:
             for r in range(self.ranks)
         ]
         if self.comm:
-            self._comm_template = comm_template(self.steps_per_window, self.step_time_s)
+            self._comm_template = comm_template(self.steps_per_window, self.step_time_s, self.per_bucket)
 
     def payloads(self, windows: int, first_window: int = 0) -> Iterator[bytes]:
         """Encoded payloads, window-major: every rank's window k, then window k + 1, as a
@@ -132,13 +135,20 @@ class Fleet:
             yield wire.host_batch(pending)
 
 
-def comm_template(steps: int, step_time_s: float, buckets: int = 8) -> dict[str, Any]:
+def comm_template(
+    steps: int, step_time_s: float, per_bucket: bool = False, buckets: int = 8
+) -> dict[str, Any]:
     """A window's ``comm`` section as the agent's collective timing builds it (its own
-    code: ``steps`` steps of ``buckets`` all-reduces each)."""
+    code): by default as ``sw.watch(ddp)`` times DDP's built-in reduction (``_ddp_timing``:
+    one slot per step, no per-collective sketch); with ``per_bucket`` as the comm hook
+    times ``buckets`` all-reduces per step, with their duration sketch."""
     from stepwatch._comm_timing import CommTiming
 
     pos = [1, 0]
     timing = CommTiming(steps, lambda: (pos[0], pos[1]))
+    timing.per_bucket = per_bucket
+    if not per_bucket:
+        buckets = 1
     for i in range(steps):
         pos[1] = i
         for b in range(buckets):
