@@ -30,7 +30,8 @@ No third-party import: the collector imports this module too.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeGuard
 
 __all__ = ["MAX_BUCKETS", "MIN_VALUE", "LogSketch"]
@@ -70,7 +71,6 @@ class LogSketch:
         "_hi",
         "_inv_log_gamma",
         "_key_hi",
-        "_key_lo",
         "_lo",
         "_log_gamma",
         "_max",
@@ -86,9 +86,8 @@ class LogSketch:
         self._gamma = (1.0 + self._alpha) / (1.0 - self._alpha)
         self._log_gamma = math.log(self._gamma)
         self._inv_log_gamma = 1.0 / self._log_gamma
-        # The keys any value can map to; from_dict rejects offsets outside them.
-        self._key_lo = math.ceil(math.log(MIN_VALUE) * self._inv_log_gamma) - 1
-        self._key_hi = math.ceil(math.log(MAX_VALUE) * self._inv_log_gamma) + 1
+        # The highest key any value maps to (``_checked`` bounds a document's keys too).
+        self._key_hi = _key_range(self._alpha)[1]
         self._bins: dict[int, int] = {}
         self._lo = 0  # lowest and highest key in _bins (meaningless while _bins is empty)
         self._hi = 0
@@ -272,91 +271,128 @@ class LogSketch:
         :data:`MAX_BUCKETS` buckets, keys outside the representable range, or a
         ``count`` that is not ``zero + sum(counts)``.
         """
-        if not isinstance(d, Mapping):
-            raise ValueError(f"sketch must be an object, got {type(d).__name__}")
-        missing = [f for f in _FIELDS if f not in d]
-        if missing:
-            raise ValueError(f"sketch field {missing[0]!r} is missing")
-        extra = sorted(str(k) for k in d if k not in _FIELDS)
-        if extra:
-            raise ValueError(f"sketch field {extra[0]!r} is not allowed")
-
-        alpha = d["alpha"]
-        if not _is_real(alpha) or not math.isfinite(float(alpha)):
-            raise ValueError("sketch field 'alpha' must be a finite number")
-        try:
-            sk = cls(float(alpha))
-        except ValueError as exc:
-            raise ValueError(f"sketch field 'alpha' is invalid: {exc}") from None
-
-        offset = d["offset"]
-        if not _is_int(offset):
-            raise ValueError("sketch field 'offset' must be an integer")
-        off = int(offset)
-        counts = d["counts"]
-        if not isinstance(counts, list | tuple):
-            raise ValueError("sketch field 'counts' must be a list of integers")
-        if len(counts) > MAX_BUCKETS:
-            raise ValueError(f"sketch field 'counts' has {len(counts)} buckets, more than {MAX_BUCKETS}")
-        if counts and (off < sk._key_lo or off + len(counts) - 1 > sk._key_hi):
-            raise ValueError(
-                f"sketch field 'offset' puts buckets outside [{sk._key_lo}, {sk._key_hi}] for this alpha"
-            )
-        # The common case checked at C speed (a collector validates one sketch per
-        # collective op of every window); item by item only to name a bad one.
-        if not counts or (set(map(type, counts)) == {int} and min(counts) >= 0 and max(counts) <= _MAX_COUNT):
-            bins = {off + i: c for i, c in enumerate(counts) if c}
-        else:
-            bins = {}
-            for i, c in enumerate(counts):
-                if not _is_int(c) or not (0 <= c <= _MAX_COUNT):
-                    raise ValueError(f"sketch field 'counts' item {i} must be an integer in [0, 2**63)")
-                if c:
-                    bins[off + i] = int(c)
-
-        def count_field(name: str) -> int:
-            v = d[name]
-            if not _is_int(v) or not (0 <= v <= _MAX_COUNT):
-                raise ValueError(f"sketch field {name!r} must be an integer in [0, 2**63)")
-            return int(v)
-
-        zero = count_field("zero")
-        count = count_field("count")
-        if count != zero + sum(bins.values()):
-            raise ValueError("sketch field 'count' is not equal to 'zero' plus the sum of 'counts'")
-
-        def real_field(name: str) -> float | None:
-            v = d[name]
-            if v is None:
-                return None
-            if not _is_real(v) or not math.isfinite(float(v)):
-                raise ValueError(f"sketch field {name!r} must be a finite number")
-            return float(v)
-
-        total_ = real_field("sum")
-        lo = real_field("min")
-        hi = real_field("max")
-        if total_ is None or total_ < 0.0:
-            raise ValueError("sketch field 'sum' must be a finite number >= 0")
-        if count == 0:
-            if lo is not None or hi is not None or total_ != 0.0:
-                raise ValueError("sketch field 'min' and 'max' must be null and 'sum' 0 when 'count' is 0")
-        else:
-            if lo is None or hi is None:
-                raise ValueError(f"sketch field {'min' if lo is None else 'max'!r} must be a number")
-            if lo < 0.0:
-                raise ValueError("sketch field 'min' must be >= 0")
-            if hi < lo:
-                raise ValueError("sketch field 'max' is smaller than 'min'")
-            if zero and lo > MIN_VALUE:
-                raise ValueError("sketch field 'min' is above MIN_VALUE while 'zero' counts values")
-            if bins and hi <= MIN_VALUE:
-                raise ValueError("sketch field 'max' is at most MIN_VALUE while 'counts' is not empty")
-            sk._min, sk._max = lo, hi
+        v = _checked(d)
+        sk = cls(v.alpha)
+        bins = {v.offset + i: int(c) for i, c in enumerate(v.counts) if c}
         sk._bins = bins
         if bins:
             sk._lo, sk._hi = min(bins), max(bins)
-        sk._zero = zero
-        sk._count = count
-        sk._sum = total_
+        if v.count:
+            sk._min, sk._max = v.min, v.max
+        sk._zero = v.zero
+        sk._count = v.count
+        sk._sum = v.sum
         return sk
+
+    @staticmethod
+    def check(d: Mapping[str, object]) -> None:
+        """Validate ``d`` as :meth:`from_dict` does, with the same errors, without building
+        the sketch: the collector checks the sketch of every collective it is sent and
+        keeps the document, and building the bucket map was half of that."""
+        _checked(d)
+
+
+def _key_range(alpha: float) -> tuple[int, int]:
+    """The lowest and highest bucket key any value can map to at ``alpha``."""
+    inv_log_gamma = 1.0 / math.log((1.0 + alpha) / (1.0 - alpha))
+    return (
+        math.ceil(math.log(MIN_VALUE) * inv_log_gamma) - 1,
+        math.ceil(math.log(MAX_VALUE) * inv_log_gamma) + 1,
+    )
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """A sketch document's fields, checked (:func:`_checked`)."""
+
+    alpha: float
+    offset: int
+    counts: Sequence[int]
+    zero: int
+    count: int
+    sum: float
+    min: float
+    max: float
+
+
+def _checked(d: Mapping[str, object]) -> _Fields:
+    """The fields of a :meth:`LogSketch.to_dict` document, validated as untrusted input
+    (see :meth:`LogSketch.from_dict`); ``min`` and ``max`` are meaningful only when
+    ``count`` is not 0."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"sketch must be an object, got {type(d).__name__}")
+    missing = [f for f in _FIELDS if f not in d]
+    if missing:
+        raise ValueError(f"sketch field {missing[0]!r} is missing")
+    extra = sorted(str(k) for k in d if k not in _FIELDS)
+    if extra:
+        raise ValueError(f"sketch field {extra[0]!r} is not allowed")
+
+    alpha = d["alpha"]
+    if not _is_real(alpha) or not math.isfinite(float(alpha)):
+        raise ValueError("sketch field 'alpha' must be a finite number")
+    if not MIN_ALPHA <= float(alpha) <= MAX_ALPHA:
+        raise ValueError(
+            f"sketch field 'alpha' is invalid: alpha must be a number in [{MIN_ALPHA}, {MAX_ALPHA}], "
+            f"got {float(alpha)!r}"
+        )
+    key_lo, key_hi = _key_range(float(alpha))
+
+    offset = d["offset"]
+    if not _is_int(offset):
+        raise ValueError("sketch field 'offset' must be an integer")
+    off = int(offset)
+    counts = d["counts"]
+    if not isinstance(counts, list | tuple):
+        raise ValueError("sketch field 'counts' must be a list of integers")
+    if len(counts) > MAX_BUCKETS:
+        raise ValueError(f"sketch field 'counts' has {len(counts)} buckets, more than {MAX_BUCKETS}")
+    if counts and (off < key_lo or off + len(counts) - 1 > key_hi):
+        raise ValueError(f"sketch field 'offset' puts buckets outside [{key_lo}, {key_hi}] for this alpha")
+    # The common case checked at C speed (a collector validates one sketch per
+    # collective op of every window); item by item only to name a bad one.
+    if counts and not (set(map(type, counts)) == {int} and min(counts) >= 0 and max(counts) <= _MAX_COUNT):
+        for i, c in enumerate(counts):
+            if not _is_int(c) or not (0 <= c <= _MAX_COUNT):
+                raise ValueError(f"sketch field 'counts' item {i} must be an integer in [0, 2**63)")
+    binned = sum(counts)
+
+    def count_field(name: str) -> int:
+        v = d[name]
+        if not _is_int(v) or not (0 <= v <= _MAX_COUNT):
+            raise ValueError(f"sketch field {name!r} must be an integer in [0, 2**63)")
+        return int(v)
+
+    zero = count_field("zero")
+    count = count_field("count")
+    if count != zero + binned:
+        raise ValueError("sketch field 'count' is not equal to 'zero' plus the sum of 'counts'")
+
+    def real_field(name: str) -> float | None:
+        v = d[name]
+        if v is None:
+            return None
+        if not _is_real(v) or not math.isfinite(float(v)):
+            raise ValueError(f"sketch field {name!r} must be a finite number")
+        return float(v)
+
+    total_ = real_field("sum")
+    lo = real_field("min")
+    hi = real_field("max")
+    if total_ is None or total_ < 0.0:
+        raise ValueError("sketch field 'sum' must be a finite number >= 0")
+    if count == 0:
+        if lo is not None or hi is not None or total_ != 0.0:
+            raise ValueError("sketch field 'min' and 'max' must be null and 'sum' 0 when 'count' is 0")
+        return _Fields(float(alpha), off, counts, zero, count, total_, math.inf, -math.inf)
+    if lo is None or hi is None:
+        raise ValueError(f"sketch field {'min' if lo is None else 'max'!r} must be a number")
+    if lo < 0.0:
+        raise ValueError("sketch field 'min' must be >= 0")
+    if hi < lo:
+        raise ValueError("sketch field 'max' is smaller than 'min'")
+    if zero and lo > MIN_VALUE:
+        raise ValueError("sketch field 'min' is above MIN_VALUE while 'zero' counts values")
+    if binned and hi <= MIN_VALUE:
+        raise ValueError("sketch field 'max' is at most MIN_VALUE while 'counts' is not empty")
+    return _Fields(float(alpha), off, counts, zero, count, total_, lo, hi)

@@ -202,7 +202,7 @@ RankId = Annotated[int, Field(ge=0, le=1_048_575)]
 
 
 def _sketch(v: dict[str, Any]) -> dict[str, Any]:
-    LogSketch.from_dict(v)  # raises ValueError naming the sketch field
+    LogSketch.check(v)  # raises ValueError naming the sketch field
     return v
 
 
