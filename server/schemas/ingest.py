@@ -12,6 +12,7 @@ Longer than the usual module: the payload is one document and its cross-field ru
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -394,10 +395,6 @@ _COMM_STEP_LISTS: dict[int, tuple[str, ...]] = {
 _COMM_BROADCAST = {1: "broadcast_s", wire.COMM_VERSION: "broadcast_us"}
 
 
-def _seconds(micros: list[int | None] | None) -> list[float | None]:
-    return [None if v is None else v / 1e6 for v in micros or ()]
-
-
 class CommIn(_Strict):
     """Always-on collective timing of this batch's steps (the agent's collective timing).
 
@@ -410,9 +407,8 @@ class CommIn(_Strict):
     ``sync_us``, ``cpu_us``, ``broadcast_us`` (about half the bytes of version 1's
     seconds; the end is arrival plus sync); version 1 as seconds, ``arrive_s``, ``end_s``,
     ``sync_s``, ``cpu_s``, ``broadcast_s``. Validated under the names sent; what ingest
-    reads is then held in seconds (``sync_s``, ``cpu_s``, ``broadcast_s``) whatever the
-    version.
-    Ingest stages ``sync_s`` (plus ``broadcast_s``: both are waits for peers), ``cpu_s``
+    reads comes from :meth:`per_step`, in the units sent.
+    Ingest stages the sync (plus the broadcast's wait: both are waits for peers), the CPU
     and the window's ``runq_s`` per step (``step_timings``) for the late-arrival detectors
     until the step's window is analysed.
     """
@@ -460,13 +456,11 @@ class CommIn(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _in_seconds(self) -> CommIn:
-        """The per-step lists of the version sent, each a list, and none of the other's
-        (the fields sent: read before this validator assigns any); then what ingest reads
-        (sync, CPU, the broadcast's wait) in seconds, whatever the version sent. The
-        arrival (and version 1's end) are validated, not read: no reader uses them, so they
-        are not converted. (An ``after`` validator: a ``before`` one made pydantic build
-        the whole section as Python objects first, a third of its validation.)"""
+    def _one_version(self) -> CommIn:
+        """The per-step lists of the version sent, each a list, and none of the other's;
+        version 1's seconds under the resolution read as 0. (An ``after`` validator: a
+        ``before`` one made pydantic build the whole section as Python objects first, a
+        third of its validation.)"""
         v = self.version
         other = 1 if v == wire.COMM_VERSION else wire.COMM_VERSION
         sent = self.model_fields_set
@@ -476,17 +470,25 @@ class CommIn(_Strict):
         missing = [n for n in _COMM_STEP_LISTS[v] if n not in sent or getattr(self, n) is None]
         if missing:
             raise ValueError(f"comm version {v} needs {missing[0]}: a list, one value per step")
-        if v == wire.COMM_VERSION:  # whole microseconds: nothing under the resolution
-            self.sync_s = _seconds(self.sync_us)
-            self.cpu_s = _seconds(self.cpu_us)
-            if self.broadcast_us is not None:
-                self.broadcast_s = _seconds(self.broadcast_us)
-            return self
-        self.sync_s = _resolved_or_none(self.sync_s)
-        self.cpu_s = _resolved_or_none(self.cpu_s)
-        if self.broadcast_s is not None:
-            self.broadcast_s = _resolved_or_none(self.broadcast_s)
+        if v == 1:  # whole microseconds (version 2) are never under the resolution
+            self.sync_s = _resolved_or_none(self.sync_s)
+            self.cpu_s = _resolved_or_none(self.cpu_s)
+            if self.broadcast_s is not None:
+                self.broadcast_s = _resolved_or_none(self.broadcast_s)
         return self
+
+    def per_step(
+        self,
+    ) -> tuple[float, Sequence[float | None], Sequence[float | None], Sequence[float | None] | None]:
+        """What ingest reads of the section, per step, as sent, with their unit: the
+        values per second (10**6 for :data:`wire.COMM_VERSION`'s integer microseconds, 1
+        for version 1's seconds), then the sync, the CPU, and the broadcast's wait (None
+        when not sent), ``None`` where a step had none. Left in the units sent, so that
+        the fold converts a whole group's at once. The arrival (and version 1's end) are
+        validated, not read."""
+        if self.version == wire.COMM_VERSION:
+            return 1e6, self.sync_us or [], self.cpu_us or [], self.broadcast_us
+        return 1.0, self.sync_s, self.cpu_s, self.broadcast_s
 
 
 class AckIn(_Strict):
