@@ -28,6 +28,7 @@ Pure functions over plain data (numpy arrays in, dataclasses out).
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -104,16 +105,28 @@ def line_up(ranks: Sequence[RankSteps]) -> Aligned:
     if not ranks:
         raise ValueError("line_up needs at least one rank")
     ordered = sorted(ranks, key=lambda r: r.rank)
-    common = set(range(ordered[0].first_step, ordered[0].first_step + len(ordered[0].sync_s)))
-    for r in ordered[1:]:
-        common &= set(range(r.first_step, r.first_step + len(r.sync_s)))
-    steps = sorted(common)
+    first, n = ordered[0].first_step, len(ordered[0].sync_s)
+    # Nearly always every rank reported the same steps: then each column is the ranks'
+    # values stacked in one call, where a set of steps and a column per rank, at 4,096
+    # ranks, were most of a pass's line-up.
+    same = all(r.first_step == first and len(r.sync_s) == n for r in ordered)
+    if same:
+        steps = list(range(first, first + n))
+    else:
+        common = set(range(first, first + n))
+        for r in ordered[1:]:
+            common &= set(range(r.first_step, r.first_step + len(r.sync_s)))
+        steps = sorted(common)
     at = np.array(steps, dtype=np.int64)
-    sync = (
-        np.column_stack([_col(r.sync_s, r.first_step, at) for r in ordered])
-        if steps
-        else np.empty((0, len(ordered)))
-    )
+
+    def matrix(name: str, rows: NDArray[np.int64]) -> Matrix:
+        """Steps ``rows`` by ranks of column ``name``, NaN where a rank has no value."""
+        values = [getattr(r, name) for r in ordered]
+        if same and len(rows) == n and all(len(v) == n for v in values):
+            return np.ascontiguousarray(np.array(values, dtype=np.float64).T)  # None -> NaN
+        return np.column_stack([_col(v, r.first_step, rows) for v, r in zip(values, ordered, strict=True)])
+
+    sync = matrix("sync_s", at) if steps else np.empty((0, len(ordered)))
     keep: NDArray[np.bool_] = np.asarray(~np.isnan(sync).any(axis=1), dtype=bool)
     sync = sync[keep]
     kept = tuple(s for s, k in zip(steps, keep.tolist(), strict=True) if k)
@@ -122,7 +135,9 @@ def line_up(ranks: Sequence[RankSteps]) -> Aligned:
     def cols(name: str) -> Matrix:
         if not kept:
             return np.empty((0, len(ordered)))
-        return np.column_stack([_col(getattr(r, name), r.first_step, kept_at) for r in ordered])
+        if len(kept) < n and same:  # the whole window stacked, then the steps kept
+            return matrix(name, at)[keep]
+        return matrix(name, kept_at)
 
     transfer = sync.min(axis=1, keepdims=True) if len(kept) else np.empty((0, 1))
     return Aligned(
@@ -173,9 +188,11 @@ def loo_median(m: Matrix) -> Matrix:
     return out
 
 
+@functools.lru_cache(maxsize=65536)
 def sign_test_p(positive: int, negative: int) -> float:
     """One-sided sign-test p-value: P(at least ``positive`` of the non-tied steps are
-    positive) when each is positive with probability 1/2."""
+    positive) when each is positive with probability 1/2. Cached: a pass asks it twice
+    per rank, always about the few counts a window's steps can give."""
     n = positive + negative
     if n == 0:
         return 1.0
