@@ -268,38 +268,48 @@ def late_ranks(a: Aligned, cfg: Config = Config()) -> list[LateRank]:
     if n < 2 or n_steps == 0:
         return []
     # Per step: how much later than its peers this rank arrived (paired, leave-one-out).
-    late = loo_median(a.wait) - a.wait
+    peer_wait = loo_median(a.wait)
+    late = peer_wait - a.wait
     step_ref = float(np.nanmedian(a.step_time))
     tau = max(cfg.min_seconds, cfg.min_share * step_ref)
     peer_cpu_all = loo_median(a.cpu)
     extra_cpu = a.cpu - peer_cpu_all
     extra_data = a.data_wait - loo_median(a.data_wait)
     extra_runq = a.runq - loo_median(a.runq)
+    # The tests that screen every rank, for all ranks at once (the same values as column
+    # by column): a dozen numpy calls per rank were most of a 4,096-rank pass's detector.
+    # Only the few ranks they keep are looked at one by one.
+    loader_bound = [
+        sign_test_p(pos, neg) <= cfg.max_p
+        for pos, neg in zip(
+            np.sum(extra_data > tau, axis=0).tolist(), np.sum(extra_data <= tau, axis=0).tolist(), strict=True
+        )
+    ]
+    # Loader wait is measured on the rank itself: no need to see it arrive last (a
+    # sleeping loader frees its core, and its peers then lose part of the lead).
+    lates = np.where(np.array(loader_bound, dtype=bool), np.maximum(late, extra_data), late)
+    # The sign of each step's paired difference (late at all), the size on the median: a
+    # sleeping rank frees its core, so its peers catch up part of its lateness.
+    positive = np.sum(lates > cfg.min_seconds, axis=0).tolist()
+    negative = np.sum(lates <= cfg.min_seconds, axis=0).tolist()
+    medians = np.median(lates, axis=0).tolist()
+    # On a busy host the scheduler makes every rank late now and then, so the sign of the
+    # lateness is noisy; extra CPU on (almost) every step is not: a rank late on the median
+    # step that does more work than its peers on most steps is late too.
+    valid = ~np.isnan(extra_cpu)
+    more = valid & (extra_cpu > np.maximum(cfg.min_seconds, cfg.extra_cpu * peer_cpu_all))
+    more_cpu = np.sum(more, axis=0).tolist()
+    less_cpu = np.sum(valid & ~more, axis=0).tolist()
+    measured_cpu: list[bool] = np.asarray(valid.any(axis=0)).tolist()
     out = []
     for i in range(n):
-        col = late[:, i]
-        data_col = extra_data[:, i]
-        loader_bound = sign_test_p(int(np.sum(data_col > tau)), int(np.sum(data_col <= tau))) <= cfg.max_p
-        if loader_bound:
-            # Loader wait is measured on the rank itself: no need to see it arrive last
-            # (a sleeping loader frees its core, and its peers then lose part of the lead).
-            col = np.maximum(col, data_col)
-        # The sign of each step's paired difference (late at all), the size on the median:
-        # a sleeping rank frees its core, so its peers catch up part of its lateness.
-        pos = int(np.sum(col > cfg.min_seconds))
-        neg = int(np.sum(col <= cfg.min_seconds))
-        p = sign_test_p(pos, neg)
-        lateness = float(np.median(col))
-        cpu_i = extra_cpu[:, i]
-        measured = not np.isnan(cpu_i).all()
-        # On a busy host the scheduler makes every rank late now and then, so the sign of
-        # the lateness is noisy; extra CPU on (almost) every step is not: a rank late on
-        # the median step that does more work than its peers on most steps is late too.
-        valid = ~np.isnan(cpu_i)
-        more_cpu = cpu_i[valid] > np.maximum(cfg.min_seconds, cfg.extra_cpu * peer_cpu_all[valid, i])
-        cpu_p = sign_test_p(int(np.sum(more_cpu)), int(np.sum(~more_cpu)))
+        pos, lateness = positive[i], medians[i]
+        p = sign_test_p(pos, negative[i])
+        cpu_p = sign_test_p(more_cpu[i], less_cpu[i])
         if min(p, cpu_p) > cfg.max_p or lateness <= tau:
             continue
+        cpu_i = extra_cpu[:, i]
+        measured = measured_cpu[i]
         cpu = float(np.nanmedian(cpu_i)) if measured else math.nan
         peer_cpu = float(np.nanmedian(peer_cpu_all[:, i])) if measured else math.nan
         data = float(np.nanmedian(extra_data[:, i]))
@@ -310,7 +320,7 @@ def late_ranks(a: Aligned, cfg: Config = Config()) -> list[LateRank]:
         elif measured and cpu > max(cfg.min_seconds, cfg.extra_cpu * peer_cpu) and cpu_p <= cfg.max_p:
             # More work on most steps, by the sign test, not only on the median one.
             cause = "compute"
-        elif loader_bound:
+        elif loader_bound[i]:
             # Waiting on its loader on most steps and no more work than its peers: the
             # loader is what is measured (its peers' waits can make the lateness larger
             # than the loader wait on a busy host; a host stall means neither was seen).
@@ -334,7 +344,7 @@ def late_ranks(a: Aligned, cfg: Config = Config()) -> list[LateRank]:
                     "extra_cpu_s": cpu,
                     "peer_cpu_s": peer_cpu,
                     "extra_data_wait_s": data,
-                    "peer_wait_s": float(np.median(loo_median(a.wait)[:, i])),
+                    "peer_wait_s": float(np.median(peer_wait[:, i])),
                     "transfer_s": float(np.median(a.transfer[:, i])),
                     "step_time_s": step_ref,
                     "cpu_p_value": cpu_p,
