@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -113,15 +114,24 @@ def _serve(settings: Settings, log_level: str, apart: bool) -> None:
 
 def run_uvicorn(factory: str, settings: Settings, *, log_level: str = "info") -> None:
     """Serve ``factory`` (an import string of an app factory) the way production does:
-    uvloop + httptools, ``settings.workers`` processes. The settings reach each worker
-    through the environment, since workers import the factory afresh."""
+    uvloop + httptools, ``settings.workers`` processes (on Linux each with its own
+    listening socket, ``api/workers.py``). The settings reach each worker through the
+    environment, since workers import the factory afresh."""
     import uvicorn
 
+    from .api import workers
     from .api.timeouts import uvicorn_options
 
     for name, value in settings.model_dump().items():
         if value is not None:
             os.environ[f"STEPWATCH_{name.upper()}"] = _env_value(value)
+    if settings.workers > 1 and workers.balanced():
+        signum = workers.serve(
+            settings.workers, settings.host, settings.port, functools.partial(_web_worker, factory, log_level)
+        )
+        if signum == signal.SIGTERM:  # as uvicorn serving in this process does: die of it
+            raise _TerminatedError
+        return
     uvicorn.run(
         factory,
         factory=True,
@@ -133,6 +143,28 @@ def run_uvicorn(factory: str, settings: Settings, *, log_level: str = "info") ->
         access_log=False,
         **uvicorn_options(settings),  # httptools with a read deadline, a connection cap
     )
+
+
+def _web_worker(factory: str, log_level: str, host: str, port: int) -> None:
+    """One web worker (``api/workers.py``): uvicorn as ``run_uvicorn`` configures it, on
+    a socket of its own bound to the collector's port; its settings from the environment."""
+    import uvicorn
+
+    from .api import workers
+    from .api.timeouts import uvicorn_options
+
+    sock = workers.listening_socket(host, port)
+    config = uvicorn.Config(
+        factory,
+        factory=True,
+        host=host,
+        port=port,
+        loop="uvloop",
+        log_level=log_level,
+        access_log=False,
+        **uvicorn_options(Settings()),
+    )
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 def _env_value(value: object) -> str:
