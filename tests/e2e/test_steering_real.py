@@ -30,7 +30,12 @@ import pytest
 
 from stepwatch_server.evaluation import real
 
-STEPS, FAULT_FROM = 192, 33
+#: Long enough for the flag's capture: it starts three send intervals and 5 s of steps
+#: after the furthest step reported (``steering/directives.py``), about 95 steps at the
+#: 3 s interval set here, and the flag opens two or three 8-second windows after the
+#: fault, on a loaded machine near step 100. In a run of 192 steps it was planned for
+#: steps 209-212 once in four runs, and never taken.
+STEPS, FAULT_FROM = 256, 33
 #: The send interval this test sets through the API (the harness starts at 2 s).
 SEND_INTERVAL_S = 3.0
 
@@ -93,7 +98,10 @@ def test_a_flag_asks_for_a_capture_and_a_person_steers_the_running_job() -> None
     (ev,) = [e for e in o.events if e["key"] == "straggler:compute:rank=2"]
     auto = next(c for c in o.captures if c["reason"] == "flag straggler:compute:rank=2")
     assert auto["event_id"] is not None and auto["ranks"] == [0, 1, 2, 3]
-    assert [a["state"] for a in auto["answers"]] == ["done"] * 4, auto["answers"]
+    assert [a["state"] for a in auto["answers"]] == ["done"] * 4, (
+        f"capture of steps {auto['first_step']}-{auto['first_step'] + auto['steps'] - 1} "
+        f"(run of {STEPS} steps), flag opened at {ev['opened_at']}: {auto['answers']}"
+    )
     # The flagged rank uploaded its raw trace of the captured steps (gzipped, under the cap).
     assert [t["rank"] for t in auto["traces"]] == [2] and 0 < auto["traces"][0]["size"] <= 2 << 20
     # ... and the event carries its explanation: rank 2 against its peers' median.
