@@ -126,9 +126,8 @@ def run_uvicorn(factory: str, settings: Settings, *, log_level: str = "info") ->
         if value is not None:
             os.environ[f"STEPWATCH_{name.upper()}"] = _env_value(value)
     if settings.workers > 1 and workers.balanced():
-        signum = workers.serve(
-            settings.workers, settings.host, settings.port, functools.partial(_web_worker, factory, log_level)
-        )
+        worker = functools.partial(_web_worker, factory, log_level, os.getpid())
+        signum = workers.serve(settings.workers, settings.host, settings.port, worker)
         if signum == signal.SIGTERM:  # as uvicorn serving in this process does: die of it
             raise _TerminatedError
         return
@@ -145,14 +144,17 @@ def run_uvicorn(factory: str, settings: Settings, *, log_level: str = "info") ->
     )
 
 
-def _web_worker(factory: str, log_level: str, host: str, port: int) -> None:
+def _web_worker(factory: str, log_level: str, parent: int, host: str, port: int) -> None:
     """One web worker (``api/workers.py``): uvicorn as ``run_uvicorn`` configures it, on
-    a socket of its own bound to the collector's port; its settings from the environment."""
+    a socket of its own bound to the collector's port; its settings from the environment.
+    Named ``sw-web``, and stopped with ``serve`` even if ``serve`` is killed."""
     import uvicorn
 
     from .api import workers
     from .api.timeouts import uvicorn_options
+    from .children import as_child_of
 
+    as_child_of(parent, "sw-web")
     sock = workers.listening_socket(host, port)
     config = uvicorn.Config(
         factory,

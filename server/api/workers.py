@@ -17,8 +17,9 @@ worker, uvicorn serves as before (``cli.run_uvicorn``).
 The supervisor is this process: it holds the port (bound, not listening, so it takes no
 connection), starts the workers (``spawn``: each imports the app afresh, as uvicorn's
 workers do), passes SIGINT and SIGTERM on to them (each shuts down gracefully), restarts
-a worker that died while the collector runs (not one that exited with an error as it
-started: that one could not start), and returns once every worker has exited.
+a worker that died while the collector runs (see STARTUP_S for one that fails as it
+starts), and returns once every worker has exited. Each worker names itself ``sw-web``
+and dies with a SIGKILLed supervisor (``children.py``; uvicorn's outlived it).
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ from types import FrameType
 
 log = logging.getLogger("stepwatch_server")
 #: A worker that exits with an error sooner than this after its start failed to start
-#: (its app or its socket), and is not started again; one killed by a signal always is.
+#: (its app or its socket). Before any worker ran this long, that stops ``serve`` (the
+#: configuration is wrong); later it is started again after a pause that doubles, up to
+#: MAX_BACKOFF_S, while its successors fail alike (a database away at their start).
 STARTUP_S = 10.0
+MAX_BACKOFF_S = 30.0
 
 
 def balanced() -> bool:
@@ -69,42 +73,63 @@ def serve(workers: int, host: str, port: int, target: Callable[[str, int], None]
     port = held.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     stopped: list[int] = []
+    procs: list[BaseProcess | None] = [None] * workers  # None: waiting to be started again
+    started = [0.0] * workers
+    due = [0.0] * workers  # when a slot waiting is started again
+    backoff = [0.0] * workers  # seconds, doubled by each failure as it started
 
-    def start() -> BaseProcess:
+    def start(i: int) -> None:
         p = ctx.Process(target=target, args=(host, port), name="stepwatch-web")
         p.start()
-        return p
+        procs[i], started[i] = p, time.monotonic()
+
+    def running() -> list[BaseProcess]:
+        return [p for p in procs if p is not None and p.exitcode is None]
 
     def stop(signum: int, _frame: FrameType | None) -> None:
         stopped.append(signum)
-        for p in procs:
-            if p.pid is not None and p.exitcode is None:
+        for p in running():
+            if p.pid is not None:
                 os.kill(p.pid, signal.SIGTERM)
 
-    procs = [start() for _ in range(workers)]
-    started = [time.monotonic()] * workers
+    # Before the first worker: a signal from here on reaches every worker started.
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while any(p.exitcode is None for p in procs):
-            wait([p.sentinel for p in procs if p.exitcode is None])
+        for i in range(workers):
+            start(i)
+        first = True  # no worker has run STARTUP_S yet: a failure is the configuration's
+        while running() or (not stopped and None in procs):
+            waiting = [due[i] for i, p in enumerate(procs) if p is None]
+            timeout = max(0.0, min(waiting) - time.monotonic()) if waiting else None
+            wait([p.sentinel for p in running()], timeout)
+            now = time.monotonic()
             for i, p in enumerate(procs):
+                if p is None:
+                    if not stopped and now >= due[i]:
+                        start(i)
+                    continue
+                if now - started[i] >= STARTUP_S:
+                    first, backoff[i] = False, 0.0
                 if p.exitcode is None or stopped:
                     continue
                 p.join()
-                # Failed as it started (its app, its socket): another would fail alike.
-                if p.exitcode > 0 and time.monotonic() - started[i] < STARTUP_S:
-                    stop(signal.SIGTERM, None)
-                    stopped[0] = 0
-                    log.error("web worker %d exited with %s as it started", p.pid, p.exitcode)
+                quick = p.exitcode > 0 and now - started[i] < STARTUP_S
+                if quick and first:  # the app or the socket cannot start: nor will another
+                    log.error("web worker %d exited with %s as it started; stopping", p.pid, p.exitcode)
+                    stop(0, None)
                     break
-                log.warning("web worker %d exited with %s; starting another", p.pid, p.exitcode)
-                procs[i], started[i] = start(), time.monotonic()
+                backoff[i] = min(MAX_BACKOFF_S, 2 * backoff[i] or 1.0) if quick else 0.0
+                log.warning(
+                    "web worker %d exited with %s; starting another in %.0f s", p.pid, p.exitcode, backoff[i]
+                )
+                procs[i], due[i] = None, now + backoff[i]
         for p in procs:
-            p.join()
+            if p is not None:
+                p.join()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         held.close()
     if stopped and stopped[0] == 0:
-        raise RuntimeError("a web worker exited as it started (its log says why)")
+        raise SystemExit(1)
     return stopped[0] if stopped else None

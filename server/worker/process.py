@@ -26,7 +26,6 @@ settings, for the thread (``app.create_app``) and the process alike.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -37,6 +36,7 @@ from multiprocessing.process import BaseProcess
 from sqlalchemy.engine import make_url
 
 from ..analysis.regressions import RegressionConfig
+from ..children import as_child_of
 from ..exporter.registry import CollectorMetrics
 from ..settings import Settings
 from ..storage.backend import Storage, open_storage
@@ -52,8 +52,6 @@ log = logging.getLogger(__name__)
 RESTART_DELAY_S = 5.0
 #: The analysis process's name (at most 15 bytes: the kernel's limit).
 PROCESS_NAME = "sw-analysis"
-_PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
 
 
 def analysis_apart(settings: Settings) -> bool:
@@ -191,7 +189,7 @@ def run_analysis(settings: Settings, log_level: str, parent_pid: int) -> None:
     event could interrupt that event's own wait while it holds its lock). SIGINT is
     ignored: a Ctrl-C reaches the whole process group, and ``serve`` stops this process
     once its web workers have stopped."""
-    _as_child_of(parent_pid)
+    as_child_of(parent_pid, PROCESS_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # inherited by the threads below
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -207,17 +205,3 @@ def run_analysis(settings: Settings, log_level: str, parent_pid: int) -> None:
         if notifier is not None:
             notifier.close()
         engine.dispose()
-
-
-def _as_child_of(parent_pid: int) -> None:
-    """Name this process (``ps``, ``top`` and ``/proc/PID/comm`` show :data:`PROCESS_NAME`)
-    and ask for SIGTERM when its parent dies (Linux; elsewhere neither, and ``serve`` must
-    be stopped, not killed, to stop the analysis with it)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, PROCESS_NAME.encode(), 0, 0, 0)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)

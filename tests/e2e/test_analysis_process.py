@@ -129,12 +129,14 @@ def test_serve_analyses_in_its_own_process(pg_admin: str, tmp_path: Path) -> Non
             # A dead analysis process is started again.
             os.kill(analysis, signal.SIGKILL)
             again = wait_until(lambda: _analysis_pid(serve, analysis), "another analysis", timeout_s=60)
-            # And it dies with a SIGKILLed serve (the kernel sends it SIGTERM).
+            # And it dies with a SIGKILLed serve (the kernel sends it SIGTERM), as do the
+            # web workers (``children.py``).
             col.process.kill()
             col.process.wait()
             wait_until(lambda: _gone(again), "the analysis to exit", timeout_s=30)
+            wait_until(lambda: all(_gone(p) for p in web), "the web workers to exit", timeout_s=30)
             log = col.log()
-        finally:  # uvicorn's workers outlive a SIGKILLed supervisor: ours to stop
+        finally:  # should a web worker outlive the SIGKILLed supervisor: ours to stop
             for p in web:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGKILL)

@@ -21,8 +21,10 @@ from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 import httpx
+import pytest
 
 from stepwatch.demo import launch
+from stepwatch_server.api import workers
 
 from .. import pg
 from ..wait import wait_until
@@ -112,18 +114,21 @@ def test_connections_are_dealt_among_the_workers_a_dead_one_is_replaced_and_sigt
             ok = len(w) == 2 and other_than not in w and all(_listening(p, port) for p in w)
             return w if ok else None
 
-        workers = wait_until(listening_workers, "two web workers listening", timeout_s=60)
+        pids = wait_until(listening_workers, "two web workers listening", timeout_s=60)
         # A socket each: the supervisor's own holds the port without listening.
         assert not _listening(serve, port)
         with _connections(port, CONNECTIONS):
-            served = _served_by(workers, port)
+            served = _served_by(pids, port)
         assert sum(served.values()) == CONNECTIONS, served
         assert max(served.values()) <= 0.8 * CONNECTIONS, served
 
-        os.kill(workers[0], signal.SIGKILL)
-        replaced = "a web worker in place of the killed one"
-        again = wait_until(lambda: listening_workers(other_than=workers[0]), replaced, timeout_s=60)
-        assert workers[1] in again
+        os.kill(pids[0], signal.SIGKILL)
+        replaced = f"a web worker in place of {pids[0]} (children: {_workers(serve)})"
+        try:
+            again = wait_until(lambda: listening_workers(other_than=pids[0]), replaced, timeout_s=60)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; now {_workers(serve)}; the log:\n{col.log()}") from None
+        assert pids[1] in again
         with _connections(port, CONNECTIONS):
             served = _served_by(again, port)
         assert sum(served.values()) == CONNECTIONS and min(served.values()) > 0, served
@@ -150,3 +155,15 @@ def test_a_port_in_use_stops_serve_with_the_reason(tmp_path: Path) -> None:
         )
     assert out.returncode == 1, out
     assert f"could not bind 127.0.0.1:{port}: Address already in use" in out.stderr, out.stderr
+
+
+def _cannot_start(host: str, port: int) -> None:
+    sys.exit(3)  # uvicorn's exit when its app fails to start
+
+
+def test_workers_that_cannot_start_stop_the_supervisor_instead_of_starting_again() -> None:
+    """A worker that exits with an error as it starts, before any worker ran: the
+    configuration is wrong, and starting others would fail alike for ever."""
+    with pytest.raises(SystemExit) as stopped:
+        workers.serve(2, "127.0.0.1", 0, _cannot_start)
+    assert stopped.value.code == 1
