@@ -127,9 +127,8 @@ def run_uvicorn(factory: str, settings: Settings, *, log_level: str = "info") ->
             os.environ[f"STEPWATCH_{name.upper()}"] = _env_value(value)
     if settings.workers > 1 and workers.balanced():
         worker = functools.partial(_web_worker, factory, log_level, os.getpid())
-        signum = workers.serve(settings.workers, settings.host, settings.port, worker)
-        if signum == signal.SIGTERM:  # as uvicorn serving in this process does: die of it
-            raise _TerminatedError
+        if workers.serve(settings.workers, settings.host, settings.port, worker) == signal.SIGTERM:
+            signal.raise_signal(signal.SIGTERM)  # as uvicorn serving in this process does
         return
     uvicorn.run(
         factory,
@@ -166,7 +165,11 @@ def _web_worker(factory: str, log_level: str, parent: int, host: str, port: int)
         access_log=False,
         **uvicorn_options(Settings()),
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    with contextlib.suppress(KeyboardInterrupt):  # a SIGINT of its own: stopped, quietly
+        server.run(sockets=[sock])
+    if not server.started and not server.should_exit:  # its app failed to start (older
+        sys.exit(3)  # uvicorn returns then, where uvicorn.run and newer ones exit 3)
 
 
 def _env_value(value: object) -> str:

@@ -15,15 +15,17 @@ Elsewhere (``SO_REUSEPORT`` does not balance on macOS, is absent on Windows) and
 worker, uvicorn serves as before (``cli.run_uvicorn``).
 
 The supervisor is this process: it holds the port (bound, not listening, so it takes no
-connection), starts the workers (``spawn``: each imports the app afresh, as uvicorn's
-workers do), passes SIGINT and SIGTERM on to them (each shuts down gracefully), restarts
-a worker that died while the collector runs (see STARTUP_S for one that fails as it
+connection: :func:`hold_port`), starts the workers (``spawn``: each imports the app
+afresh, as uvicorn's workers do), passes SIGINT and SIGTERM on to them (each shuts down
+gracefully; SIGHUP starts them all again, as uvicorn's supervisor does), starts again a
+worker that died while the collector runs (see STARTUP_S for one that fails as it
 starts), and returns once every worker has exited. Each worker names itself ``sw-web``
 and dies with a SIGKILLed supervisor (``children.py``; uvicorn's outlived it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -43,6 +45,9 @@ log = logging.getLogger("stepwatch_server")
 #: MAX_BACKOFF_S, while its successors fail alike (a database away at their start).
 STARTUP_S = 10.0
 MAX_BACKOFF_S = 30.0
+#: Longest wait of the supervisor while a worker waits to be started again: a signal
+#: interrupts a wait only for its handler to run, then the wait resumes.
+POLL_S = 0.5
 
 
 def balanced() -> bool:
@@ -50,38 +55,84 @@ def balanced() -> bool:
     return sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
 
 
+def _socket(host: str, *, reuse_addr: bool, reuse_port: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    if reuse_addr:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    return sock
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` that other sockets of this user may bind too
-    (``SO_REUSEPORT``); the kernel spreads connections over those that listen."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    """A worker's socket, bound to ``host:port`` beside the other workers' (``SO_REUSEPORT``,
+    the same user's only); the kernel spreads connections over those that listen."""
+    sock = _socket(host, reuse_addr=True, reuse_port=True)
     sock.bind((host, port))
+    return sock
+
+
+def hold_port(host: str, port: int) -> socket.socket:
+    """The supervisor's socket: bound to ``host:port`` (a free port if 0), not listening,
+    so it takes no connection, while no worker listens (starting, or started again).
+
+    First a bind as any server binds (``SO_REUSEADDR`` alone), which fails if anything
+    listens there: another collector, ours included, must not join this one's workers.
+    Then held with ``SO_REUSEPORT`` alone, which refuses such a server meanwhile and
+    admits the workers' sockets. Without ``SO_REUSEADDR`` that bind fails while an
+    earlier server's connections on the port are in TIME_WAIT (up to a minute): then
+    held as the workers bind, which only another ``SO_REUSEPORT`` socket of this user
+    could join."""
+    if port:
+        with _socket(host, reuse_addr=True, reuse_port=False) as probe:
+            probe.bind((host, port))
+    sock = _socket(host, reuse_addr=False, reuse_port=True)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        return listening_socket(host, port)
     return sock
 
 
 def serve(workers: int, host: str, port: int, target: Callable[[str, int], None]) -> int | None:
     """Run ``target(host, port)`` in ``workers`` processes, each binding its own socket,
-    until they exit; a worker that dies unasked is started again. Returns the signal that
-    stopped them (SIGINT or SIGTERM), None if they exited by themselves."""
+    until they exit; a worker that dies unasked is started again, and SIGHUP starts every
+    worker again. Returns the signal that stopped them (SIGINT or SIGTERM), None if they
+    exited by themselves."""
     try:
-        held = listening_socket(host, port)  # the port, also when 0 asked for any free one
+        held = hold_port(host, port)  # the port, also when 0 asked for any free one
     except OSError as exc:  # as uvicorn says it, and exits
-        log.error("could not bind %s:%d: %s", host, port, exc.strerror or exc)
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        log.error("could not bind %s: %s", where, exc.strerror or exc)
         raise SystemExit(1) from None
     port = held.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     stopped: list[int] = []
-    procs: list[BaseProcess | None] = [None] * workers  # None: waiting to be started again
+    procs: list[BaseProcess | None] = [None] * workers  # None: waiting to be started
     started = [0.0] * workers
-    due = [0.0] * workers  # when a slot waiting is started again
+    due = [0.0] * workers  # when a waiting slot is started
     backoff = [0.0] * workers  # seconds, doubled by each failure as it started
 
+    def terminate(p: BaseProcess) -> None:
+        if p.pid is not None and p.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):  # reaped meanwhile
+                os.kill(p.pid, signal.SIGTERM)
+
     def start(i: int) -> None:
-        p = ctx.Process(target=target, args=(host, port), name="stepwatch-web")
-        p.start()
+        if stopped:
+            return
+        try:
+            p = ctx.Process(target=target, args=(host, port), name="stepwatch-web")
+            p.start()
+        except OSError as exc:  # no process to be had (memory, limits): try again later
+            log.error("could not start a web worker: %s", exc)
+            backoff[i] = min(MAX_BACKOFF_S, 2 * backoff[i] or 1.0)
+            due[i] = time.monotonic() + backoff[i]
+            return
         procs[i], started[i] = p, time.monotonic()
+        if stopped:  # a signal came while it started
+            terminate(p)
 
     def running() -> list[BaseProcess]:
         return [p for p in procs if p is not None and p.exitcode is None]
@@ -89,27 +140,37 @@ def serve(workers: int, host: str, port: int, target: Callable[[str, int], None]
     def stop(signum: int, _frame: FrameType | None) -> None:
         stopped.append(signum)
         for p in running():
-            if p.pid is not None:
-                os.kill(p.pid, signal.SIGTERM)
+            terminate(p)
+
+    def restart_all(_signum: int, _frame: FrameType | None) -> None:
+        log.warning("SIGHUP: starting every web worker again")
+        for p in running():
+            terminate(p)
 
     # Before the first worker: a signal from here on reaches every worker started.
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {signal.SIGINT: stop, signal.SIGTERM: stop, signal.SIGHUP: restart_all}
+    previous = {s: signal.signal(s, h) for s, h in handlers.items()}
     try:
         for i in range(workers):
             start(i)
         first = True  # no worker has run STARTUP_S yet: a failure is the configuration's
-        while running() or (not stopped and None in procs):
-            waiting = [due[i] for i, p in enumerate(procs) if p is None]
-            timeout = max(0.0, min(waiting) - time.monotonic()) if waiting else None
-            wait([p.sentinel for p in running()], timeout)
+        while True:
+            alive = running()  # one snapshot: a worker exiting after it still wakes wait()
+            waiting = [] if stopped else [due[i] for i, p in enumerate(procs) if p is None]
+            if not alive and not waiting:
+                break
+            timeout = min(POLL_S, max(0.0, min(waiting) - time.monotonic())) if waiting else None
+            wait([p.sentinel for p in alive], timeout)
             now = time.monotonic()
+            if any(p is not None and now - started[i] >= STARTUP_S for i, p in enumerate(procs)):
+                first = False
             for i, p in enumerate(procs):
                 if p is None:
-                    if not stopped and now >= due[i]:
+                    if now >= due[i]:
                         start(i)
                     continue
                 if now - started[i] >= STARTUP_S:
-                    first, backoff[i] = False, 0.0
+                    backoff[i] = 0.0
                 if p.exitcode is None or stopped:
                     continue
                 p.join()
