@@ -141,18 +141,23 @@ def test_connections_are_dealt_among_the_workers_a_dead_one_is_replaced_and_sigt
     assert "exited with -9; starting another" in log, log
 
 
+def _serve_on(port: int, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``stepwatch serve --workers 2`` on ``port`` (a database of its own), to its exit."""
+    return subprocess.run(
+        [sys.executable, "-m", "stepwatch", "serve", "--port", str(port), "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "STEPWATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}"},
+    )
+
+
 def test_a_port_in_use_stops_serve_with_the_reason(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = subprocess.run(
-            [sys.executable, "-m", "stepwatch", "serve", "--port", str(port), "--workers", "2"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "STEPWATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}"},
-        )
+        out = _serve_on(port, tmp_path)
     assert out.returncode == 1, out
     assert f"could not bind 127.0.0.1:{port}: Address already in use" in out.stderr, out.stderr
 
@@ -184,14 +189,7 @@ def test_a_second_collector_on_the_port_is_refused_not_joined(pg_admin: str, tmp
     one's workers and take part of its agents."""
     log_path = str(tmp_path / "collector.log")
     with pg.fresh_database(pg_admin) as db, launch.collector(db, log_path=log_path, env=ENV) as col:
-        port = int(col.url.rsplit(":", 1)[1])
-        out = subprocess.run(
-            [sys.executable, "-m", "stepwatch", "serve", "--port", str(port), "--workers", "2"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "STEPWATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}"},
-        )
+        out = _serve_on(int(col.url.rsplit(":", 1)[1]), tmp_path)
         assert out.returncode == 1, out
         assert "Address already in use" in out.stderr, out.stderr
         assert httpx.get(f"{col.url}/readyz").status_code == 200
