@@ -168,8 +168,8 @@ def _web_worker(factory: str, log_level: str, parent: int, host: str, port: int)
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):  # a SIGINT of its own: stopped, quietly
         server.run(sockets=[sock])
-    if not server.started and not server.should_exit:  # its app failed to start (older
-        sys.exit(3)  # uvicorn returns then, where uvicorn.run and newer ones exit 3)
+    if not server.started:  # its app failed to start, or it was stopped first: older
+        sys.exit(3)  # uvicorn returns then, where uvicorn.run and newer ones exit 3
 
 
 def _env_value(value: object) -> str:

@@ -142,9 +142,12 @@ def serve(workers: int, host: str, port: int, target: Callable[[str, int], None]
         for p in running():
             terminate(p)
 
+    asked: set[int | None] = set()  # workers stopped to be started again (SIGHUP)
+
     def restart_all(_signum: int, _frame: FrameType | None) -> None:
         log.warning("SIGHUP: starting every web worker again")
         for p in running():
+            asked.add(p.pid)
             terminate(p)
 
     # Before the first worker: a signal from here on reaches every worker started.
@@ -174,7 +177,9 @@ def serve(workers: int, host: str, port: int, target: Callable[[str, int], None]
                 if p.exitcode is None or stopped:
                     continue
                 p.join()
-                quick = p.exitcode > 0 and now - started[i] < STARTUP_S
+                # (One stopped before it started exits 3 too: not a failure if asked.)
+                quick = p.exitcode > 0 and now - started[i] < STARTUP_S and p.pid not in asked
+                asked.discard(p.pid)
                 if quick and first:  # the app or the socket cannot start: nor will another
                     log.error("web worker %d exited with %s as it started; stopping", p.pid, p.exitcode)
                     stop(0, None)

@@ -1,7 +1,8 @@
 """``stepwatch serve --workers 2`` on Linux (``api/workers.py``): each web worker listens
 on a socket of its own, so a burst of keep-alive connections (a job's ranks connecting at
 once) is dealt among the workers rather than taken by whichever was accepting; a worker
-that dies is started again; SIGTERM stops them all and ``serve`` dies of it.
+that dies is started again, SIGHUP starts them all again; SIGTERM stops them all and
+``serve`` dies of it.
 
 Real processes, found by their parent in ``/proc``; each connection's worker is the
 process holding its socket's inode (``/proc/net/tcp`` against ``/proc/PID/fd``). With
@@ -134,9 +135,18 @@ def test_connections_are_dealt_among_the_workers_a_dead_one_is_replaced_and_sigt
         assert sum(served.values()) == CONNECTIONS and min(served.values()) > 0, served
         assert httpx.get(f"{col.url}/readyz").status_code == 200
 
+        # SIGHUP starts every worker again (as uvicorn's supervisor did), and they serve.
+        col.process.send_signal(signal.SIGHUP)
+        fresh = wait_until(
+            lambda: (w := listening_workers()) and not set(w) & set(again) and w,
+            "two new web workers after SIGHUP",
+            timeout_s=60,
+        )
+        assert httpx.get(f"{col.url}/readyz").status_code == 200
+
         col.process.terminate()
         assert col.process.wait(30) == -signal.SIGTERM
-        assert not any(_alive(p) for p in again), "a web worker outlived serve"
+        assert not any(_alive(p) for p in fresh), "a web worker outlived serve"
         log = col.log()
     assert "exited with -9; starting another" in log, log
 
