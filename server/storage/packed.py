@@ -12,8 +12,6 @@ sees what it saw with a row per step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import numpy.typing as npt
 
@@ -29,8 +27,3 @@ def pack(values: npt.NDArray[np.float64]) -> bytes:
 def unpack(blob: bytes) -> npt.NDArray[np.float64]:
     """A packed column back as float64 (read-only: a view of ``blob``)."""
     return np.frombuffer(blob, dtype=DTYPE)
-
-
-def from_optional(values: Sequence[float | None]) -> npt.NDArray[np.float64]:
-    """A per-step list with None for unknown values, as float64 with NaN for None."""
-    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)

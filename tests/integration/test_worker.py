@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Connection, Engine, select
@@ -517,7 +518,7 @@ def staged_row(
         "first_step": first,
         "last_step": first + len(steps) - 1,
         "sent_at": sent_at,
-        **{k: packed.pack(packed.from_optional(c)) for k, c in zip(STEP_TIMING_VALUES, cols, strict=True)},
+        **{k: packed.pack(np.array(c, dtype=float)) for k, c in zip(STEP_TIMING_VALUES, cols, strict=True)},
     }
 
 

@@ -30,7 +30,6 @@ from stepwatch_server.analysis.arrivals import (
 )
 from stepwatch_server.analysis.late_arrivals import ArrivalDetector
 from stepwatch_server.ingest.fold import peer_wait
-from stepwatch_server.storage.packed import from_optional
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "realtrain"
 
@@ -203,6 +202,10 @@ ONSET = 24  # --fault-from of the recording
 WINDOW = 8  # steps per window, as a collector storing 8-step windows would cut them
 
 
+def _nan(values: list[float | None]) -> NDArray[np.float64]:
+    return np.array(values, dtype=np.float64)  # None -> NaN
+
+
 def _recorded(name: str, folder: Path = FIXTURES) -> list[RankSteps]:
     """A recording's ranks as the worker reads them: sync as ingest stages it (plus the
     wait in DDP's buffer broadcast, where the recording has it)."""
@@ -210,7 +213,7 @@ def _recorded(name: str, folder: Path = FIXTURES) -> list[RankSteps]:
 
     def staged(b: dict[str, Any]) -> NDArray[np.float64]:
         held = b.get("broadcast_s")
-        return peer_wait(from_optional(b["sync_s"]), None if held is None else from_optional(held))
+        return peer_wait(_nan(b["sync_s"]), None if held is None else _nan(held))
 
     return [
         concat(
