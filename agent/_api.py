@@ -97,8 +97,10 @@ def init(
     model's FLOPs per token once, here, with ``torch.utils.flop_counter`` (one forward and
     backward of the real model). ``profile_every``/``profile_steps``/``profile_budget``
     set the profiler window (see ``stepwatch.profiler._window``; ``profile_every=0`` turns it off).
-    ``host_batch=True`` (``STEPWATCH_HOST_BATCH=1``) posts the windows of a host's ranks
-    together, one request per host and window (``stepwatch._relay``): for large jobs.
+    ``host_batch`` (``STEPWATCH_HOST_BATCH``) posts the windows of a host's ranks together,
+    one request per host and window (``stepwatch._relay``); on by default where the host
+    runs several ranks (``LOCAL_WORLD_SIZE`` > 1, as torchrun sets it), ``False`` (``0``)
+    posts each rank's alone.
     A ``DistributedDataParallel`` ``model`` gets the always-on collective timing (``Stepwatch.watch``).
     ``collectives=True`` also counts plain ``torch.distributed`` collectives (tensor and
     pipeline parallel, FSDP2) for the hang diagnosis (``Stepwatch.watch_collectives``).

@@ -441,7 +441,9 @@ def _start_ranks(
             "RANK": str(r),
             "LOCAL_RANK": str(r),
             "WORLD_SIZE": str(RANKS),
-            "LOCAL_WORLD_SIZE": str(RANKS),
+            # In namespaces each rank is a host of its own (its own relay: the abstract
+            # socket is per namespace), so it batches with no one.
+            "LOCAL_WORLD_SIZE": "1" if netns else str(RANKS),
             "MASTER_ADDR": master,
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",

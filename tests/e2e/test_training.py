@@ -27,8 +27,10 @@ def _own_measurements(tmp_path: Path) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("backend", ["postgresql"])
 @pytest.mark.parametrize("host_batch", [False, True], ids=["per-rank", "host-batch"])
 def test_four_gloo_ranks_end_to_end(empty_db_url: str, tmp_path: Path, host_batch: bool) -> None:
-    """And the same with per-host batching (``STEPWATCH_HOST_BATCH=1``): every window of
-    every rank through the host's relay, the same rows stored."""
+    """With per-host batching, the default where torchrun's ``LOCAL_WORLD_SIZE`` says the
+    host runs several ranks (``launch.ranks`` sets it as torchrun does): every window of
+    every rank through the host's relay; and with it turned off
+    (``STEPWATCH_HOST_BATCH=0``), each rank posting its own: the same rows stored."""
     run = "e2e-gloo"
     args = [
         "--run",
@@ -45,7 +47,8 @@ def test_four_gloo_ranks_end_to_end(empty_db_url: str, tmp_path: Path, host_batc
         str(tmp_path / "rank{rank}.json"),
     ]
     with launch.collector(empty_db_url, log_path=str(tmp_path / "collector.log")) as col:
-        env = {"STEPWATCH_URL": col.url, "STEPWATCH_HOST_BATCH": "1" if host_batch else ""}
+        # Host batching as the default leaves it (on), or turned off.
+        env = {"STEPWATCH_URL": col.url, **({} if host_batch else {"STEPWATCH_HOST_BATCH": "0"})}
         with launch.ranks(RANKS, args, env=env, log_dir=str(tmp_path)) as procs:
             launch.wait_all(procs, timeout_s=180, log_dir=str(tmp_path))
         with httpx.Client(base_url=col.url, timeout=10) as c:

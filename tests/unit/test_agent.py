@@ -149,6 +149,32 @@ def test_config_validation_names_the_setting() -> None:
     assert (cfg.run, cfg.url, cfg.token) == ("from-env", "http://c:1", "t")
 
 
+@pytest.mark.parametrize(
+    ("env", "explicit", "expected"),
+    [
+        ({}, None, False),  # a lone process: no one to batch with
+        ({"LOCAL_WORLD_SIZE": "1"}, None, False),
+        ({"LOCAL_WORLD_SIZE": "8"}, None, True),  # torchrun, 8 ranks on the host: on by default
+        ({"LOCAL_WORLD_SIZE": "8", "STEPWATCH_HOST_BATCH": "0"}, None, False),
+        ({"LOCAL_WORLD_SIZE": "8", "STEPWATCH_HOST_BATCH": "off"}, None, False),
+        ({"LOCAL_WORLD_SIZE": "8", "STEPWATCH_HOST_BATCH": ""}, None, True),  # empty: the default
+        ({"STEPWATCH_HOST_BATCH": "1"}, None, True),
+        ({"LOCAL_WORLD_SIZE": "8", "STEPWATCH_HOST_BATCH": "1"}, False, False),  # init's argument wins
+        ({}, True, True),
+        ({"LOCAL_WORLD_SIZE": "many"}, None, False),
+    ],
+)
+def test_host_batching_is_on_where_the_host_runs_several_ranks(
+    env: dict[str, str], explicit: bool | None, expected: bool
+) -> None:
+    assert load("r", env=env, host_batch=explicit).host_batch is expected
+
+
+def test_a_bad_host_batch_setting_is_named() -> None:
+    with pytest.raises(ValueError, match="STEPWATCH_HOST_BATCH must be 1/0"):
+        load("r", env={"STEPWATCH_HOST_BATCH": "sometimes"})
+
+
 def test_payload_is_compact_json_with_identity_and_convention(clock: FakeClock) -> None:
     rec = MemorySink()
     sw = make(AgentConfig(run="r", max_window_steps=100, send_interval_s=1e9, warmup_steps=0), rec)
