@@ -8,10 +8,15 @@ import logging
 import os
 import signal
 import sys
+import time
+from typing import TYPE_CHECKING
 
 from .api.auth import Authenticator
 from .settings import Settings
 from .storage import migrate
+
+if TYPE_CHECKING:
+    from .api.workers import Beat
 
 
 def _settings(**overrides: object) -> Settings:
@@ -127,7 +132,10 @@ def run_uvicorn(factory: str, settings: Settings, *, log_level: str = "info") ->
             os.environ[f"STEPWATCH_{name.upper()}"] = _env_value(value)
     if settings.workers > 1 and workers.balanced():
         worker = functools.partial(_web_worker, factory, log_level, os.getpid())
-        if workers.serve(settings.workers, settings.host, settings.port, worker) == signal.SIGTERM:
+        stopped_by = workers.serve(
+            settings.workers, settings.host, settings.port, worker, timeout_s=settings.worker_timeout_s
+        )
+        if stopped_by == signal.SIGTERM:
             signal.raise_signal(signal.SIGTERM)  # as uvicorn serving in this process does
         return
     uvicorn.run(
@@ -143,11 +151,18 @@ def run_uvicorn(factory: str, settings: Settings, *, log_level: str = "info") ->
     )
 
 
-def _web_worker(factory: str, log_level: str, parent: int, host: str, port: int) -> None:
+def _web_worker(factory: str, log_level: str, parent: int, host: str, port: int, beat: Beat) -> None:
     """One web worker (``api/workers.py``): uvicorn as ``run_uvicorn`` configures it, on
     a socket of its own bound to the collector's port; its settings from the environment.
-    Named ``sw-web``, and stopped with ``serve`` even if ``serve`` is killed."""
+    Named ``sw-web``, and stopped with ``serve`` even if ``serve`` is killed. Its event
+    loop stamps ``beat`` at each of uvicorn's ticks (every 0.1 s once it serves): the
+    supervisor kills a worker whose stamp is older than ``worker_timeout_s``."""
     import uvicorn
+
+    class BeatingServer(uvicorn.Server):
+        async def on_tick(self, counter: int) -> bool:
+            beat.value = time.monotonic()
+            return bool(await super().on_tick(counter))
 
     from .api import workers
     from .api.timeouts import uvicorn_options
@@ -165,7 +180,7 @@ def _web_worker(factory: str, log_level: str, parent: int, host: str, port: int)
         access_log=False,
         **uvicorn_options(Settings()),
     )
-    server = uvicorn.Server(config)
+    server = BeatingServer(config)
     with contextlib.suppress(KeyboardInterrupt):  # a SIGINT of its own: stopped, quietly
         server.run(sockets=[sock])
     if not server.started:  # its app failed to start, or it was stopped first: older

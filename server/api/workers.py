@@ -21,6 +21,14 @@ gracefully; SIGHUP starts them all again, as uvicorn's supervisor does), starts 
 worker that died while the collector runs (see STARTUP_S for one that fails as it
 starts), and returns once every worker has exited. Each worker names itself ``sw-web``
 and dies with a SIGKILLed supervisor (``children.py``; uvicorn's outlived it).
+
+A worker whose event loop stops turning is killed and started again: each stamps a
+:class:`Beat` in shared memory from its loop (``cli._web_worker``: uvicorn's tick, ten
+times a second once it serves), and one silent for longer than ``worker_timeout_s``
+(30 s by default, gunicorn's ``--timeout``) is SIGKILLed. With a socket each, a hung worker
+matters more than with a shared one: the kernel goes on dealing it its share of new
+connections, which no one would ever answer. uvicorn's supervisor pings a thread of the
+worker, which answers while the loop is stuck; the stamp comes from the loop itself.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
+from typing import Protocol
 
 log = logging.getLogger("stepwatch_server")
 #: A worker that exits with an error sooner than this after its start failed to start
@@ -45,9 +54,22 @@ log = logging.getLogger("stepwatch_server")
 #: MAX_BACKOFF_S, while its successors fail alike (a database away at their start).
 STARTUP_S = 10.0
 MAX_BACKOFF_S = 30.0
-#: Longest wait of the supervisor while a worker waits to be started again: a signal
-#: interrupts a wait only for its handler to run, then the wait resumes.
+#: Longest wait of the supervisor: how often it reads the workers' beats, and how late a
+#: worker waiting to be started again may be (a signal interrupts a wait only for its
+#: handler to run, then the wait resumes).
 POLL_S = 0.5
+#: Seconds a serving worker's event loop may go without turning before it is killed.
+TIMEOUT_S = 30.0
+
+
+class Beat(Protocol):
+    """A worker's last turn of its event loop (``time.monotonic()``, the same clock in
+    every process; 0 until it serves), in memory shared with the supervisor."""
+
+    value: float
+
+
+Target = Callable[[str, int, Beat], None]
 
 
 def balanced() -> bool:
@@ -95,11 +117,12 @@ def hold_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(workers: int, host: str, port: int, target: Callable[[str, int], None]) -> int | None:
-    """Run ``target(host, port)`` in ``workers`` processes, each binding its own socket,
-    until they exit; a worker that dies unasked is started again, and SIGHUP starts every
-    worker again. Returns the signal that stopped them (SIGINT or SIGTERM), None if they
-    exited by themselves."""
+def serve(workers: int, host: str, port: int, target: Target, *, timeout_s: float = TIMEOUT_S) -> int | None:
+    """Run ``target(host, port, beat)`` in ``workers`` processes, each binding its own
+    socket and stamping ``beat`` as its event loop turns, until they exit; a worker that
+    dies unasked is started again, so is one silent for ``timeout_s`` (killed), and SIGHUP
+    starts every worker again. Returns the signal that stopped them (SIGINT or SIGTERM),
+    None if they exited by themselves."""
     try:
         held = hold_port(host, port)  # the port, also when 0 asked for any free one
     except OSError as exc:  # as uvicorn says it, and exits
@@ -113,6 +136,8 @@ def serve(workers: int, host: str, port: int, target: Callable[[str, int], None]
     started = [0.0] * workers
     due = [0.0] * workers  # when a waiting slot is started
     backoff = [0.0] * workers  # seconds, doubled by each failure as it started
+    beats: list[Beat | None] = [None] * workers
+    killed: set[int | None] = set()  # workers killed for a loop that stopped turning
 
     def terminate(p: BaseProcess) -> None:
         if p.pid is not None and p.exitcode is None:
@@ -123,14 +148,15 @@ def serve(workers: int, host: str, port: int, target: Callable[[str, int], None]
         if stopped:
             return
         try:
-            p = ctx.Process(target=target, args=(host, port), name="stepwatch-web")
+            beat: Beat = ctx.RawValue("d", 0.0)
+            p = ctx.Process(target=target, args=(host, port, beat), name="stepwatch-web")
             p.start()
         except OSError as exc:  # no process to be had (memory, limits): try again later
             log.error("could not start a web worker: %s", exc)
             backoff[i] = min(MAX_BACKOFF_S, 2 * backoff[i] or 1.0)
             due[i] = time.monotonic() + backoff[i]
             return
-        procs[i], started[i] = p, time.monotonic()
+        procs[i], started[i], beats[i] = p, time.monotonic(), beat
         if stopped:  # a signal came while it started
             terminate(p)
 
@@ -143,6 +169,24 @@ def serve(workers: int, host: str, port: int, target: Callable[[str, int], None]
             terminate(p)
 
     asked: set[int | None] = set()  # workers stopped to be started again (SIGHUP)
+
+    def kill_hung(now: float) -> None:
+        """SIGKILL each serving worker whose loop has not turned for ``timeout_s`` (not one
+        stopping: its loop ends as it drains its connections)."""
+        for p, beat in zip(procs, beats, strict=True):
+            if stopped or p is None or p.pid is None or beat is None or p.exitcode is not None:
+                continue
+            if p.pid in asked or p.pid in killed:
+                continue
+            if beat.value and now - beat.value > timeout_s:
+                log.error(
+                    "web worker %d: its event loop has not turned for %.0f s; killing it",
+                    p.pid,
+                    now - beat.value,
+                )
+                killed.add(p.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)  # also ends a stopped (SIGSTOP) process
 
     def restart_all(_signum: int, _frame: FrameType | None) -> None:
         log.warning("SIGHUP: starting every web worker again")
@@ -162,9 +206,10 @@ def serve(workers: int, host: str, port: int, target: Callable[[str, int], None]
             waiting = [] if stopped else [due[i] for i, p in enumerate(procs) if p is None]
             if not alive and not waiting:
                 break
-            timeout = min(POLL_S, max(0.0, min(waiting) - time.monotonic())) if waiting else None
+            timeout = min(POLL_S, max(0.0, min(waiting) - time.monotonic())) if waiting else POLL_S
             wait([p.sentinel for p in alive], timeout)
             now = time.monotonic()
+            kill_hung(now)
             if any(p is not None and now - started[i] >= STARTUP_S for i, p in enumerate(procs)):
                 first = False
             for i, p in enumerate(procs):
@@ -180,6 +225,7 @@ def serve(workers: int, host: str, port: int, target: Callable[[str, int], None]
                 # (One stopped before it started exits 3 too: not a failure if asked.)
                 quick = p.exitcode > 0 and now - started[i] < STARTUP_S and p.pid not in asked
                 asked.discard(p.pid)
+                killed.discard(p.pid)
                 if quick and first:  # the app or the socket cannot start: nor will another
                     log.error("web worker %d exited with %s as it started; stopping", p.pid, p.exitcode)
                     stop(0, None)

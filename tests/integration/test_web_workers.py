@@ -151,6 +151,37 @@ def test_connections_are_dealt_among_the_workers_a_dead_one_is_replaced_and_sigt
     assert "exited with -9; starting another" in log, log
 
 
+def test_a_worker_whose_event_loop_stopped_is_killed_and_replaced(pg_admin: str, tmp_path: Path) -> None:
+    """A worker frozen (SIGSTOP: its loop stops turning, its socket still listens, and the
+    kernel would go on dealing it connections no one answers) is SIGKILLed once its loop
+    has not turned for ``worker_timeout_s``, and another takes its place and serves."""
+    log_path = str(tmp_path / "collector.log")
+    env = {**ENV, "STEPWATCH_WORKER_TIMEOUT_S": "2"}
+    with pg.fresh_database(pg_admin) as db, launch.collector(db, log_path=log_path, env=env) as col:
+        serve, port = col.process.pid, int(col.url.rsplit(":", 1)[1])
+
+        def listening_workers(other_than: int = 0) -> list[int] | None:
+            w = _workers(serve)
+            ok = len(w) == 2 and other_than not in w and all(_listening(p, port) for p in w)
+            return w if ok else None
+
+        pids = wait_until(listening_workers, "two web workers listening", timeout_s=60)
+        os.kill(pids[0], signal.SIGSTOP)
+        try:
+            wait_until(
+                lambda: listening_workers(other_than=pids[0]),
+                f"a web worker in place of the stopped {pids[0]}",
+                timeout_s=60,
+            )
+        finally:
+            if _alive(pids[0]):  # not killed: ours to end
+                os.kill(pids[0], signal.SIGKILL)
+        assert httpx.get(f"{col.url}/readyz").status_code == 200
+        log = col.log()
+    assert f"web worker {pids[0]}: its event loop has not turned for" in log, log
+    assert f"web worker {pids[0]} exited with -9; starting another" in log, log
+
+
 def _serve_on(port: int, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """``stepwatch serve --workers 2`` on ``port`` (a database of its own), to its exit."""
     return subprocess.run(
@@ -172,7 +203,7 @@ def test_a_port_in_use_stops_serve_with_the_reason(tmp_path: Path) -> None:
     assert f"could not bind 127.0.0.1:{port}: Address already in use" in out.stderr, out.stderr
 
 
-def _cannot_start(host: str, port: int) -> None:
+def _cannot_start(host: str, port: int, beat: workers.Beat) -> None:
     sys.exit(3)  # uvicorn's exit when its app fails to start
 
 
@@ -184,7 +215,7 @@ def test_workers_that_cannot_start_stop_the_supervisor_instead_of_starting_again
     assert stopped.value.code == 1
 
 
-def _serves_until_stopped(host: str, port: int) -> None:
+def _serves_until_stopped(host: str, port: int, beat: workers.Beat) -> None:
     """A worker that listens as the real ones do, names itself in ``$PIDS`` and exits on
     SIGTERM (the default)."""
     sock = workers.listening_socket(host, port)
