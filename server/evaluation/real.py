@@ -441,9 +441,7 @@ def _start_ranks(
             "RANK": str(r),
             "LOCAL_RANK": str(r),
             "WORLD_SIZE": str(RANKS),
-            # In namespaces each rank is a host of its own (its own relay: the abstract
-            # socket is per namespace), so it batches with no one.
-            "LOCAL_WORLD_SIZE": "1" if netns else str(RANKS),
+            "LOCAL_WORLD_SIZE": str(RANKS),
             "MASTER_ADDR": master,
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
@@ -452,6 +450,9 @@ def _start_ranks(
         }
         if netns:
             env["GLOO_SOCKET_IFNAME"] = "eth0"
+            # A namespace each: a rank is a host of its own (the relay's abstract socket is
+            # per namespace), so it has no one to batch with.
+            env["STEPWATCH_HOST_BATCH"] = "0"
         argv = ["--run", run, "--steps", str(steps), "--fault", s.fault]
         argv += ["--fault-ranks", ",".join(map(str, s.fault_ranks))]
         argv += ["--fault-from", str(fault_from), "--size", str(s.size), "--comm-mb", str(s.comm_mb)]
