@@ -29,6 +29,13 @@ times a second once it serves), and one silent for longer than ``worker_timeout_
 matters more than with a shared one: the kernel goes on dealing it its share of new
 connections, which no one would ever answer. uvicorn's supervisor pings a thread of the
 worker, which answers while the loop is stuck; the stamp comes from the loop itself.
+A worker asked to stop (SIGTERM, SIGHUP's restart) stops ticking as it drains, so it is
+given ``worker_timeout_s`` from the signal instead, then killed: a frozen one would keep
+its socket (and its share of connections) for ever, and ``serve`` would never return.
+A worker not yet serving is not judged: its socket does not listen before its first
+tick, so the kernel deals it nothing. Nor is any worker judged right after the
+supervisor itself ran late (the whole collector paused and resumed, a starved machine):
+silence is counted from then, not from before the pause.
 """
 
 from __future__ import annotations
@@ -60,6 +67,9 @@ MAX_BACKOFF_S = 30.0
 POLL_S = 0.5
 #: Seconds a serving worker's event loop may go without turning before it is killed.
 TIMEOUT_S = 30.0
+#: A supervisor wait that returned this much later than POLL_S: it did not run meanwhile
+#: (the collector paused, the machine starved), so neither did its workers.
+LATE_S = 5.0
 
 
 class Beat(Protocol):
@@ -138,9 +148,11 @@ def serve(workers: int, host: str, port: int, target: Target, *, timeout_s: floa
     backoff = [0.0] * workers  # seconds, doubled by each failure as it started
     beats: list[Beat | None] = [None] * workers
     killed: set[int | None] = set()  # workers killed for a loop that stopped turning
+    signalled: dict[int | None, float] = {}  # pid: when it was asked to stop (SIGTERM)
 
     def terminate(p: BaseProcess) -> None:
         if p.pid is not None and p.exitcode is None:
+            signalled.setdefault(p.pid, time.monotonic())
             with contextlib.suppress(ProcessLookupError):  # reaped meanwhile
                 os.kill(p.pid, signal.SIGTERM)
 
@@ -170,20 +182,22 @@ def serve(workers: int, host: str, port: int, target: Target, *, timeout_s: floa
 
     asked: set[int | None] = set()  # workers stopped to be started again (SIGHUP)
 
-    def kill_hung(now: float) -> None:
-        """SIGKILL each serving worker whose loop has not turned for ``timeout_s`` (not one
-        stopping: its loop ends as it drains its connections)."""
+    def kill_hung(now: float, since: float) -> None:
+        """SIGKILL each serving worker whose loop has not turned for ``timeout_s``, and
+        each asked to stop that has not in ``timeout_s``; silence counts from ``since`` at
+        the earliest (when the supervisor last ran on time)."""
         for p, beat in zip(procs, beats, strict=True):
-            if stopped or p is None or p.pid is None or beat is None or p.exitcode is not None:
+            if p is None or p.pid is None or beat is None or p.exitcode is not None or p.pid in killed:
                 continue
-            if p.pid in asked or p.pid in killed:
-                continue
-            if beat.value and now - beat.value > timeout_s:
-                log.error(
-                    "web worker %d: its event loop has not turned for %.0f s; killing it",
-                    p.pid,
-                    now - beat.value,
-                )
+            asked_at = signalled.get(p.pid)
+            if asked_at is not None:
+                why = "did not stop within %.0f s of SIGTERM"
+                silent = now - max(asked_at, since)
+            else:
+                why = "its event loop has not turned for %.0f s"
+                silent = now - max(beat.value, since) if beat.value else 0.0
+            if silent > timeout_s:
+                log.error("web worker %d: " + why + "; killing it", p.pid, silent)
                 killed.add(p.pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGKILL)  # also ends a stopped (SIGSTOP) process
@@ -201,6 +215,7 @@ def serve(workers: int, host: str, port: int, target: Target, *, timeout_s: floa
         for i in range(workers):
             start(i)
         first = True  # no worker has run STARTUP_S yet: a failure is the configuration's
+        on_time = last_poll = time.monotonic()  # since when the supervisor ran on time
         while True:
             alive = running()  # one snapshot: a worker exiting after it still wakes wait()
             waiting = [] if stopped else [due[i] for i, p in enumerate(procs) if p is None]
@@ -209,7 +224,10 @@ def serve(workers: int, host: str, port: int, target: Target, *, timeout_s: floa
             timeout = min(POLL_S, max(0.0, min(waiting) - time.monotonic())) if waiting else POLL_S
             wait([p.sentinel for p in alive], timeout)
             now = time.monotonic()
-            kill_hung(now)
+            if now - last_poll > LATE_S:  # paused, or starved: the workers were too
+                on_time = now
+            last_poll = now
+            kill_hung(now, on_time)
             if any(p is not None and now - started[i] >= STARTUP_S for i, p in enumerate(procs)):
                 first = False
             for i, p in enumerate(procs):
@@ -226,6 +244,7 @@ def serve(workers: int, host: str, port: int, target: Target, *, timeout_s: floa
                 quick = p.exitcode > 0 and now - started[i] < STARTUP_S and p.pid not in asked
                 asked.discard(p.pid)
                 killed.discard(p.pid)
+                signalled.pop(p.pid, None)
                 if quick and first:  # the app or the socket cannot start: nor will another
                     log.error("web worker %d exited with %s as it started; stopping", p.pid, p.exitcode)
                     stop(0, None)

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
@@ -234,6 +235,77 @@ def test_a_second_collector_on_the_port_is_refused_not_joined(pg_admin: str, tmp
         assert out.returncode == 1, out
         assert "Address already in use" in out.stderr, out.stderr
         assert httpx.get(f"{col.url}/readyz").status_code == 200
+
+
+def _ticks(host: str, port: int, beat: workers.Beat) -> None:
+    """A worker that stamps its beat ten times a second, as a serving one does; each stamp
+    a file in ``$PIDS/<pid>/`` (how many it made, and since when)."""
+    sock = workers.listening_socket(host, port)
+    sock.listen()
+    mine = Path(os.environ["PIDS"]) / str(os.getpid())
+    mine.mkdir()
+    for n in range(100_000):
+        beat.value = time.monotonic()
+        (mine / str(n)).touch()
+        time.sleep(0.1)
+
+
+def _supervise(n: int, target: str, tmp_path: Path, timeout_s: float) -> subprocess.Popen[bytes]:
+    """``workers.serve(n, ..., target)`` in a process (a session) of its own."""
+    code = (
+        "import sys; from stepwatch_server.api import workers; "
+        f"from tests.integration.test_web_workers import {target} as t; "
+        f"sys.exit(workers.serve({n}, '127.0.0.1', 0, t, timeout_s={timeout_s}) or 0)"
+    )
+    env = {**os.environ, "PIDS": str(tmp_path)}
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=Path(__file__).parents[2], env=env, start_new_session=True
+    )
+
+
+def _stamps(tmp_path: Path, pid: int) -> int:
+    return len(list((tmp_path / str(pid)).iterdir()))
+
+
+def test_a_frozen_worker_does_not_keep_serve_from_stopping(tmp_path: Path) -> None:
+    """SIGTERM stops the workers gracefully; one that does not stop (frozen) is killed
+    ``timeout_s`` after the signal, and the supervisor returns (it waited for ever)."""
+    sup = _supervise(2, "_ticks", tmp_path, timeout_s=2)
+    try:
+        pids = wait_until(lambda: len(w := _workers(sup.pid)) == 2 and w, "two workers", timeout_s=60)
+        os.kill(pids[0], signal.SIGSTOP)
+        sup.send_signal(signal.SIGTERM)
+        assert sup.wait(60) == signal.SIGTERM, "the supervisor returns the signal that stopped it"
+    finally:
+        os.killpg(sup.pid, signal.SIGKILL)
+    assert not any(_alive(p) for p in pids), "a worker outlived its supervisor"
+
+
+def test_workers_paused_with_their_supervisor_are_not_taken_for_hung(tmp_path: Path) -> None:
+    """The whole collector stopped longer than ``timeout_s`` (Ctrl-Z, a paused container)
+    and resumed: no worker ticked meanwhile, but neither did the supervisor; it must not
+    kill them for the silence of the pause."""
+    sup = _supervise(2, "_ticks", tmp_path, timeout_s=2)
+    try:
+        pids = wait_until(
+            lambda: len(w := _workers(sup.pid)) == 2 and all((tmp_path / str(p)).is_dir() for p in w) and w,
+            "two workers ticking",
+            timeout_s=60,
+        )
+        os.killpg(sup.pid, signal.SIGSTOP)
+        time.sleep(workers.LATE_S + 2)  # the pause itself: longer than timeout_s and LATE_S
+        before = {p: _stamps(tmp_path, p) for p in pids}
+        os.killpg(sup.pid, signal.SIGCONT)
+        # Ten ticks each after the resume: the supervisor (polling every 0.5 s) has looked.
+        wait_until(
+            lambda: all(_stamps(tmp_path, p) >= before[p] + 10 for p in pids if _alive(p)),
+            "ten ticks of each worker after the resume",
+            timeout_s=60,
+        )
+        assert sorted(_workers(sup.pid)) == sorted(pids), "a paused worker was killed on resume"
+        assert all(_alive(p) for p in pids)
+    finally:
+        os.killpg(sup.pid, signal.SIGKILL)
 
 
 def test_sigterm_while_the_workers_start_stops_every_one(tmp_path: Path) -> None:
