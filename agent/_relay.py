@@ -2,7 +2,8 @@
 
 At thousands of ranks, one POST per rank and window is most of the collector's cost (each
 request pays HTTP, the bearer check and a turn of the event loop) and one connection per
-rank. With host batching on (``STEPWATCH_HOST_BATCH=1``, ``init(host_batch=True)``), a
+rank. With host batching on (the default where ``LOCAL_WORLD_SIZE`` > 1;
+``STEPWATCH_HOST_BATCH``, ``init(host_batch=...)``), a
 rank's sender hands each window over a Unix socket to the host's relay: a thread in
 whichever of the host's processes bound the socket first. The relay posts the windows it
 holds to ``wire.HOST_BATCH_PATH`` together, as soon as each of the host's ranks has one
@@ -29,11 +30,17 @@ one whose relay held its window without answering (a stopped or frozen process: 
 heartbeats of a hang must still go).
 
 The socket is in Linux's abstract namespace (no file to clean up after a SIGKILL), named
-by the user, collector URL and token, so only ranks that would post to the same collector
-with the same token share a request. The abstract namespace has no file permissions, so
+by the user, collector URL, token and job (torchrun's ``MASTER_ADDR:MASTER_PORT``, which
+every rank of a job shares and two jobs on one node cannot), so only ranks of one job
+that would post to the same collector with the same token share a request: a relay waits
+for its job's ``LOCAL_WORLD_SIZE`` ranks, which another job's would not help it reach,
+and a job suspended while holding the relay would hold up the other's windows. The
+abstract namespace is per network namespace: ranks in a namespace (a container) each
+cannot meet, and each relays only its own windows, 0.25 s late
+(``STEPWATCH_HOST_BATCH=0`` there). The abstract namespace has no file permissions, so
 both ends check the other's user (``SO_PEERCRED``): the relay refuses another user's
-connection, and a rank never hands its window (its token's data) to a socket another user
-holds, it posts alone. Elsewhere than Linux, ranks post alone.
+connection, and a rank never hands its window (its token's data) to a socket another
+user holds, it posts alone. Elsewhere than Linux, ranks post alone.
 """
 
 from __future__ import annotations
@@ -110,8 +117,9 @@ def supported() -> bool:
 
 
 def address(url: str, token: str | None) -> bytes:
-    """The host's relay socket for this user, collector and token (abstract namespace)."""
-    key = f"{os.getuid()}\n{url.rstrip('/')}\n{token or ''}".encode()
+    """The host's relay socket for this user, collector, token and job (abstract namespace)."""
+    job = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    key = f"{os.getuid()}\n{url.rstrip('/')}\n{token or ''}\n{job}".encode()
     return b"\0stepwatch-relay-" + hashlib.sha256(key).hexdigest()[:32].encode()
 
 

@@ -46,9 +46,10 @@ class AgentConfig:
     profile_every: int = DEFAULT_PROFILE_EVERY
     profile_steps: int = 2
     profile_budget: float = 0.01
-    #: Per-host batching (``_relay``): the ranks of a host post their windows together,
-    #: one request per host and window instead of one per rank. On by default where the
-    #: launcher says the host runs several ranks (:func:`host_batch_default`).
+    #: Per-host batching (``_relay``, Linux): the ranks of a host post their windows
+    #: together, one request per host and window instead of one per rank. :func:`load`
+    #: turns it on where the launcher says the host runs several ranks
+    #: (:func:`host_batch_default`); a config built by hand has it off.
     host_batch: bool = False
 
 
@@ -74,24 +75,25 @@ def _truthy(raw: str | None) -> bool:
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool | None:
-    """A boolean setting; None where it is unset or empty (the default applies)."""
+    """A boolean setting; None where it is unset, empty or ``auto`` (the default applies)."""
     raw = (env.get(name) or "").strip().lower()
-    if not raw:
+    if raw in ("", "auto"):
         return None
     if raw in ("1", "true", "yes", "on"):
         return True
     if raw in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{name} must be 1/0 (true/false, yes/no, on/off), got {env[name]!r}")
+    raise ValueError(f"{name} must be 1/0 (true/false, yes/no, on/off) or auto, got {env[name]!r}")
 
 
 def host_batch_default(env: Mapping[str, str]) -> bool:
     """Per-host batching is on by default for a rank that shares its host with others:
     torchrun (and the demo, and most launchers built on it) says so in
-    ``LOCAL_WORLD_SIZE``. One POST per host and window instead of one per rank is 8x fewer
-    requests and connections at 8 GPUs a host, and the collector takes 2.2x the
-    rank-steps per second that way (``python -m benchmarks.ingest``: per host against per
-    rank). A lone process (no ``LOCAL_WORLD_SIZE``, or 1) has no one to batch with."""
+    ``LOCAL_WORLD_SIZE`` (Slurm's ``srun`` does not: ``STEPWATCH_HOST_BATCH=1`` there).
+    One POST per host and window instead of one per rank is 8x fewer requests and
+    connections at 8 GPUs a host, and the collector takes 2.2x the rank-steps per second
+    that way (``python -m benchmarks.ingest``: per host against per rank). A lone
+    process (no ``LOCAL_WORLD_SIZE``, or 1) has no one to batch with."""
     try:
         return int(env.get("LOCAL_WORLD_SIZE") or 0) > 1
     except ValueError:

@@ -158,6 +158,8 @@ def test_config_validation_names_the_setting() -> None:
         ({"LOCAL_WORLD_SIZE": "8", "STEPWATCH_HOST_BATCH": "0"}, None, False),
         ({"LOCAL_WORLD_SIZE": "8", "STEPWATCH_HOST_BATCH": "off"}, None, False),
         ({"LOCAL_WORLD_SIZE": "8", "STEPWATCH_HOST_BATCH": ""}, None, True),  # empty: the default
+        ({"LOCAL_WORLD_SIZE": "8", "STEPWATCH_HOST_BATCH": "auto"}, None, True),
+        ({"STEPWATCH_HOST_BATCH": "Auto"}, None, False),
         ({"STEPWATCH_HOST_BATCH": "1"}, None, True),
         ({"LOCAL_WORLD_SIZE": "8", "STEPWATCH_HOST_BATCH": "1"}, False, False),  # init's argument wins
         ({}, True, True),
@@ -269,3 +271,21 @@ def test_a_wait_and_tag_charged_before_a_flush_ride_with_their_step(clock: FakeC
     sw.close()
     assert [list(w.data_wait_s) for w in rec.windows] == [[0.0], [0.5, 0.0]]
     assert [list(w.tags or []) for w in rec.windows] == [[0], [3, 0]]
+
+
+def test_the_relay_socket_is_one_per_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With host batching on by default, two jobs of one user on a node (same collector,
+    same token) must not share a relay: each waits for its own ``LOCAL_WORLD_SIZE`` ranks.
+    torchrun gives every rank of a job the same ``MASTER_ADDR:MASTER_PORT``."""
+    from stepwatch import _relay
+
+    url = "http://collector:8000"
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    job_a = _relay.address(url, "t")
+    assert _relay.address(url + "/", "t") == job_a  # the same job: one socket
+    monkeypatch.setenv("MASTER_PORT", "29501")
+    assert _relay.address(url, "t") != job_a  # a second job on the node
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert _relay.address(url, "other") != job_a  # another token
+    assert _relay.address(url, "t").startswith(b"\0stepwatch-relay-")
