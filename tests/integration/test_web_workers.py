@@ -104,6 +104,13 @@ def _served_by(workers: list[int], port: int) -> dict[int, int]:
     return {w: len(established & _socket_inodes(w)) for w in workers}
 
 
+def _listening_workers(serve: int, port: int, other_than: int = 0) -> list[int] | None:
+    """``serve``'s two workers once both listen on ``port`` (and neither is ``other_than``)."""
+    w = _workers(serve)
+    ok = len(w) == 2 and other_than not in w and all(_listening(p, port) for p in w)
+    return w if ok else None
+
+
 def test_connections_are_dealt_among_the_workers_a_dead_one_is_replaced_and_sigterm_stops_all(
     pg_admin: str, tmp_path: Path
 ) -> None:
@@ -111,12 +118,7 @@ def test_connections_are_dealt_among_the_workers_a_dead_one_is_replaced_and_sigt
     with pg.fresh_database(pg_admin) as db, launch.collector(db, log_path=log_path, env=ENV) as col:
         serve, port = col.process.pid, int(col.url.rsplit(":", 1)[1])
 
-        def listening_workers(other_than: int = 0) -> list[int] | None:
-            w = _workers(serve)
-            ok = len(w) == 2 and other_than not in w and all(_listening(p, port) for p in w)
-            return w if ok else None
-
-        pids = wait_until(listening_workers, "two web workers listening", timeout_s=60)
+        pids = wait_until(lambda: _listening_workers(serve, port), "two web workers listening", timeout_s=60)
         # A socket each: the supervisor's own holds the port without listening.
         assert not _listening(serve, port)
         with _connections(port, CONNECTIONS):
@@ -127,7 +129,9 @@ def test_connections_are_dealt_among_the_workers_a_dead_one_is_replaced_and_sigt
         os.kill(pids[0], signal.SIGKILL)
         replaced = f"a web worker in place of {pids[0]} (children: {_workers(serve)})"
         try:
-            again = wait_until(lambda: listening_workers(other_than=pids[0]), replaced, timeout_s=60)
+            again = wait_until(
+                lambda: _listening_workers(serve, port, other_than=pids[0]), replaced, timeout_s=60
+            )
         except AssertionError as exc:
             raise AssertionError(f"{exc}; now {_workers(serve)}; the log:\n{col.log()}") from None
         assert pids[1] in again
@@ -139,7 +143,7 @@ def test_connections_are_dealt_among_the_workers_a_dead_one_is_replaced_and_sigt
         # SIGHUP starts every worker again (as uvicorn's supervisor did), and they serve.
         col.process.send_signal(signal.SIGHUP)
         fresh = wait_until(
-            lambda: (w := listening_workers()) and not set(w) & set(again) and w,
+            lambda: (w := _listening_workers(serve, port)) and not set(w) & set(again) and w,
             "two new web workers after SIGHUP",
             timeout_s=60,
         )
@@ -161,16 +165,11 @@ def test_a_worker_whose_event_loop_stopped_is_killed_and_replaced(pg_admin: str,
     with pg.fresh_database(pg_admin) as db, launch.collector(db, log_path=log_path, env=env) as col:
         serve, port = col.process.pid, int(col.url.rsplit(":", 1)[1])
 
-        def listening_workers(other_than: int = 0) -> list[int] | None:
-            w = _workers(serve)
-            ok = len(w) == 2 and other_than not in w and all(_listening(p, port) for p in w)
-            return w if ok else None
-
-        pids = wait_until(listening_workers, "two web workers listening", timeout_s=60)
+        pids = wait_until(lambda: _listening_workers(serve, port), "two web workers listening", timeout_s=60)
         os.kill(pids[0], signal.SIGSTOP)
         try:
             wait_until(
-                lambda: listening_workers(other_than=pids[0]),
+                lambda: _listening_workers(serve, port, other_than=pids[0]),
                 f"a web worker in place of the stopped {pids[0]}",
                 timeout_s=60,
             )
