@@ -91,8 +91,8 @@ def host_batch_default(env: Mapping[str, str]) -> bool:
     torchrun (and the demo, and most launchers built on it) says so in
     ``LOCAL_WORLD_SIZE`` (Slurm's ``srun`` does not: ``STEPWATCH_HOST_BATCH=1`` there).
     One POST per host and window instead of one per rank is 8x fewer requests and
-    connections at 8 GPUs a host, and the collector takes 2.2x the rank-steps per second
-    that way (``python -m benchmarks.ingest``: per host against per rank). A lone
+    connections at 8 GPUs a host, and the collector takes 2.2-2.5x the rank-steps per
+    second that way (``python -m benchmarks.ingest``: per host against per rank). A lone
     process (no ``LOCAL_WORLD_SIZE``, or 1) has no one to batch with."""
     try:
         return int(env.get("LOCAL_WORLD_SIZE") or 0) > 1
