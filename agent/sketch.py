@@ -80,9 +80,7 @@ class LogSketch:
     )
 
     def __init__(self, alpha: float = 0.01) -> None:
-        if not _is_real(alpha) or not (MIN_ALPHA <= float(alpha) <= MAX_ALPHA):
-            raise ValueError(f"alpha must be a number in [{MIN_ALPHA}, {MAX_ALPHA}], got {alpha!r}")
-        self._alpha = float(alpha)
+        self._alpha = _valid_alpha(alpha)
         self._gamma = (1.0 + self._alpha) / (1.0 - self._alpha)
         self._log_gamma = math.log(self._gamma)
         self._inv_log_gamma = 1.0 / self._log_gamma
@@ -292,6 +290,13 @@ class LogSketch:
         _checked(d)
 
 
+def _valid_alpha(alpha: object) -> float:
+    """``alpha`` as a float, if it is a number in [MIN_ALPHA, MAX_ALPHA]."""
+    if not _is_real(alpha) or not (MIN_ALPHA <= float(alpha) <= MAX_ALPHA):
+        raise ValueError(f"alpha must be a number in [{MIN_ALPHA}, {MAX_ALPHA}], got {alpha!r}")
+    return float(alpha)
+
+
 def _key_range(alpha: float) -> tuple[int, int]:
     """The lowest and highest bucket key any value can map to at ``alpha``."""
     inv_log_gamma = 1.0 / math.log((1.0 + alpha) / (1.0 - alpha))
@@ -331,12 +336,11 @@ def _checked(d: Mapping[str, object]) -> _Fields:
     alpha = d["alpha"]
     if not _is_real(alpha) or not math.isfinite(float(alpha)):
         raise ValueError("sketch field 'alpha' must be a finite number")
-    if not MIN_ALPHA <= float(alpha) <= MAX_ALPHA:
-        raise ValueError(
-            f"sketch field 'alpha' is invalid: alpha must be a number in [{MIN_ALPHA}, {MAX_ALPHA}], "
-            f"got {float(alpha)!r}"
-        )
-    key_lo, key_hi = _key_range(float(alpha))
+    try:
+        alpha = _valid_alpha(float(alpha))
+    except ValueError as exc:
+        raise ValueError(f"sketch field 'alpha' is invalid: {exc}") from None
+    key_lo, key_hi = _key_range(alpha)
 
     offset = d["offset"]
     if not _is_int(offset):
@@ -384,7 +388,7 @@ def _checked(d: Mapping[str, object]) -> _Fields:
     if count == 0:
         if lo is not None or hi is not None or total_ != 0.0:
             raise ValueError("sketch field 'min' and 'max' must be null and 'sum' 0 when 'count' is 0")
-        return _Fields(float(alpha), off, counts, zero, count, total_, math.inf, -math.inf)
+        return _Fields(alpha, off, counts, zero, count, total_, math.inf, -math.inf)
     if lo is None or hi is None:
         raise ValueError(f"sketch field {'min' if lo is None else 'max'!r} must be a number")
     if lo < 0.0:
@@ -395,4 +399,4 @@ def _checked(d: Mapping[str, object]) -> _Fields:
         raise ValueError("sketch field 'min' is above MIN_VALUE while 'zero' counts values")
     if binned and hi <= MIN_VALUE:
         raise ValueError("sketch field 'max' is at most MIN_VALUE while 'counts' is not empty")
-    return _Fields(float(alpha), off, counts, zero, count, total_, lo, hi)
+    return _Fields(alpha, off, counts, zero, count, total_, lo, hi)

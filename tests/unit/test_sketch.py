@@ -215,3 +215,12 @@ def test_from_dict_rejects_a_non_object_and_an_inconsistent_empty_sketch() -> No
     empty["min"] = 1.0
     with pytest.raises(ValueError, match="'min'"):
         LogSketch.from_dict(empty)
+
+
+def test_an_alpha_out_of_range_is_named_the_same_by_the_constructor_and_the_document_check() -> None:
+    d = LogSketch(0.01).to_dict()
+    with pytest.raises(ValueError, match=r"^alpha must be a number in \[0.0001, 0.5\], got 2$"):
+        LogSketch(2)
+    for check in (LogSketch.check, LogSketch.from_dict):
+        with pytest.raises(ValueError, match=r"^sketch field 'alpha' is invalid: alpha must be .* got 0.9$"):
+            check(dict(d, alpha=0.9))
