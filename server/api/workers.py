@@ -180,8 +180,6 @@ def serve(workers: int, host: str, port: int, target: Target, *, timeout_s: floa
         for p in running():
             terminate(p)
 
-    asked: set[int | None] = set()  # workers stopped to be started again (SIGHUP)
-
     def kill_hung(now: float, since: float) -> None:
         """SIGKILL each serving worker whose loop has not turned for ``timeout_s``, and
         each asked to stop that has not in ``timeout_s``; silence counts from ``since`` at
@@ -205,7 +203,6 @@ def serve(workers: int, host: str, port: int, target: Target, *, timeout_s: floa
     def restart_all(_signum: int, _frame: FrameType | None) -> None:
         log.warning("SIGHUP: starting every web worker again")
         for p in running():
-            asked.add(p.pid)
             terminate(p)
 
     # Before the first worker: a signal from here on reaches every worker started.
@@ -240,9 +237,9 @@ def serve(workers: int, host: str, port: int, target: Target, *, timeout_s: floa
                 if p.exitcode is None or stopped:
                     continue
                 p.join()
-                # (One stopped before it started exits 3 too: not a failure if asked.)
-                quick = p.exitcode > 0 and now - started[i] < STARTUP_S and p.pid not in asked
-                asked.discard(p.pid)
+                # Signalled while the collector runs: SIGHUP asked it to stop, to be started
+                # again (one stopped before it started exits 3 too: not a failure then).
+                quick = p.exitcode > 0 and now - started[i] < STARTUP_S and p.pid not in signalled
                 killed.discard(p.pid)
                 signalled.pop(p.pid, None)
                 if quick and first:  # the app or the socket cannot start: nor will another
