@@ -39,7 +39,7 @@ from ..schemas.responses import (
 from ..settings import Settings
 from ..steering.delivery import Deliveries
 from .auth import Credentials, authenticator
-from .edge import RunPath, refuse_nul
+from .edge import RunPath, may_hold_nul, refuse_nul
 
 log = logging.getLogger("stepwatch_server")
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -159,7 +159,7 @@ async def ingest_batches(request: Request) -> IngestBatchesResult:
     except ValidationError as exc:
         raise RequestValidationError(explained(exc.errors(include_url=False, include_input=False))) from None
     owner: str | None = request.state.token
-    maybe_nul = b"\\u0000" in body  # one scan of the body; the entries are walked only if so
+    maybe_nul = may_hold_nul(body)  # one scan of the body; the entries are walked only if so
     settings: Settings = request.app.state.settings
     # Two passes: every check that needs no database first, so that an entry refused by
     # one of them creates no run for an entry before it; then admission, which creates

@@ -102,6 +102,18 @@ def test_a_nul_in_body_text_is_refused_naming_the_field(
         assert conn.execute(select(Run.id)).first() is None  # nothing stored
 
 
+def test_a_backslash_before_u0000_is_text_not_a_nul(client: TestClient, engine: Engine) -> None:
+    """The body holds the bytes ``\\\\u0000`` (an escaped backslash, then ``u0000``): the
+    NUL check scans further and must find no NUL in it."""
+    p = _profiled(100)
+    p["convention"].update(note="C:\\u0000")
+    r = client.post("/api/v1/ingest", json=p)
+    assert r.status_code == 200 and r.json()["stored"] is True, r.text
+    with engine.connect() as conn:
+        (convention,) = conn.execute(select(Run.convention)).one()
+    assert convention["note"] == "C:\\u0000"
+
+
 @pytest.mark.parametrize(
     "path", ["/api/v1/runs/%00", "/api/v1/runs/a%00b/series", "/api/v1/runs/a%00/ranks", "/runs/%00"]
 )
