@@ -229,12 +229,18 @@ def _pg_type(sql_type: TypeEngine[Any]) -> str:
     raise TypeError(f"no array type for {sql_type!r}")
 
 
+#: ``json.dumps(value, separators=(",", ":"))`` with its encoder made once: ``dumps`` builds
+#: a new ``JSONEncoder`` on every call given any option, 3.4 µs against 2.0 µs for a rank's
+#: coordinates, and every rank row of every window carries them.
+_to_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def _params(table: Summed, cols: Columns) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for name, values in cols.items():
         kind = table.table.c[name].type
         if isinstance(kind, JSON):
-            params[name] = _text_literal([json.dumps(c, separators=(",", ":")) for c in values])
+            params[name] = _text_literal([_to_json(c) for c in values])
         elif isinstance(kind, String):
             params[name] = _text_literal(values)
         elif isinstance(kind, DateTime):
