@@ -13,6 +13,12 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
+#: An execution option: on PostgreSQL the statement's rows come in binary format. The
+#: text format sends ``bytea`` as two hex digits a byte, which the database writes and
+#: psycopg decodes: a row of five packed 64-step columns (``packed.py``) cost the reader
+#: 14 µs of CPU in text against 4.3 µs in binary. Elsewhere (SQLite) without effect.
+BINARY_RESULTS = "stepwatch_binary_results"
+
 
 def normalise_url(url: str) -> str:
     """Accept ``postgresql://`` and ``postgres://`` and pick the psycopg 3 driver."""
@@ -49,5 +55,12 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         from .pg_arrays import register
 
         register(dbapi_conn.adapters)  # numpy columns as binary array parameters (ingest)
+
+    from psycopg.pq import Format  # here: a SQLite collector need not import psycopg
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _binary_results(_c: Any, cursor: Any, _s: Any, _p: Any, context: Any, _many: bool) -> None:
+        if context is not None and context.execution_options.get(BINARY_RESULTS):
+            cursor.format = Format.BINARY  # what ``execute`` asks the result in
 
     return engine

@@ -48,6 +48,7 @@ from ..reads.runs import RunInfo, run_info
 from ..storage import packed
 from ..storage.backend import is_postgres
 from ..storage.columns import STEP_TIMING_VALUES, window_of
+from ..storage.engine import BINARY_RESULTS
 from ..storage.models import IngestedBatch, Rank, RankGroup, Run, StepTiming, unix
 from ..storage.models import JobStep as JobStepRow
 from ..storage.models import LinkSample as LinkSampleRow
@@ -425,6 +426,7 @@ def _staged_series(
                 ST.c.last_step >= lo,
             )
             .order_by(ST.c.rank, ST.c.first_step)
+            .execution_options(**{BINARY_RESULTS: True})  # the packed columns as stored
         )
         for rank, batches in groupby(rows, key=itemgetter(0)):
             steps, cols = _unpacked([b[1:] for b in batches], lo, hi)

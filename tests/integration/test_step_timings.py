@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, event, func, select
 
 from stepwatch_server.app import create_app
 from stepwatch_server.settings import Settings
@@ -155,6 +155,30 @@ def test_a_late_rank_with_extra_cpu_is_a_compute_straggler_and_staging_is_emptie
     assert ev["cost_ratio"] == pytest.approx(0.1, abs=0.005)
     assert ev["evidence"]["extra_cpu_s"] == pytest.approx(0.05, abs=0.002)
     assert ev["message"].startswith("Rank 2 (host node0) is a compute straggler since step 1")
+
+
+def test_the_worker_reads_the_packed_steps_in_binary_on_postgresql(
+    client: TestClient, engine: Engine
+) -> None:
+    """In text, PostgreSQL sends each byte of a packed column as two hex digits, which
+    psycopg decodes: about 3x the reader's CPU per row (``storage/engine.py``). The
+    worker's read of ``step_timings`` asks for binary rows; the analysis is the same."""
+    send(client, range(0, 4), late_rank=2)
+    formats: list[int] = []
+
+    def seen(_c: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if "FROM step_timings" in statement and statement.lstrip().startswith("SELECT"):
+            formats.append(int(cursor.pgresult.fformat(0)) if hasattr(cursor, "pgresult") else -1)
+
+    event.listen(engine, "after_cursor_execute", seen)
+    try:
+        report = worker(engine).run_once()
+    finally:
+        event.remove(engine, "after_cursor_execute", seen)
+    [(_, opened)] = report.transitions
+    assert opened.finding.key == "straggler:compute:rank=2"
+    assert formats, "the worker read no staged steps"
+    assert set(formats) == ({1} if engine.dialect.name == "postgresql" else {-1}), formats
 
 
 def test_device_clocked_sections_are_staged_and_judged_as_host_ones(
