@@ -296,12 +296,14 @@ def rank_windows(
     for i in range(0, len(ids), RANK_CHUNK):
         chunk = ids[i : i + RANK_CHUNK]
         rows = conn.execute(
-            select(RW).where(
+            select(RW)
+            .where(
                 RW.c.run_id == run.id,
                 window_ranks(conn, chunk),
                 RW.c.window >= first,
                 RW.c.window <= last,
             )
+            .execution_options(**{BINARY_RESULTS: True})  # numbers unparsed: half the read's CPU
         )
         for row in rows:
             if row.n_steps <= 0:
@@ -503,6 +505,7 @@ def link_samples(
                 LS.c.step.between(lo, hi),
             )
             .order_by(LS.c.rank, LS.c.step)
+            .execution_options(**{BINARY_RESULTS: True})
         )
         for r in rows:
             out.setdefault(window_of(r.step, ws), []).append(

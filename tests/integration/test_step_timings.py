@@ -157,17 +157,28 @@ def test_a_late_rank_with_extra_cpu_is_a_compute_straggler_and_staging_is_emptie
     assert ev["message"].startswith("Rank 2 (host node0) is a compute straggler since step 1")
 
 
-def test_the_worker_reads_the_packed_steps_in_binary_on_postgresql(
-    client: TestClient, engine: Engine
+#: The start of the worker's read of a window's rows from each table (its aggregates over
+#: the same tables are a row each and stay in text).
+WINDOW_READS = {
+    "step_timings": "SELECT step_timings.rank, step_timings.first_step,",
+    "rank_windows": "SELECT rank_windows.run_id, rank_windows.rank, rank_windows.window,",
+    "link_samples": "SELECT link_samples.rank, link_samples.step,",
+}
+
+
+@pytest.mark.parametrize("table", sorted(WINDOW_READS))
+def test_the_worker_reads_each_windows_rows_in_binary_on_postgresql(
+    client: TestClient, engine: Engine, table: str
 ) -> None:
-    """In text, PostgreSQL sends each byte of a packed column as two hex digits, which
-    psycopg decodes: about 3x the reader's CPU per row (``storage/engine.py``). The
-    worker's read of ``step_timings`` asks for binary rows; the analysis is the same."""
+    """In text, PostgreSQL sends each byte of a packed column as two hex digits and each
+    number as its digits, which psycopg decodes: about 3x the reader's CPU per row of
+    packed steps, 2x per rank window (``storage/engine.py``). The worker's reads of a
+    window's rows ask for binary rows; the analysis is the same."""
     send(client, range(0, 4), late_rank=2)
     formats: list[int] = []
 
     def seen(_c: Any, cursor: Any, statement: str, *_: Any) -> None:
-        if "FROM step_timings" in statement and statement.lstrip().startswith("SELECT"):
+        if " ".join(statement.replace('"', "").split()).startswith(WINDOW_READS[table]):
             formats.append(int(cursor.pgresult.fformat(0)) if hasattr(cursor, "pgresult") else -1)
 
     event.listen(engine, "after_cursor_execute", seen)
@@ -177,7 +188,7 @@ def test_the_worker_reads_the_packed_steps_in_binary_on_postgresql(
         event.remove(engine, "after_cursor_execute", seen)
     [(_, opened)] = report.transitions
     assert opened.finding.key == "straggler:compute:rank=2"
-    assert formats, "the worker read no staged steps"
+    assert formats, f"the worker read no {table}"
     assert set(formats) == ({1} if engine.dialect.name == "postgresql" else {-1}), formats
 
 
