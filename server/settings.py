@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     workers: int = Field(default=1, ge=1, le=64)
     #: Seconds a web worker's event loop may stop turning before the supervisor kills it
     #: and starts another, and a worker asked to stop may take (``serve --workers N`` on
-    #: Linux, ``api/workers.py``).
+    #: Linux, ``api/workers.py``); 30 as gunicorn's ``--timeout``.
     worker_timeout_s: float = Field(default=30.0, ge=1.0, le=3600.0)
     #: Bearer tokens allowed to POST /ingest: ``[name=]secret`` or ``[name=]sha256:<hex>``,
     #: comma-separated. Empty: writes are open (development default).

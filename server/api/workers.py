@@ -25,7 +25,7 @@ and dies with a SIGKILLed supervisor (``children.py``; uvicorn's outlived it).
 A worker whose event loop stops turning is killed and started again: each stamps a
 :class:`Beat` in shared memory from its loop (``cli._web_worker``: uvicorn's tick, ten
 times a second once it serves), and one silent for longer than ``worker_timeout_s``
-(30 s by default, gunicorn's ``--timeout``) is SIGKILLed. With a socket each, a hung worker
+(the setting ``STEPWATCH_WORKER_TIMEOUT_S``) is SIGKILLed. With a socket each, a hung worker
 matters more than with a shared one: the kernel goes on dealing it its share of new
 connections, which no one would ever answer. uvicorn's supervisor pings a thread of the
 worker, which answers while the loop is stuck; the stamp comes from the loop itself.
@@ -65,8 +65,6 @@ MAX_BACKOFF_S = 30.0
 #: worker waiting to be started again may be (a signal interrupts a wait only for its
 #: handler to run, then the wait resumes).
 POLL_S = 0.5
-#: Seconds a serving worker's event loop may go without turning before it is killed.
-TIMEOUT_S = 30.0
 #: A supervisor wait that returned this much later than POLL_S: it did not run meanwhile
 #: (the collector paused, the machine starved), so neither did its workers.
 LATE_S = 5.0
@@ -127,7 +125,7 @@ def hold_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(workers: int, host: str, port: int, target: Target, *, timeout_s: float = TIMEOUT_S) -> int | None:
+def serve(workers: int, host: str, port: int, target: Target, *, timeout_s: float) -> int | None:
     """Run ``target(host, port, beat)`` in ``workers`` processes, each binding its own
     socket and stamping ``beat`` as its event loop turns, until they exit; a worker that
     dies unasked is started again, so is one silent for ``timeout_s`` (killed), and SIGHUP

@@ -27,6 +27,7 @@ import pytest
 
 from stepwatch.demo import launch
 from stepwatch_server.api import workers
+from stepwatch_server.settings import Settings
 
 from .. import pg
 from ..wait import wait_until
@@ -203,6 +204,10 @@ def test_a_port_in_use_stops_serve_with_the_reason(tmp_path: Path) -> None:
     assert f"could not bind 127.0.0.1:{port}: Address already in use" in out.stderr, out.stderr
 
 
+#: The hang timeout of the tests that are not about hangs: the collector's default.
+TIMEOUT_S = Settings().worker_timeout_s
+
+
 def _cannot_start(host: str, port: int, beat: workers.Beat) -> None:
     sys.exit(3)  # uvicorn's exit when its app fails to start
 
@@ -211,7 +216,7 @@ def test_workers_that_cannot_start_stop_the_supervisor_instead_of_starting_again
     """A worker that exits with an error as it starts, before any worker ran: the
     configuration is wrong, and starting others would fail alike for ever."""
     with pytest.raises(SystemExit) as stopped:
-        workers.serve(2, "127.0.0.1", 0, _cannot_start)
+        workers.serve(2, "127.0.0.1", 0, _cannot_start, timeout_s=TIMEOUT_S)
     assert stopped.value.code == 1
 
 
@@ -314,7 +319,7 @@ def test_sigterm_while_the_workers_start_stops_every_one(tmp_path: Path) -> None
     code = (
         "import sys; from stepwatch_server.api import workers; "
         "from tests.integration.test_web_workers import _serves_until_stopped as t; "
-        "sys.exit(workers.serve(6, '127.0.0.1', 0, t) or 0)"
+        f"sys.exit(workers.serve(6, '127.0.0.1', 0, t, timeout_s={TIMEOUT_S}) or 0)"
     )
     env = {**os.environ, "PIDS": str(tmp_path)}
     sup = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[2], env=env)
