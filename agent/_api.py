@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -99,8 +98,8 @@ def init(
     set the profiler window (see ``stepwatch.profiler._window``; ``profile_every=0`` turns it off).
     ``host_batch`` (``STEPWATCH_HOST_BATCH``) posts the windows of a host's ranks together,
     one request per host and window (``stepwatch._relay``); on by default where the host
-    runs several ranks (``LOCAL_WORLD_SIZE`` > 1, as torchrun sets it), ``False`` (``0``)
-    posts each rank's alone.
+    runs several ranks of the job (``LOCAL_WORLD_SIZE`` > 1, as torchrun sets it, or
+    Slurm's ``srun`` or Open MPI says so), ``False`` (``0``) posts each rank's alone.
     A ``DistributedDataParallel`` ``model`` gets the always-on collective timing (``Stepwatch.watch``).
     ``collectives=True`` also counts plain ``torch.distributed`` collectives (tensor and
     pipeline parallel, FSDP2) for the hang diagnosis (``Stepwatch.watch_collectives``).
@@ -284,7 +283,7 @@ def _profiler(
     except ImportError:
         warnings.warn("stepwatch: torch is not importable, no profiler window", RuntimeWarning, stacklevel=3)
         return None
-    single_host = os.environ.get("LOCAL_WORLD_SIZE") == str(info.world_size) or info.world_size == 1
+    single_host = _env.local_world_size() == info.world_size or info.world_size == 1
     pw = ProfilerWindow(
         every=cfg.profile_every,
         steps=cfg.profile_steps,

@@ -3,7 +3,9 @@
 Read once at ``init`` from the launcher's environment (torchrun sets ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``; Slurm sets ``SLURM_PROCID``, ``SLURM_LOCALID``,
 ``SLURM_NTASKS``), so that the agent never needs ``torch.distributed`` to be
-initialised, and never issues a collective of its own.
+initialised, and never issues a collective of its own. Likewise the number of the job's
+ranks on this host (:func:`local_world_size`) and the job's identity on it
+(:func:`job_identity`), which per-host batching needs (``_relay``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,69 @@ def _int_env(env: Mapping[str, str], *names: str) -> int | None:
             except ValueError:
                 continue
     return None
+
+
+def local_world_size(env: Mapping[str, str] | None = None) -> int:
+    """How many of the job's ranks run on this host, as the launcher says; 0 where it does
+    not say (a lone process, or a launcher that sets none of these).
+
+    torchrun's ``LOCAL_WORLD_SIZE`` first: torchrun started by ``srun`` (one task per
+    node) is a node of one Slurm task that runs several ranks. Then Slurm's
+    ``SLURM_STEP_TASKS_PER_NODE``, the tasks ``srun`` started on each node of the step
+    (``srun`` sets no ``LOCAL_WORLD_SIZE``; scripts that export ``RANK``, ``LOCAL_RANK``
+    and ``WORLD_SIZE`` from Slurm's variables for ``torch.distributed`` seldom export it
+    either), then Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``."""
+    env = os.environ if env is None else env
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        value = env.get(name)
+        if value in (None, ""):
+            continue
+        if name == "SLURM_STEP_TASKS_PER_NODE":
+            return slurm_tasks_on_node(value, _int_env(env, "SLURM_NODEID"))
+        try:
+            return max(0, int(value))
+        except ValueError:
+            return 0
+    return 0
+
+
+def slurm_tasks_on_node(text: str, node_id: int | None) -> int:
+    """This node's count in Slurm's compressed tasks-per-node list (``8``, ``8(x4)``,
+    ``5,4(x3)``: a count per node of the step, in node order, ``(xN)`` repeating it);
+    0 where it cannot be read, or the nodes differ and ``node_id`` (``SLURM_NODEID``)
+    does not pick one."""
+    runs: list[tuple[int, int]] = []  # (count, nodes)
+    for part in text.split(","):
+        count, _, repeat = part.strip().partition("(x")
+        if repeat and not repeat.endswith(")"):
+            return 0
+        try:
+            n = int(count)
+            nodes = int(repeat.removesuffix(")")) if repeat else 1
+        except ValueError:
+            return 0
+        if n < 0 or nodes < 1:
+            return 0
+        runs.append((n, nodes))
+    if len({n for n, _ in runs}) == 1:
+        return runs[0][0]
+    if node_id is not None and node_id >= 0:
+        for n, nodes in runs:
+            if node_id < nodes:
+                return n
+            node_id -= nodes
+    return 0
+
+
+def job_identity(env: Mapping[str, str] | None = None) -> str:
+    """What the ranks of one job on a host share and two jobs on it do not: torchrun's
+    rendezvous (``MASTER_ADDR:MASTER_PORT``), Slurm's job and step, and the PMIx
+    namespace of an MPI launcher. Empty parts where a launcher sets none of them."""
+    env = os.environ if env is None else env
+    return "|".join(
+        env.get(k, "")
+        for k in ("MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE")
+    )
 
 
 def coords_for(rank: int, layout: Layout) -> dict[str, int]:

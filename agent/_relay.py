@@ -2,14 +2,14 @@
 
 At thousands of ranks, one POST per rank and window is most of the collector's cost (each
 request pays HTTP, the bearer check and a turn of the event loop) and one connection per
-rank. With host batching on (the default where ``LOCAL_WORLD_SIZE`` > 1;
-``STEPWATCH_HOST_BATCH``, ``init(host_batch=...)``), a
-rank's sender hands each window over a Unix socket to the host's relay: a thread in
-whichever of the host's processes bound the socket first. The relay posts the windows it
-holds to ``wire.HOST_BATCH_PATH`` together, as soon as each of the host's ranks has one
-waiting (torchrun's ``LOCAL_WORLD_SIZE``, or the ranks connected; synchronous training
-closes them within a step of each other) or :data:`LINGER_S` after the first, and hands
-each rank its own entry's answer.
+rank. With host batching on (the default where the launcher says the host runs several
+ranks of the job, ``_env.local_world_size``; ``STEPWATCH_HOST_BATCH``,
+``init(host_batch=...)``), a rank's sender hands each window over a Unix socket to the
+host's relay: a thread in whichever of the host's processes bound the socket first. The
+relay posts the windows it holds to ``wire.HOST_BATCH_PATH`` together, as soon as each of
+the host's ranks has one waiting (the launcher's count, or the ranks connected;
+synchronous training closes them within a step of each other) or :data:`LINGER_S` after
+the first, and hands each rank its own entry's answer.
 
 A rank's sender still owns its window: its buffer, retries, give-ups and the directives
 it is answered stay per rank, as without the relay; only the request is shared. So the
@@ -30,17 +30,17 @@ one whose relay held its window without answering (a stopped or frozen process: 
 heartbeats of a hang must still go).
 
 The socket is in Linux's abstract namespace (no file to clean up after a SIGKILL), named
-by the user, collector URL, token and job (torchrun's ``MASTER_ADDR:MASTER_PORT``, which
-every rank of a job shares and two jobs on one node cannot), so only ranks of one job
-that would post to the same collector with the same token share a request: a relay waits
-for its job's ``LOCAL_WORLD_SIZE`` ranks, which another job's would not help it reach,
-and a job suspended while holding the relay would hold up the other's windows. The
-abstract namespace is per network namespace: ranks in a namespace (a container) each
-cannot meet, and each relays only its own windows, 0.25 s late
-(``STEPWATCH_HOST_BATCH=0`` there). The abstract namespace has no file permissions, so
-both ends check the other's user (``SO_PEERCRED``): the relay refuses another user's
-connection, and a rank never hands its window (its token's data) to a socket another
-user holds, it posts alone. Elsewhere than Linux, ranks post alone.
+by the user, collector URL, token and job (``_env.job_identity``: torchrun's
+``MASTER_ADDR:MASTER_PORT``, Slurm's job and step, which every rank of a job shares and
+two jobs on one node cannot), so only ranks of one job that would post to the same
+collector with the same token share a request: a relay waits for its job's ranks on the
+host, which another job's would not help it reach, and a job suspended while holding the
+relay would hold up the other's windows. The abstract namespace is per network
+namespace: ranks in a namespace (a container) each cannot meet, and each relays only its
+own windows, 0.25 s late (``STEPWATCH_HOST_BATCH=0`` there). The abstract namespace has
+no file permissions, so both ends check the other's user (``SO_PEERCRED``): the relay
+refuses another user's connection, and a rank never hands its window (its token's data)
+to a socket another user holds, it posts alone. Elsewhere than Linux, ranks post alone.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import wire
+from . import _env, wire
 from .retry import Verdict, retry_after_s, verdict
 
 if TYPE_CHECKING:
@@ -118,8 +118,7 @@ def supported() -> bool:
 
 def address(url: str, token: str | None) -> bytes:
     """The host's relay socket for this user, collector, token and job (abstract namespace)."""
-    job = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
-    key = f"{os.getuid()}\n{url.rstrip('/')}\n{token or ''}\n{job}".encode()
+    key = f"{os.getuid()}\n{url.rstrip('/')}\n{token or ''}\n{_env.job_identity()}".encode()
     return b"\0stepwatch-relay-" + hashlib.sha256(key).hexdigest()[:32].encode()
 
 
@@ -295,9 +294,9 @@ class Relay:
         self._first_at = 0.0
         #: Whether the collector has the host-batch route (an older one answers 404).
         self._batches_route = True
-        #: The host's ranks (torchrun's ``LOCAL_WORLD_SIZE``): a batch waits for them all
-        #: (up to :data:`LINGER_S`) even before each has connected.
-        self._local_ranks = _local_world_size()
+        #: The job's ranks on this host, as the launcher says (``_env.local_world_size``):
+        #: a batch waits for them all (up to :data:`LINGER_S`) even before each has connected.
+        self._local_ranks = _env.local_world_size()
         #: Host batches posted and entries relayed, for the curious (tests, a debugger).
         self.posts = 0
         self.entries = 0
@@ -514,13 +513,6 @@ class Relay:
         self._sel.close()
         self._wake_r.close()
         self._wake_w.close()
-
-
-def _local_world_size() -> int:
-    try:
-        return max(0, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    except ValueError:
-        return 0
 
 
 #: The relays this process runs, by address, and the lock of starting one.

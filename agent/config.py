@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from . import wire
+from . import _env, wire
 
 DEFAULT_URL = "http://127.0.0.1:8321"
 DEFAULT_PROFILE_EVERY = 2000
@@ -87,17 +87,14 @@ def _flag(env: Mapping[str, str], name: str) -> bool | None:
 
 
 def host_batch_default(env: Mapping[str, str]) -> bool:
-    """Per-host batching is on by default for a rank that shares its host with others:
-    torchrun (and the demo, and most launchers built on it) says so in
-    ``LOCAL_WORLD_SIZE`` (Slurm's ``srun`` does not: ``STEPWATCH_HOST_BATCH=1`` there).
-    One POST per host and window instead of one per rank is 8x fewer requests and
-    connections at 8 GPUs a host, and the collector takes 2.2-2.5x the rank-steps per
-    second that way (``python -m benchmarks.ingest``: per host against per rank). A lone
-    process (no ``LOCAL_WORLD_SIZE``, or 1) has no one to batch with."""
-    try:
-        return int(env.get("LOCAL_WORLD_SIZE") or 0) > 1
-    except ValueError:
-        return False
+    """Per-host batching is on by default for a rank that shares its host with others of
+    its job, as the launcher says (:func:`stepwatch._env.local_world_size`: torchrun's
+    ``LOCAL_WORLD_SIZE``, Slurm's ``srun``, Open MPI). One POST per host and window
+    instead of one per rank is 8x fewer requests and connections at 8 GPUs a host, and
+    the collector takes 2.2-2.5x the rank-steps per second that way (``python -m
+    benchmarks.ingest``: per host against per rank). A lone process has no one to batch
+    with."""
+    return _env.local_world_size(env) > 1
 
 
 def load(

@@ -21,7 +21,7 @@ import time
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import httpx
 
@@ -120,6 +120,20 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log_pa
     raise TimeoutError(f"collector at {url} not ready after {timeout_s} s")
 
 
+def _srun_env(r: int, n: int) -> dict[str, str]:
+    """What a Slurm ``srun`` step of ``n`` tasks on one node sets in task ``r``'s
+    environment (the variables the agent reads), for :func:`ranks`' ``launcher="srun"``."""
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": str(r),
+        "SLURM_LOCALID": str(r),
+        "SLURM_NODEID": "0",
+        "SLURM_NTASKS": str(n),
+        "SLURM_STEP_TASKS_PER_NODE": str(n),
+    }
+
+
 @contextlib.contextmanager
 def ranks(
     n: int,
@@ -127,20 +141,25 @@ def ranks(
     *,
     env: Mapping[str, str] | None = None,
     log_dir: str,
+    launcher: Literal["torchrun", "srun"] = "torchrun",
 ) -> Iterator[list[RankProcess]]:
     """Start ``n`` gloo ranks of ``stepwatch.demo.train`` with torchrun's environment,
-    forked from the preloaded server (:func:`forked`)."""
+    forked from the preloaded server (:func:`forked`). ``launcher="srun"``: with what
+    Slurm's ``srun`` sets instead, plus the rendezvous a job script exports for
+    ``torch.distributed`` from it (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``); no ``LOCAL_RANK`` or ``LOCAL_WORLD_SIZE``, which ``srun`` does not set."""
     master_port = free_port()
     procs: list[RankProcess] = []
     try:
         for r in range(n):
+            torchrun = {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n)}
+            launched = torchrun if launcher == "torchrun" else _srun_env(r, n)
             rank_env = {
                 **os.environ,
                 **(env or {}),
+                **launched,
                 "RANK": str(r),
-                "LOCAL_RANK": str(r),
                 "WORLD_SIZE": str(n),
-                "LOCAL_WORLD_SIZE": str(n),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(master_port),
                 "OMP_NUM_THREADS": "1",
@@ -223,6 +242,7 @@ _READ_LATER = frozenset(
         "LOCAL_WORLD_SIZE",
         "MASTER_ADDR",
         "MASTER_PORT",
+        *_srun_env(0, 1),
         "GLOO_SOCKET_IFNAME",
         "COLUMNS",
         "LINES",

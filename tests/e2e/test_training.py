@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -25,12 +25,19 @@ def _own_measurements(tmp_path: Path) -> list[dict[str, Any]]:
 #: the storage tests hold both backends to the same rows.
 @pytest.mark.solo
 @pytest.mark.parametrize("backend", ["postgresql"])
-@pytest.mark.parametrize("host_batch", [False, True], ids=["per-rank", "host-batch"])
-def test_four_gloo_ranks_end_to_end(empty_db_url: str, tmp_path: Path, host_batch: bool) -> None:
-    """With per-host batching, the default where torchrun's ``LOCAL_WORLD_SIZE`` says the
-    host runs several ranks (``launch.ranks`` sets it as torchrun does): every window of
-    every rank through the host's relay; and with it turned off
-    (``STEPWATCH_HOST_BATCH=0``), each rank posting its own: the same rows stored."""
+@pytest.mark.parametrize(
+    ("host_batch", "launcher"),
+    [(False, "torchrun"), (True, "torchrun"), (True, "srun")],
+    ids=["per-rank", "host-batch", "host-batch-srun"],
+)
+def test_four_gloo_ranks_end_to_end(
+    empty_db_url: str, tmp_path: Path, host_batch: bool, launcher: Literal["torchrun", "srun"]
+) -> None:
+    """With per-host batching, the default where the launcher says the host runs several
+    ranks (``launch.ranks`` sets torchrun's ``LOCAL_WORLD_SIZE``, or what Slurm's ``srun``
+    sets instead): every window of every rank through the host's relay; and with it
+    turned off (``STEPWATCH_HOST_BATCH=0``), each rank posting its own: the same rows
+    stored."""
     run = "e2e-gloo"
     args = [
         "--run",
@@ -49,7 +56,7 @@ def test_four_gloo_ranks_end_to_end(empty_db_url: str, tmp_path: Path, host_batc
     with launch.collector(empty_db_url, log_path=str(tmp_path / "collector.log")) as col:
         # Host batching as the default leaves it (on), or turned off.
         env = {"STEPWATCH_URL": col.url, **({} if host_batch else {"STEPWATCH_HOST_BATCH": "0"})}
-        with launch.ranks(RANKS, args, env=env, log_dir=str(tmp_path)) as procs:
+        with launch.ranks(RANKS, args, env=env, log_dir=str(tmp_path), launcher=launcher) as procs:
             launch.wait_all(procs, timeout_s=180, log_dir=str(tmp_path))
         with httpx.Client(base_url=col.url, timeout=10) as c:
             runs = c.get("/api/v1/runs").raise_for_status().json()

@@ -164,6 +164,13 @@ def test_config_validation_names_the_setting() -> None:
         ({"LOCAL_WORLD_SIZE": "8", "STEPWATCH_HOST_BATCH": "1"}, False, False),  # init's argument wins
         ({}, True, True),
         ({"LOCAL_WORLD_SIZE": "many"}, None, False),
+        # Slurm's srun sets no LOCAL_WORLD_SIZE; its tasks per node of the step say it.
+        ({"SLURM_STEP_TASKS_PER_NODE": "8(x16)", "SLURM_NODEID": "3"}, None, True),
+        ({"SLURM_STEP_TASKS_PER_NODE": "1(x16)"}, None, False),  # one rank a node
+        ({"SLURM_STEP_TASKS_PER_NODE": "8(x16)", "STEPWATCH_HOST_BATCH": "0"}, None, False),
+        # torchrun started by srun, one task a node: torchrun's count is the host's ranks.
+        ({"SLURM_STEP_TASKS_PER_NODE": "1(x16)", "LOCAL_WORLD_SIZE": "8"}, None, True),
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, None, True),  # Open MPI's mpirun
     ],
 )
 def test_host_batching_is_on_where_the_host_runs_several_ranks(
@@ -289,3 +296,22 @@ def test_the_relay_socket_is_one_per_job(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert _relay.address(url, "other") != job_a  # another token
     assert _relay.address(url, "t").startswith(b"\0stepwatch-relay-")
+
+
+def test_two_slurm_jobs_on_a_node_get_a_relay_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``srun`` the job is Slurm's job and step, whatever the rendezvous variables
+    (the same default port in two jobs, or none: a ``tcp://`` init method)."""
+    from stepwatch import _relay
+
+    url = "http://collector:8000"
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    step_0 = _relay.address(url, "t")
+    assert _relay.address(url, "t") == step_0  # every rank of the step: one socket
+    monkeypatch.setenv("SLURM_STEP_ID", "1")
+    assert _relay.address(url, "t") != step_0  # a second step of the job, beside it
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert _relay.address(url, "t") != step_0  # another job

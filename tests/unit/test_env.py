@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from stepwatch._env import Layout, coords_for, detect
+from stepwatch._env import Layout, coords_for, detect, local_world_size, slurm_tasks_on_node
 
 
 def test_torchrun_environment() -> None:
@@ -48,3 +48,42 @@ def test_layout_coordinates_tensor_parallel_fastest() -> None:
 def test_bad_layout_raises_at_init(env: dict[str, str], kwargs: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         detect(env, host="h", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("text", "node_id", "expected"),
+    [
+        ("8", None, 8),
+        ("8(x4)", None, 8),  # every node the same: no node id needed
+        ("8(x2),8", 2, 8),
+        ("5,4(x3)", 0, 5),  # heterogeneous: this node's own count
+        ("5,4(x3)", 1, 4),
+        ("5,4(x3)", 3, 4),
+        ("2(x2),1", 2, 1),
+        ("5,4(x3)", 4, 0),  # past the step's nodes
+        ("5,4(x3)", None, 0),  # which node is unknown
+        ("5,4(x3", 0, 0),  # not Slurm's format: unknown, never a guess
+        ("many", None, 0),
+        ("8(x0)", None, 0),
+    ],
+)
+def test_slurm_tasks_per_node_is_read_for_this_node(text: str, node_id: int | None, expected: int) -> None:
+    assert slurm_tasks_on_node(text, node_id) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, 0),
+        ({"LOCAL_WORLD_SIZE": "8"}, 8),
+        ({"LOCAL_WORLD_SIZE": "-1"}, 0),
+        ({"SLURM_STEP_TASKS_PER_NODE": "5,4(x3)", "SLURM_NODEID": "2"}, 4),
+        # torchrun under srun (one task a node runs torchrun): torchrun's count.
+        ({"SLURM_STEP_TASKS_PER_NODE": "1(x4)", "LOCAL_WORLD_SIZE": "8"}, 8),
+        # An allocation's tasks per node (sbatch, salloc) is not the step's: not read.
+        ({"SLURM_TASKS_PER_NODE": "8(x4)"}, 0),
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 4),
+    ],
+)
+def test_the_hosts_ranks_come_from_the_launcher(env: dict[str, str], expected: int) -> None:
+    assert local_world_size(env) == expected
