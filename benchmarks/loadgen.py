@@ -249,11 +249,17 @@ async def _post_all(
 
 
 async def _post_at_rate(
-    url: str, bodies: Sequence[bytes], steps_per_body: int, rate: float, connections: int, token: str | None
+    url: str,
+    bodies: Sequence[bytes],
+    steps_per_body: int,
+    rate: float,
+    connections: int,
+    token: str | None,
+    path: str,
 ) -> LoadResult:
     statuses: dict[int, int] = {}
     latencies: list[float] = []
-    conns = [_Conn(url, token) for _ in range(connections)]
+    conns = [_Conn(url, token, path) for _ in range(connections)]
     await asyncio.gather(*(c.open() for c in conns))
     start = time.perf_counter() + 0.05
 
@@ -307,7 +313,8 @@ def post_at_rate(
     rate: float,
     connections: int = 256,
     token: str | None = None,
+    path: str = wire.INGEST_PATH,
 ) -> LoadResult:
     """POST the bodies at a fixed offered rate (open loop), spread over ``connections``;
     latency is measured from each request's due time."""
-    return _run(_post_at_rate(url, bodies, steps_per_body, rate, connections, token))
+    return _run(_post_at_rate(url, bodies, steps_per_body, rate, connections, token, path))
