@@ -82,19 +82,23 @@ def local_world_size(env: Mapping[str, str] | None = None) -> int:
     """How many of the job's ranks run on this host, as the launcher says; 0 where it does
     not say (a lone process, or a launcher that sets none of these).
 
-    torchrun's ``LOCAL_WORLD_SIZE`` first: torchrun started by ``srun`` (one task per
-    node) is a node of one Slurm task that runs several ranks. Then Slurm's
-    ``SLURM_STEP_TASKS_PER_NODE``, the tasks ``srun`` started on each node of the step
-    (``srun`` sets no ``LOCAL_WORLD_SIZE``; scripts that export ``RANK``, ``LOCAL_RANK``
-    and ``WORLD_SIZE`` from Slurm's variables for ``torch.distributed`` seldom export it
-    either), then Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``."""
+    The innermost launcher first, as for the rank (:func:`detect`): a launcher started by
+    another sees its parent's variables too. torchrun's ``LOCAL_WORLD_SIZE`` (torchrun
+    started by ``srun``, one task a node, runs several ranks in that task), then Open
+    MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE`` (``mpirun`` in a Slurm allocation starts its
+    daemons with ``srun``, one task a node, and its ranks inherit that step's variables),
+    then Slurm's ``SLURM_STEP_TASKS_PER_NODE``, the tasks ``srun`` started on each node of
+    the step (``srun`` sets no ``LOCAL_WORLD_SIZE``; scripts that export ``RANK``,
+    ``LOCAL_RANK`` and ``WORLD_SIZE`` from Slurm's variables for ``torch.distributed``
+    seldom export it either), this node's by ``SLURM_STEP_NODEID`` (``SLURM_NODEID``, its
+    older name)."""
     env = os.environ if env is None else env
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE"):
         value = env.get(name)
         if value in (None, ""):
             continue
         if name == "SLURM_STEP_TASKS_PER_NODE":
-            return slurm_tasks_on_node(value, _int_env(env, "SLURM_NODEID"))
+            return slurm_tasks_on_node(value, _int_env(env, "SLURM_STEP_NODEID", "SLURM_NODEID"))
         try:
             return max(0, int(value))
         except ValueError:
@@ -105,8 +109,8 @@ def local_world_size(env: Mapping[str, str] | None = None) -> int:
 def slurm_tasks_on_node(text: str, node_id: int | None) -> int:
     """This node's count in Slurm's compressed tasks-per-node list (``8``, ``8(x4)``,
     ``5,4(x3)``: a count per node of the step, in node order, ``(xN)`` repeating it);
-    0 where it cannot be read, or the nodes differ and ``node_id`` (``SLURM_NODEID``)
-    does not pick one."""
+    0 where it cannot be read, or the nodes differ and ``node_id`` (this node's index in
+    the step) does not pick one."""
     runs: list[tuple[int, int]] = []  # (count, nodes)
     for part in text.split(","):
         count, _, repeat = part.strip().partition("(x")
@@ -133,7 +137,8 @@ def slurm_tasks_on_node(text: str, node_id: int | None) -> int:
 def job_identity(env: Mapping[str, str] | None = None) -> str:
     """What the ranks of one job on a host share and two jobs on it do not: torchrun's
     rendezvous (``MASTER_ADDR:MASTER_PORT``), Slurm's job and step, and the PMIx
-    namespace of an MPI launcher. Empty parts where a launcher sets none of them."""
+    namespace (Open MPI's ``mpirun``, ``srun --mpi=pmix``: one per job). Empty parts
+    where a launcher sets none of them."""
     env = os.environ if env is None else env
     return "|".join(
         env.get(k, "")
@@ -170,16 +175,19 @@ def detect(
     configuration mistake the user must hear about at init, not silently absorb.
     """
     env = os.environ if env is None else env
-    r = rank if rank is not None else _int_env(env, "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+    # The innermost launcher first: ``mpirun`` in a Slurm allocation starts its daemons
+    # with ``srun`` (one task a node), and its ranks inherit that step's ``SLURM_PROCID``,
+    # the same on every rank of a node.
+    r = rank if rank is not None else _int_env(env, "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
     lr = (
         local_rank
         if local_rank is not None
-        else _int_env(env, "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+        else _int_env(env, "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
     )
     ws = (
         world_size
         if world_size is not None
-        else _int_env(env, "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+        else _int_env(env, "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
     )
     r = 0 if r is None else r
     ws = 1 if ws is None else ws

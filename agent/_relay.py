@@ -31,8 +31,8 @@ heartbeats of a hang must still go).
 
 The socket is in Linux's abstract namespace (no file to clean up after a SIGKILL), named
 by the user, collector URL, token and job (``_env.job_identity``: torchrun's
-``MASTER_ADDR:MASTER_PORT``, Slurm's job and step, which every rank of a job shares and
-two jobs on one node cannot), so only ranks of one job that would post to the same
+``MASTER_ADDR:MASTER_PORT``, Slurm's job and step, the PMIx namespace, which every rank
+of a job shares and two jobs on one node cannot), so only ranks of one job that would post to the same
 collector with the same token share a request: a relay waits for its job's ranks on the
 host, which another job's would not help it reach, and a job suspended while holding the
 relay would hold up the other's windows. The abstract namespace is per network

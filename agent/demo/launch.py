@@ -128,6 +128,7 @@ def _srun_env(r: int, n: int) -> dict[str, str]:
         "SLURM_STEP_ID": "0",
         "SLURM_PROCID": str(r),
         "SLURM_LOCALID": str(r),
+        "SLURM_STEP_NODEID": "0",
         "SLURM_NODEID": "0",
         "SLURM_NTASKS": str(n),
         "SLURM_STEP_TASKS_PER_NODE": str(n),
@@ -154,8 +155,10 @@ def ranks(
         for r in range(n):
             torchrun = {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n)}
             launched = torchrun if launcher == "torchrun" else _srun_env(r, n)
+            # Under srun, none of torchrun's local variables, whatever this process has.
+            inherited = {k: v for k, v in os.environ.items() if launcher == "torchrun" or k not in torchrun}
             rank_env = {
-                **os.environ,
+                **inherited,
                 **(env or {}),
                 **launched,
                 "RANK": str(r),

@@ -19,6 +19,25 @@ def test_slurm_environment_and_hostname() -> None:
     assert (info.rank, info.local_rank, info.world_size, info.host) == (3, 3, 16, "gpu-17")
 
 
+def test_mpirun_inside_a_slurm_allocation_is_read_as_mpirun() -> None:
+    """``mpirun`` in an sbatch allocation starts its daemons with ``srun``, one task a
+    node: its ranks inherit that step's Slurm variables (the same on every rank of the
+    node), beside their own Open MPI ones, which are the job's."""
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "4",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x4)",
+        "OMPI_COMM_WORLD_RANK": "13",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "5",
+        "OMPI_COMM_WORLD_SIZE": "32",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "8",
+    }
+    info = detect(env, host="h")
+    assert (info.rank, info.local_rank, info.world_size) == (13, 5, 32)
+    assert local_world_size(env) == 8
+
+
 def test_defaults_to_a_single_process() -> None:
     info = detect({}, host="h")
     assert (info.rank, info.local_rank, info.world_size) == (0, 0, 1)
@@ -78,6 +97,8 @@ def test_slurm_tasks_per_node_is_read_for_this_node(text: str, node_id: int | No
         ({"LOCAL_WORLD_SIZE": "8"}, 8),
         ({"LOCAL_WORLD_SIZE": "-1"}, 0),
         ({"SLURM_STEP_TASKS_PER_NODE": "5,4(x3)", "SLURM_NODEID": "2"}, 4),
+        # The node's index in the step (slurmstepd's own name) before its older name.
+        ({"SLURM_STEP_TASKS_PER_NODE": "5,4(x3)", "SLURM_STEP_NODEID": "0", "SLURM_NODEID": "2"}, 5),
         # torchrun under srun (one task a node runs torchrun): torchrun's count.
         ({"SLURM_STEP_TASKS_PER_NODE": "1(x4)", "LOCAL_WORLD_SIZE": "8"}, 8),
         # An allocation's tasks per node (sbatch, salloc) is not the step's: not read.
