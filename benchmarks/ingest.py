@@ -25,11 +25,11 @@ window as soon as the last is answered); phases alternate no-op / PostgreSQL and
 medians are compared. Latency is measured open-loop: windows offered at the budget rate
 (100,000 rank-steps/s) over 256 connections, timed from when each was due, to the
 collector as ``stepwatch serve`` runs it on PostgreSQL (the analysis worker in its own
-process; budgeted), then over the same database to one with the worker as a thread of
-each web worker (``STEPWATCH_ANALYSIS_MODE=thread``) and to one without it; each kind
-twice, fresh each time: posted to per rank (batching off), and at the same rank-step
-rate per host (the default: one POST of ``--ranks-per-host`` windows, a fleet's load as
-its agents post it by default).
+process; budgeted), then to one with the worker as a thread of each web worker
+(``STEPWATCH_ANALYSIS_MODE=thread``) and to one without it; each kind twice, each time
+a fresh collector over a fresh database given the same backlog first: posted to per
+rank (batching off), and at the same rank-step rate per host (the default: one POST of
+``--ranks-per-host`` windows, a fleet's load as its agents post it by default).
 Around each phase the CPU of the collector's processes, of the PostgreSQL server and of
 the load generator is read from ``/proc`` (``_cpu.py``) and printed per rank-window, COPY's
 beside it: where the gap to COPY is spent.
