@@ -13,7 +13,20 @@ from pathlib import Path
 import pytest
 
 PREFLIGHT = Path(__file__).resolve().parent.parent / "tools" / "preflight"
-ALL = ("bash", "timeout", "id", "promtool", "amtool", "docker-compose", "chromium", "chromedriver")
+ALL = (
+    "bash",
+    "timeout",
+    "id",
+    "promtool",
+    "amtool",
+    "docker-compose",
+    "chromium",
+    "chromedriver",
+    "srun",
+    "slurmctld",
+    "slurmd",
+    "munged",
+)
 
 
 def _path_with(tmp_path: Path, commands: tuple[str, ...]) -> str:
@@ -53,6 +66,7 @@ def test_everything_present_is_silent(tmp_path: Path) -> None:
             ("promtool", "amtool", "chromium", "chromedriver"),
             "prometheus prometheus-alertmanager chromium chromium-driver",
         ),
+        (("srun", "slurmctld", "slurmd", "munged"), "slurm-client slurmctld slurmd munge"),
     ],
 )
 def test_what_is_missing_is_named_in_one_line(

@@ -128,8 +128,7 @@ def _srun_env(r: int, n: int) -> dict[str, str]:
         "SLURM_STEP_ID": "0",
         "SLURM_PROCID": str(r),
         "SLURM_LOCALID": str(r),
-        "SLURM_STEP_NODEID": "0",
-        "SLURM_NODEID": "0",
+        "SLURM_NODEID": "0",  # srun 22.05 sets no SLURM_STEP_NODEID in a task's environment
         "SLURM_NTASKS": str(n),
         "SLURM_STEP_TASKS_PER_NODE": str(n),
     }
