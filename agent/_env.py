@@ -90,8 +90,10 @@ def local_world_size(env: Mapping[str, str] | None = None) -> int:
     then Slurm's ``SLURM_STEP_TASKS_PER_NODE``, the tasks ``srun`` started on each node of
     the step (``srun`` sets no ``LOCAL_WORLD_SIZE``; scripts that export ``RANK``,
     ``LOCAL_RANK`` and ``WORLD_SIZE`` from Slurm's variables for ``torch.distributed``
-    seldom export it either), this node's by ``SLURM_STEP_NODEID`` (``SLURM_NODEID``, its
-    older name)."""
+    seldom export it either), this node's entry by its index: ``SLURM_STEP_NODEID``, the
+    node's index in the step, where set (Slurm's source names it; ``srun`` 22.05 does not
+    set it in a task's environment), else ``SLURM_NODEID``, its index in the job's nodes
+    (the same for a step over all of them)."""
     env = os.environ if env is None else env
     for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE"):
         value = env.get(name)

@@ -107,6 +107,7 @@ LONG_FIRST = (
     "tests/integration/test_benchmarks.py::",
     "tests/e2e/test_evaluate.py::",
     "tests/e2e/test_replicas.py::",
+    "tests/e2e/test_slurm.py::",
 )
 
 

@@ -1,9 +1,13 @@
 """A real one-node Slurm cluster for the tests: ``munged``, ``slurmctld`` and ``slurmd``
 (Debian's ``slurmd``, ``slurmctld``, ``slurm-client`` and ``munge``, which
-``tools/preflight`` installs), started in the foreground by this process on free
-loopback ports, with their keys, state and logs in a temporary folder, and stopped by
-PID afterwards. Nothing of the machine's own configuration is read or changed: every
-Slurm command the tests run gets ``SLURM_CONF`` pointing at this cluster's file.
+``tools/preflight`` installs), started in the foreground by this process on free ports
+(the daemons listen on every interface, each other and the clients reach them over
+loopback; every request is signed by this cluster's own munge key), with their key,
+state and logs in a temporary folder, and stopped by PID afterwards, after any job
+still running is killed (a ``slurmstepd`` outlives its ``slurmd``). Nothing of the
+machine's own configuration is read or changed, and nothing of an outer Slurm job:
+every Slurm command the tests run gets an environment without ``SLURM_*`` or ``SRUN_*``
+variables but ``SLURM_CONF``, pointing at this cluster's file.
 
 The node claims 8 CPUs whatever the machine has (``config_overrides``) and its partition
 oversubscribes, so that ``srun -n 4`` starts four tasks on a 2-core machine, as a GPU
@@ -74,8 +78,12 @@ def cluster(folder: Path) -> Iterator[dict[str, str]]:
     key.chmod(0o400)
     munge_socket = folder / "munge" / "munge.sock"
     conf = folder / "slurm.conf"
-    conf.write_text(_conf(folder, munge_socket, launch.free_port(), launch.free_port()))
-    env = {**os.environ, "SLURM_CONF": str(conf)}
+    ctld_port = launch.free_port()
+    slurmd_port = wait_until(lambda: (p := launch.free_port()) != ctld_port and p, "a second free port")
+    conf.write_text(_conf(folder, munge_socket, ctld_port, slurmd_port))
+    outer = ("SLURM_", "SRUN_", "SALLOC_", "SBATCH_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(outer)}
+    env["SLURM_CONF"] = str(conf)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with open(folder / "daemons.log", "wb") as log:
@@ -98,14 +106,16 @@ def cluster(folder: Path) -> Iterator[dict[str, str]]:
             for p in procs:
                 if p.poll() is not None:
                     raise RuntimeError(f"{p.args[0]} exited: {(folder / 'daemons.log').read_text()[-2000:]}")
-            out = subprocess.run(
-                ["sinfo", "--noheader", "--format=%t"], capture_output=True, text=True, env=env, check=False
-            )
-            return out.stdout.strip() == "idle"
+            return _slurm(["sinfo", "--noheader", "--format=%t"], env) == "idle"
 
         wait_until(idle, "the Slurm node to be idle", timeout_s=60, every_s=0.2)
         yield env
     finally:
+        if len(procs) == 3 and procs[1].poll() is None:  # slurmctld up: no job may outlive the test
+            _slurm(["scancel", "--full", "--signal=KILL", "--partition=test"], env)
+            wait_until(
+                lambda: _slurm(["squeue", "--noheader"], env) == "", "the cluster's jobs to end", timeout_s=60
+            )
         for p in reversed(procs):
             if p.poll() is None:
                 p.terminate()
@@ -114,3 +124,12 @@ def cluster(folder: Path) -> Iterator[dict[str, str]]:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+
+
+def _slurm(cmd: list[str], env: dict[str, str]) -> str | None:
+    """A Slurm command's output, stripped; None where it failed (the daemon not yet up)."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None

@@ -97,7 +97,7 @@ def test_slurm_tasks_per_node_is_read_for_this_node(text: str, node_id: int | No
         ({"LOCAL_WORLD_SIZE": "8"}, 8),
         ({"LOCAL_WORLD_SIZE": "-1"}, 0),
         ({"SLURM_STEP_TASKS_PER_NODE": "5,4(x3)", "SLURM_NODEID": "2"}, 4),
-        # The node's index in the step (slurmstepd's own name) before its older name.
+        # The node's index in the step, where set, before its index in the job's nodes.
         ({"SLURM_STEP_TASKS_PER_NODE": "5,4(x3)", "SLURM_STEP_NODEID": "0", "SLURM_NODEID": "2"}, 5),
         # torchrun under srun (one task a node runs torchrun): torchrun's count.
         ({"SLURM_STEP_TASKS_PER_NODE": "1(x4)", "LOCAL_WORLD_SIZE": "8"}, 8),
