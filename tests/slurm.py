@@ -111,19 +111,19 @@ def cluster(folder: Path) -> Iterator[dict[str, str]]:
         wait_until(idle, "the Slurm node to be idle", timeout_s=60, every_s=0.2)
         yield env
     finally:
-        if len(procs) == 3 and procs[1].poll() is None:  # slurmctld up: no job may outlive the test
-            _slurm(["scancel", "--full", "--signal=KILL", "--partition=test"], env)
-            wait_until(
-                lambda: _slurm(["squeue", "--noheader"], env) == "", "the cluster's jobs to end", timeout_s=60
-            )
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        try:
+            if len(procs) == 3 and procs[1].poll() is None:  # slurmctld up: no job may outlive the test
+                _slurm(["scancel", "--full", "--signal=KILL", "--partition=test"], env)
+                wait_until(lambda: _slurm(["squeue", "-h"], env) == "", "no job left", timeout_s=60)
+        finally:
+            for p in reversed(procs):
+                if p.poll() is None:
+                    p.terminate()
+                    try:
+                        p.wait(10)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
 
 
 def _slurm(cmd: list[str], env: dict[str, str]) -> str | None:
