@@ -1,6 +1,6 @@
 """Real training launched by a real Slurm: ``srun -n 4`` on a one-node cluster this test
-starts (``tests/slurm.py``: munged, slurmctld, slurmd on loopback), each task running the
-demo's tiny GPT under DDP through the line a job script uses to give
+starts (``tests/slurm.py``: munged, slurmctld, slurmd, reached over loopback), each task
+running the demo's tiny GPT under DDP through the line a job script uses to give
 ``torch.distributed`` its rendezvous from Slurm's variables (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``; no ``LOCAL_RANK`` or ``LOCAL_WORLD_SIZE``, which
 ``srun`` does not set). The agent must read the host's ranks from what ``srun`` set, and
