@@ -28,6 +28,7 @@ from pathlib import Path
 
 from stepwatch.demo import launch
 
+from .stack.servers import stop
 from .wait import wait_until
 
 NODE = "swnode"
@@ -117,13 +118,7 @@ def cluster(folder: Path) -> Iterator[dict[str, str]]:
                 wait_until(lambda: _slurm(["squeue", "-h"], env) == "", "no job left", timeout_s=60)
         finally:
             for p in reversed(procs):
-                if p.poll() is None:
-                    p.terminate()
-                    try:
-                        p.wait(10)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-                        p.wait()
+                stop(p)
 
 
 def _slurm(cmd: list[str], env: dict[str, str]) -> str | None:

@@ -35,7 +35,8 @@ def binary(name: str) -> str:
     return path
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, 10 s to exit, then SIGKILL; reaped either way."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -68,7 +69,7 @@ def process(cmd: list[str], ready_url: str, log: Path) -> Iterator[subprocess.Po
         _wait_ready(ready_url, proc, log)
         yield proc
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 @contextmanager
