@@ -144,7 +144,8 @@ class RankWindow(Base):
 
     __tablename__ = "rank_windows"
 
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    #: No foreign key: checked per inserted row, a row per rank-window (migration 0022).
+    run_id: Mapped[int] = mapped_column(BigId, primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     window: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     first_step: Mapped[int] = mapped_column(BigInteger)
@@ -433,7 +434,8 @@ class IngestedBatch(Base):
 
     __tablename__ = "ingested_batches"
 
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    #: No foreign key: checked per inserted row, a row per rank-window (migration 0022).
+    run_id: Mapped[int] = mapped_column(BigId, primary_key=True)
     batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     rank: Mapped[int] = mapped_column(Integer)
     received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
