@@ -34,8 +34,7 @@ from sqlalchemy import Connection, Table, or_, select, update
 
 from ..schemas.ingest import IngestPayload, PlanIn
 from ..storage import rollups
-from ..storage.backend import Storage
-from ..storage.columns import Rows
+from ..storage.backend import Storage, Write
 from ..storage.models import Run, unix
 from . import acks, admission, fold, profiles
 
@@ -56,6 +55,14 @@ class RunKey:
     #: The window size is a placeholder until a batch shows the run's pace (see
     #: :func:`pace_is_known`); the one cached field that can change, once.
     window_provisional: bool = False
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A group's job-step locks and merges, built before its transaction."""
+
+    buckets: list[tuple[int, int]]
+    writes: tuple[Write, ...]
 
 
 _STAMP_EVERY = timedelta(seconds=1)
@@ -354,16 +361,21 @@ class Ingestor:
             first.setdefault((p.run, p.batch_id), i)
         unique = [payloads[i] for i in first.values()]
         owner_of = [owners[i] if owners is not None else None for i in first.values()]
-        # Folded before the transaction when every run's key is cached (the steady state):
-        # the fold is the group's largest piece of Python, and inside the transaction it
-        # kept the connection idle in transaction while the other writers waited. Refolded
-        # inside only if some batch turns out to be a retry or a key was not as cached.
+        # Folded, and the statements built, before the transaction when every run's key is
+        # cached (the steady state): the groups of all web workers write one after another
+        # (each holds the job-step locks from its first statement to its commit), so the
+        # group's Python work done in its transaction was everyone's wait. Refolded inside
+        # only if some batch turns out to be a retry.
         cached = self._cached_keys(unique)
-        folded = None
+        prepared = None
         if cached is not None:
-            folded = fold.fold(unique, [k.id for k in cached], [k.window_steps for k in cached])
+            run_ids = [k.id for k in cached]
+            prepared = _Prepared(
+                rollups.buckets_of(step_spans(unique, run_ids)),
+                self.storage.prepare(fold.fold(unique, run_ids, [k.window_steps for k in cached])),
+            )
         try:
-            fresh = self._write_group(unique, owner_of, cached, folded)
+            fresh = self._write_group(unique, owner_of, cached, prepared)
         except BaseException:
             # A key cached inside the rolled-back transaction (a settled window size, a
             # plan) may not be what the database holds: read those runs again next time.
@@ -379,25 +391,31 @@ class Ingestor:
         unique: Sequence[IngestPayload],
         owner_of: Sequence[str | None],
         cached: list[RunKey] | None,
-        folded: Rows | None,
+        prepared: _Prepared | None,
     ) -> list[tuple[IngestPayload, RunKey]]:
-        """The group's transaction; returns the batches it stored (not retries), with keys."""
+        """The group's transaction; returns the batches it stored (not retries), with keys.
+        ``cached``: every batch's run key, as :meth:`_run_key` gives it without the
+        database (:meth:`_cached_keys`), with the group's locks and merges built from it."""
         with self.engine.begin() as conn:
-            keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
-            run_ids = [k.id for k in keys]
+            if cached is not None and prepared is not None:
+                keys, buckets = cached, prepared.buckets
+            else:
+                keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
+                buckets = rollups.buckets_of(step_spans(unique, [k.id for k in keys]))
             # The job-step locks before the first row is written (the module docstring).
-            self.storage.lock_buckets(conn, rollups.buckets_of(step_spans(unique, run_ids)))
-            new = self.storage.claim(conn, unique, run_ids)
+            self.storage.lock_buckets(conn, buckets)
+            new = self.storage.claim(conn, unique, [k.id for k in keys])
             fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if (k.id, p.batch_id) in new]
             if fresh:
                 self._stamp(conn, sorted({k.id for _, k in fresh}))
-                if folded is not None and len(fresh) == len(unique) and keys == cached:
-                    rows = folded
+                if prepared is not None and len(fresh) == len(unique):
+                    writes = prepared.writes
                 else:
                     rows = fold.fold(
                         [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
                     )
-                self.storage.write(conn, rows)
+                    writes = self.storage.prepare(rows)
+                self.storage.write(conn, writes)
                 for p, k in fresh:  # profiler windows and directive answers: a few batches in a thousand
                     if p.profiles:
                         profiles.store(conn, self.storage, k.id, k.window_steps, k.world_size, p)
@@ -412,14 +430,17 @@ class Ingestor:
 
     def _cached_keys(self, payloads: Sequence[IngestPayload]) -> list[RunKey] | None:
         """Every payload's run key as ``_run_key`` would return it without the database,
-        or None if one is not cached or its plan would be written."""
+        or None if one is not cached, its window size is still provisional (the group may
+        settle it) or its plan would be written."""
         keys = []
         with self._lock:
             for p in payloads:
                 key = self._runs.get(p.run)
-                if key is None:
+                if key is None or key.window_provisional:
                     return None
                 if p.plan is not None and key.plan != _plan_key(*(_plan_row(p.plan) or {}).values()):
                     return None
                 keys.append(key)
+            for name in {p.run for p in payloads}:  # recently used, as ``_run_key`` marks them
+                self._runs.move_to_end(name)
         return keys

@@ -11,12 +11,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sqlalchemy import Connection, Engine, Table
 
 from ..schemas.ingest import IngestPayload
-from .columns import Rows, SqlFunctions
+from .columns import Rows, SqlFunctions, Summed
+
+
+@dataclass(frozen=True)
+class Write:
+    """One table's merge of folded rows, ready to send: the backend's statement, its
+    parameters encoded, and the job-step buckets whose rollups it changes."""
+
+    table: Summed
+    statement: Any
+    params: Any
+    buckets: Sequence[tuple[int, int]] = ()
 
 
 class Storage(Protocol):
@@ -37,9 +49,16 @@ class Storage(Protocol):
         retry's is already there). ``payloads`` must not repeat a batch id within a run."""
         ...
 
-    def write(self, conn: Connection, rows: Rows) -> None:
-        """Merge folded rows into ranks, rank windows and job steps, in that order, each
-        column by its rule (``columns.py``)."""
+    def prepare(self, rows: Rows) -> tuple[Write, ...]:
+        """The merges of folded rows into ranks, rank windows, job steps and the staged
+        tables, in that order, each column by its rule (``columns.py``): statements and
+        parameters built with no connection, so that ingest builds them before its
+        transaction (a group holds the job-step locks from its first statement to its
+        commit, and the next group waits that long: ``ingest/store.py``)."""
+        ...
+
+    def write(self, conn: Connection, writes: Sequence[Write]) -> None:
+        """Send prepared merges (:meth:`prepare`), in their order."""
         ...
 
     def lock_buckets(self, conn: Connection, buckets: Sequence[tuple[int, int]]) -> None:

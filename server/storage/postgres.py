@@ -61,6 +61,7 @@ from sqlalchemy.types import TypeEngine
 
 from ..schemas.ingest import IngestPayload
 from . import columns, pg_arrays, rollups
+from .backend import Write
 from .columns import Columns, Rows, Summed
 
 _CLAIM = """
@@ -111,20 +112,29 @@ class PostgresStorage:
         )
         return {(r[0], r[1]) for r in rows}
 
-    def write(self, conn: Connection, rows: Rows) -> None:
-        for table, cols in rows.tables():
-            if not cols:
-                continue
-            buckets = rollups.touched(cols["run_id"], cols["step"]) if table is columns.JOB_STEPS else []
-            if buckets:
+    def prepare(self, rows: Rows) -> tuple[Write, ...]:
+        return tuple(
+            Write(
+                table,
+                self._upsert(table, tuple(cols)),
+                _params(table, cols),
+                rollups.touched(cols["run_id"], cols["step"]) if table is columns.JOB_STEPS else (),
+            )
+            for table, cols in rows.tables()
+            if cols
+        )
+
+    def write(self, conn: Connection, writes: Sequence[Write]) -> None:
+        for w in writes:
+            if w.buckets:
                 # Writers of a bucket take turns from here to their commit, so each
                 # recompute below sees every step committed before it (rollups.py).
                 # Ingest holds them already (a lock taken twice in one transaction is
                 # granted at once); other callers get them here.
-                self.lock_buckets(conn, buckets)
-            conn.exec_driver_sql(self._upsert(table, tuple(cols)), _params(table, cols))
-            if buckets:
-                rollups.refresh(conn, self.insert, buckets)
+                self.lock_buckets(conn, w.buckets)
+            conn.exec_driver_sql(w.statement, w.params)
+            if w.buckets:
+                rollups.refresh(conn, self.insert, list(w.buckets))
 
     def lock_buckets(self, conn: Connection, buckets: Sequence[tuple[int, int]]) -> None:
         if buckets:

@@ -17,6 +17,7 @@ from sqlalchemy.dialects import sqlite
 
 from ..schemas.ingest import IngestPayload
 from . import columns, rollups
+from .backend import Write
 from .columns import Rows, Summed
 from .models import IngestedBatch
 
@@ -48,15 +49,22 @@ class SqliteStorage:
                 new.add((run_id, p.batch_id))
         return new
 
-    def write(self, conn: Connection, rows: Rows) -> None:
+    def prepare(self, rows: Rows) -> tuple[Write, ...]:
+        writes = []
         for table, cols in rows.tables():
             if cols:
                 names = tuple(cols)
                 values = [v.tolist() if hasattr(v, "tolist") else v for v in cols.values()]
                 params = [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
-                conn.execute(self._upsert(table, names), params)
-            if table is columns.JOB_STEPS and cols:
-                rollups.refresh(conn, self.insert, rollups.touched(cols["run_id"], cols["step"]))
+                buckets = rollups.touched(cols["run_id"], cols["step"]) if table is columns.JOB_STEPS else []
+                writes.append(Write(table, self._upsert(table, names), params, buckets))
+        return tuple(writes)
+
+    def write(self, conn: Connection, writes: Sequence[Write]) -> None:
+        for w in writes:
+            conn.execute(w.statement, w.params)
+            if w.buckets:
+                rollups.refresh(conn, self.insert, list(w.buckets))
 
     def _upsert(self, table: Summed, names: tuple[str, ...]) -> Any:
         key = (table.name, names)

@@ -130,12 +130,12 @@ def test_writers_of_one_bucket_take_turns(pg_engine: Engine) -> None:
 
     a = engine.connect()
     tx = a.begin()
-    storage.write(a, rows(0, 5))  # steps 5-8 of bucket 0, not committed yet
+    storage.write(a, storage.prepare(rows(0, 5)))  # steps 5-8 of bucket 0, not committed yet
     done = threading.Event()
 
     def other() -> None:
         with engine.begin() as conn:
-            storage.write(conn, rows(1, 1))  # steps 1-4 of the same bucket
+            storage.write(conn, storage.prepare(rows(1, 1)))  # steps 1-4 of the same bucket
         done.set()
 
     thread = threading.Thread(target=other)
