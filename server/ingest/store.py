@@ -402,20 +402,23 @@ class Ingestor:
             else:
                 keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
                 buckets = rollups.buckets_of(step_spans(unique, [k.id for k in keys]))
-            # The job-step locks before the first row is written (the module docstring).
-            self.storage.lock_buckets(conn, buckets)
-            new = self.storage.claim(conn, unique, [k.id for k in keys])
-            fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if (k.id, p.batch_id) in new]
-            if fresh:
-                self._stamp(conn, sorted({k.id for _, k in fresh}))
-                if prepared is not None and len(fresh) == len(unique):
-                    writes = prepared.writes
-                else:
-                    rows = fold.fold(
-                        [p for p, _ in fresh], [k.id for _, k in fresh], [k.window_steps for _, k in fresh]
-                    )
-                    writes = self.storage.prepare(rows)
-                self.storage.write(conn, writes)
+            # Pipelined (two round trips: the claim's answer, then the rest) while the
+            # group holds the locks every other group waits for.
+            with self.storage.pipeline(conn):
+                # The job-step locks before the first row is written (the module docstring).
+                self.storage.lock_buckets(conn, buckets)
+                new = self.storage.claim(conn, unique, [k.id for k in keys])
+                fresh = [(p, k) for p, k in zip(unique, keys, strict=True) if (k.id, p.batch_id) in new]
+                if fresh:
+                    self._stamp(conn, sorted({k.id for _, k in fresh}))
+                    if prepared is not None and len(fresh) == len(unique):
+                        writes = prepared.writes
+                    else:
+                        batches, ks = [p for p, _ in fresh], [k for _, k in fresh]
+                        rows = fold.fold(batches, [k.id for k in ks], [k.window_steps for k in ks])
+                        writes = self.storage.prepare(rows)
+                    self.storage.write(conn, writes)
+            if fresh:  # these read: after the pipeline
                 for p, k in fresh:  # profiler windows and directive answers: a few batches in a thousand
                     if p.profiles:
                         profiles.store(conn, self.storage, k.id, k.window_steps, k.world_size, p)

@@ -61,6 +61,13 @@ class Storage(Protocol):
         """Send prepared merges (:meth:`prepare`), in their order."""
         ...
 
+    def pipeline(self, conn: Connection) -> AbstractContextManager[None]:
+        """Within it, statements whose answers are not read are sent without waiting for
+        each other's (:meth:`claim` reads its own): a transaction's round trips while it
+        holds locks others wait for. Errors may surface at a later statement or at its
+        end, as the same ``sqlalchemy.exc`` errors."""
+        ...
+
     def lock_buckets(self, conn: Connection, buckets: Sequence[tuple[int, int]]) -> None:
         """Take the (run id, bucket) job-step locks for this transaction, in the given
         (sorted) order: writers of a bucket take turns from here to their commit

@@ -57,6 +57,7 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.types import TypeEngine
 
 from ..schemas.ingest import IngestPayload
@@ -102,14 +103,17 @@ class PostgresStorage:
     def claim(
         self, conn: Connection, payloads: Sequence[IngestPayload], run_ids: Sequence[int]
     ) -> set[tuple[int, str]]:
-        rows = conn.exec_driver_sql(
-            _CLAIM,
-            {
-                "batch_id": _text_literal([p.batch_id for p in payloads]),
-                "run_id": _literal(run_ids),
-                "rank": _literal([p.rank.rank for p in payloads]),
-            },
-        )
+        params = {
+            "batch_id": _text_literal([p.batch_id for p in payloads]),
+            "run_id": _literal(run_ids),
+            "rank": _literal([p.rank.rank for p in payloads]),
+        }
+        # The driver's own cursor: its rows are read right (the answer awaited) inside a
+        # pipeline (:meth:`pipeline`), where SQLAlchemy's result would be empty.
+        driver: Any = conn.connection.driver_connection
+        with _translated(conn), driver.cursor() as cursor:
+            cursor.execute(_CLAIM, params)
+            rows = cursor.fetchall()
         return {(r[0], r[1]) for r in rows}
 
     def prepare(self, rows: Rows) -> tuple[Write, ...]:
@@ -135,6 +139,16 @@ class PostgresStorage:
             conn.exec_driver_sql(w.statement, w.params)
             if w.buckets:
                 rollups.refresh(conn, self.insert, list(w.buckets))
+
+    @contextmanager
+    def pipeline(self, conn: Connection) -> Iterator[None]:
+        """psycopg's pipeline mode: each statement is sent without waiting for the answer
+        to the one before, all answered when a result is read (:meth:`claim`) or the
+        block ends. A statement the server refuses raises there, as a psycopg error
+        SQLAlchemy has not seen: :func:`_translated` raises it as SQLAlchemy would."""
+        driver: Any = conn.connection.driver_connection
+        with _translated(conn), driver.pipeline():
+            yield
 
     def lock_buckets(self, conn: Connection, buckets: Sequence[tuple[int, int]]) -> None:
         if buckets:
@@ -183,6 +197,25 @@ class PostgresStorage:
             stmt = _upsert_sql(table, names, self.functions)
             self._upserts[key] = stmt
         return stmt
+
+
+@contextmanager
+def _translated(conn: Connection) -> Iterator[None]:
+    """Errors of statements sent by the driver directly (:meth:`PostgresStorage.claim`)
+    or answered after SQLAlchemy returned (:meth:`PostgresStorage.pipeline`) raised as
+    the ``sqlalchemy.exc`` error SQLAlchemy raises for its own (``DataError`` for a value
+    a column cannot hold: ingest's group commit relies on it), a connection found dead
+    invalidated as SQLAlchemy invalidates it."""
+    dbapi: Any = conn.dialect.dbapi
+    try:
+        yield
+    except dbapi.Error as exc:
+        gone = conn.dialect.is_disconnect(exc, conn.connection.dbapi_connection, None)
+        if gone:
+            conn.invalidate(exc)
+        raise DBAPIError.instance(
+            "(sent by the driver)", None, exc, dbapi.Error, connection_invalidated=gone, dialect=conn.dialect
+        ) from exc
 
 
 def _upsert_sql(table: Summed, names: Sequence[str], fn: columns.SqlFunctions) -> str:

@@ -84,6 +84,9 @@ class SqliteStorage:
     def lock_buckets(self, conn: Connection, buckets: Sequence[tuple[int, int]]) -> None:
         pass  # writers take the database file in turn
 
+    def pipeline(self, conn: Connection) -> AbstractContextManager[None]:
+        return nullcontext()  # a file in this process: no round trips to save
+
     def lock_run(self, conn: Connection, run_id: int) -> bool:
         return True  # one collector process; its one worker thread analyses
 
