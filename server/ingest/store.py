@@ -17,6 +17,14 @@ The caller answers 2xx only after this commits.
 ``group_commit.py`` feeds): the group is folded into one row per key (``fold.py``) and
 handed to the backend (``storage/backend.py``), which merges it by the column rules
 (``storage/columns.py``); profiler windows follow (``profiles.py``).
+
+Because every group takes the job-step locks first, the groups of all web workers (and
+replicas) on one run write one after another, and ingest's throughput is a group's
+rank-windows over the time its transaction holds the locks. So that time holds only
+what must be inside it: the fold, the statements and their parameters are built before
+BEGIN (when every run key is cached, the steady state), and the statements are sent
+pipelined (``Storage.pipeline``): one round trip for the locks and the claim, whose
+answer is read, one for every merge.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ rules (``columns.py``) and the models' types; they are fixed driver SQL
 (``exec_driver_sql``: no compilation, but SQLAlchemy still translates errors and
 invalidates a dead connection). Each column
 travels as one array parameter and ``unnest`` turns the arrays back into rows, so a
-table costs one round trip whatever the group's size: numeric columns as binary arrays
+table costs one statement whatever the group's size (and ingest sends them pipelined,
+:meth:`PostgresStorage.pipeline`, one round trip for all): numeric columns as binary arrays
 built from numpy (``pg_arrays.py``), packed steps (``packed.py``) as binary ``bytea[]``
 the same way, the few others as literals
 (psycopg would adapt a list element by element in Python). Rows arrive folded (one per key,
