@@ -13,8 +13,9 @@ the time its transaction holds those locks.
 
 As for the staged timing (0018): ingest writes these rows only for a run it has just
 admitted or found, in the transaction that claims the batch, and stepwatch never deletes
-a run, so the key cannot dangle; a run removed by hand leaves its rows, which nothing
-reads without the run. ``ranks`` keeps its key: a rank's row is inserted once per run and
+a run, so the key cannot dangle. A run removed by hand leaves these rows behind: remove
+them with it (on SQLite a new run may be given a removed run's id, and would merge its
+windows into them). ``ranks`` keeps its key: a rank's row is inserted once per run and
 updated after, where a key is not checked.
 
 Revision ID: 0022
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0022"
@@ -34,12 +36,31 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 PER_WINDOW = ("ingested_batches", "rank_windows")
+PROFILED = sa.text("profiled_steps IS NOT NULL")
+
+
+def _keep_profiled_order(table: str) -> None:
+    """SQLite rebuilds the table in batch mode, its indexes from reflection, which loses
+    ``compute_s DESC`` of ``rank_windows``' profiled index (0014: the top-K read of
+    ``/metrics`` is its first K entries): made again after the rebuild, as 0014 made it
+    (a batch of index changes alone alters the table in place)."""
+    if table != "rank_windows" or op.get_bind().dialect.name != "sqlite":
+        return
+    with op.batch_alter_table("rank_windows", schema=None) as batch_op:
+        batch_op.drop_index("ix_rank_windows_profiled", sqlite_where=PROFILED)
+        batch_op.create_index(
+            "ix_rank_windows_profiled",
+            ["run_id", "window", sa.desc(sa.column("compute_s")), "rank"],
+            unique=False,
+            sqlite_where=PROFILED,
+        )
 
 
 def upgrade() -> None:
     for table in PER_WINDOW:
         with op.batch_alter_table(table, schema=None) as batch_op:
             batch_op.drop_constraint(op.f(f"fk_{table}_run_id_runs"), type_="foreignkey")
+        _keep_profiled_order(table)
 
 
 def downgrade() -> None:
@@ -50,3 +71,4 @@ def downgrade() -> None:
             batch_op.create_foreign_key(
                 op.f(f"fk_{table}_run_id_runs"), "runs", ["run_id"], ["id"], ondelete="CASCADE"
             )
+        _keep_profiled_order(table)

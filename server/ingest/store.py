@@ -23,8 +23,8 @@ replicas) on one run write one after another, and ingest's throughput is a group
 rank-windows over the time its transaction holds the locks. So that time holds only
 what must be inside it: the fold, the statements and their parameters are built before
 BEGIN (when every run key is cached, the steady state), and the statements are sent
-pipelined (``Storage.pipeline``): one round trip for the locks and the claim, whose
-answer is read, one for every merge.
+pipelined (``Storage.pipeline``): under the locks, one round trip for the claim, whose
+answer is read, and one for all the merges.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class RunKey:
 class _Prepared:
     """A group's job-step locks and merges, built before its transaction."""
 
-    buckets: list[tuple[int, int]]
+    buckets: tuple[tuple[int, int], ...]
     writes: tuple[Write, ...]
 
 
@@ -379,7 +379,7 @@ class Ingestor:
         if cached is not None:
             run_ids = [k.id for k in cached]
             prepared = _Prepared(
-                rollups.buckets_of(step_spans(unique, run_ids)),
+                tuple(rollups.buckets_of(step_spans(unique, run_ids))),
                 self.storage.prepare(fold.fold(unique, run_ids, [k.window_steps for k in cached])),
             )
         try:
@@ -409,9 +409,9 @@ class Ingestor:
                 keys, buckets = cached, prepared.buckets
             else:
                 keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
-                buckets = rollups.buckets_of(step_spans(unique, [k.id for k in keys]))
-            # Pipelined (two round trips: the claim's answer, then the rest) while the
-            # group holds the locks every other group waits for.
+                buckets = tuple(rollups.buckets_of(step_spans(unique, [k.id for k in keys])))
+            # Pipelined while the group holds the locks every other group waits for: under
+            # them, one round trip for the claim's answer and one for the rest.
             with self.storage.pipeline(conn):
                 # The job-step locks before the first row is written (the module docstring).
                 self.storage.lock_buckets(conn, buckets)

@@ -112,7 +112,7 @@ class PostgresStorage:
         # The driver's own cursor: its rows are read right (the answer awaited) inside a
         # pipeline (:meth:`pipeline`), where SQLAlchemy's result would be empty.
         driver: Any = conn.connection.driver_connection
-        with _translated(conn), driver.cursor() as cursor:
+        with _translated(conn, _CLAIM, params), driver.cursor() as cursor:
             cursor.execute(_CLAIM, params)
             rows = cursor.fetchall()
         return {(r[0], r[1]) for r in rows}
@@ -145,8 +145,11 @@ class PostgresStorage:
     def pipeline(self, conn: Connection) -> Iterator[None]:
         """psycopg's pipeline mode: each statement is sent without waiting for the answer
         to the one before, all answered when a result is read (:meth:`claim`) or the
-        block ends. A statement the server refuses raises there, as a psycopg error
-        SQLAlchemy has not seen: :func:`_translated` raises it as SQLAlchemy would."""
+        block ends. A statement the server refuses raises at one of those, or in a later
+        call through SQLAlchemy that finds its answer (translated by SQLAlchemy, which
+        then names its own statement); at the block's end it is a psycopg error
+        SQLAlchemy has not seen, which :func:`_translated` raises as SQLAlchemy would.
+        (psycopg then logs the statements the server skipped after the refusal.)"""
         driver: Any = conn.connection.driver_connection
         with _translated(conn), driver.pipeline():
             yield
@@ -201,7 +204,9 @@ class PostgresStorage:
 
 
 @contextmanager
-def _translated(conn: Connection) -> Iterator[None]:
+def _translated(
+    conn: Connection, statement: str = "(pipelined statements)", params: dict[str, Any] | None = None
+) -> Iterator[None]:
     """Errors of statements sent by the driver directly (:meth:`PostgresStorage.claim`)
     or answered after SQLAlchemy returned (:meth:`PostgresStorage.pipeline`) raised as
     the ``sqlalchemy.exc`` error SQLAlchemy raises for its own (``DataError`` for a value
@@ -215,7 +220,7 @@ def _translated(conn: Connection) -> Iterator[None]:
         if gone:
             conn.invalidate(exc)
         raise DBAPIError.instance(
-            "(sent by the driver)", None, exc, dbapi.Error, connection_invalidated=gone, dialect=conn.dialect
+            statement, params, exc, dbapi.Error, connection_invalidated=gone, dialect=conn.dialect
         ) from exc
 
 

@@ -6,7 +6,7 @@ import math
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect, select, text
+from sqlalchemy import Engine, inspect, select, text
 
 from stepwatch_server.storage import migrate, packed
 from stepwatch_server.storage.engine import make_engine
@@ -112,5 +112,30 @@ def test_staged_timing_is_carried_over_packed_and_back(empty_db_url: str) -> Non
                 text(f"SELECT {', '.join(names)} FROM step_timings ORDER BY run_id, rank, step")
             ).all()
         assert [tuple(r) for r in back] == rows
+    finally:
+        engine.dispose()
+
+
+def _profiled_index(engine: Engine) -> str:
+    """The SQL of ``rank_windows``' profiled index as the database holds it."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            sql = "SELECT sql FROM sqlite_master WHERE name = 'ix_rank_windows_profiled'"
+        else:
+            sql = "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_rank_windows_profiled'"
+        return str(conn.execute(text(sql)).scalar_one())
+
+
+def test_rebuilding_rank_windows_keeps_its_profiled_index_ordered_by_compute(empty_db_url: str) -> None:
+    """Migration 0022 rebuilds ``rank_windows`` on SQLite (batch mode), whose reflected
+    indexes lose their sort order: the profiled index keeps ``compute_s DESC`` (0014: the
+    top-K read of ``/metrics`` takes its first K entries) both ways."""
+    engine = make_engine(empty_db_url)
+    try:
+        for revision in ("0021", "head"):
+            migrate.upgrade(empty_db_url, revision)
+            assert "compute_s DESC" in _profiled_index(engine), revision
+        migrate.downgrade(empty_db_url, "0021")
+        assert "compute_s DESC" in _profiled_index(engine)
     finally:
         engine.dispose()

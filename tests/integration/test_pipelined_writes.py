@@ -34,6 +34,7 @@ def test_the_claim_inside_the_pipeline_reads_which_batches_are_new(pg_engine: En
     again = IngestPayload.model_validate(payload(run="p", rank=1, world=2, first=1))
     run_id = _run_id(pg_engine)
     with pg_engine.begin() as conn, storage.pipeline(conn):
+        storage.lock_buckets(conn, [(run_id, 0)])  # unread, sent before it, as ingest does
         new = storage.claim(conn, [first, again], [run_id, run_id])
     assert new == {(run_id, again.batch_id)}
 
