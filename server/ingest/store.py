@@ -67,8 +67,10 @@ class RunKey:
 
 @dataclass(frozen=True)
 class _Prepared:
-    """A group's job-step locks and merges, built before its transaction."""
+    """A group's run keys (as cached), job-step locks and merges, built before its
+    transaction."""
 
+    keys: list[RunKey]
     buckets: tuple[tuple[int, int], ...]
     writes: tuple[Write, ...]
 
@@ -379,11 +381,12 @@ class Ingestor:
         if cached is not None:
             run_ids = [k.id for k in cached]
             prepared = _Prepared(
+                cached,
                 tuple(rollups.buckets_of(step_spans(unique, run_ids))),
                 self.storage.prepare(fold.fold(unique, run_ids, [k.window_steps for k in cached])),
             )
         try:
-            fresh = self._write_group(unique, owner_of, cached, prepared)
+            fresh = self._write_group(unique, owner_of, prepared)
         except BaseException:
             # A key cached inside the rolled-back transaction (a settled window size, a
             # plan) may not be what the database holds: read those runs again next time.
@@ -398,15 +401,14 @@ class Ingestor:
         self,
         unique: Sequence[IngestPayload],
         owner_of: Sequence[str | None],
-        cached: list[RunKey] | None,
         prepared: _Prepared | None,
     ) -> list[tuple[IngestPayload, RunKey]]:
         """The group's transaction; returns the batches it stored (not retries), with keys.
-        ``cached``: every batch's run key, as :meth:`_run_key` gives it without the
+        ``prepared``: every batch's run key, as :meth:`_run_key` gives it without the
         database (:meth:`_cached_keys`), with the group's locks and merges built from it."""
         with self.engine.begin() as conn:
-            if cached is not None and prepared is not None:
-                keys, buckets = cached, prepared.buckets
+            if prepared is not None:
+                keys, buckets = prepared.keys, prepared.buckets
             else:
                 keys = [self._run_key(conn, p, o) for p, o in zip(unique, owner_of, strict=True)]
                 buckets = tuple(rollups.buckets_of(step_spans(unique, [k.id for k in keys])))

@@ -139,7 +139,7 @@ class PostgresStorage:
                 self.lock_buckets(conn, w.buckets)
             conn.exec_driver_sql(w.statement, w.params)
             if w.buckets:
-                rollups.refresh(conn, self.insert, list(w.buckets))
+                rollups.refresh(conn, self.insert, w.buckets)
 
     @contextmanager
     def pipeline(self, conn: Connection) -> Iterator[None]:

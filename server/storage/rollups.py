@@ -176,7 +176,7 @@ def _ranges(n: int) -> ColumnElement[bool]:
 _REFRESH: dict[tuple[Callable[[Table], Any], int], Any] = {}
 
 
-def refresh(conn: Connection, insert: Callable[[Table], Any], pairs: list[tuple[int, int]]) -> None:
+def refresh(conn: Connection, insert: Callable[[Table], Any], pairs: Iterable[tuple[int, int]]) -> None:
     """Recompute the given buckets from their steps (ingest, after merging job steps)."""
     spans = _spans(pairs)
     if not spans:

@@ -56,7 +56,7 @@ class SqliteStorage:
                 names = tuple(cols)
                 values = [v.tolist() if hasattr(v, "tolist") else v for v in cols.values()]
                 params = [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
-                buckets = rollups.touched(cols["run_id"], cols["step"]) if table is columns.JOB_STEPS else []
+                buckets = rollups.touched(cols["run_id"], cols["step"]) if table is columns.JOB_STEPS else ()
                 writes.append(Write(table, self._upsert(table, names), params, buckets))
         return tuple(writes)
 
@@ -64,7 +64,7 @@ class SqliteStorage:
         for w in writes:
             conn.execute(w.statement, w.params)
             if w.buckets:
-                rollups.refresh(conn, self.insert, list(w.buckets))
+                rollups.refresh(conn, self.insert, w.buckets)
 
     def _upsert(self, table: Summed, names: tuple[str, ...]) -> Any:
         key = (table.name, names)
